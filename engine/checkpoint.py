@@ -1,0 +1,68 @@
+"""Load a Hugging Face checkpoint directory as it is: config, safetensors shards, generation config."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from blink.engine.errors import CheckpointError
+from blink.engine.model_config import ModelConfig
+
+
+@dataclass(frozen=True)
+class GenerationDefaults:
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None = None
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = sorted({model_dir / name for name in weight_map.values()})
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(f"{model_dir}: shard(s) named in {index.name} are missing: {', '.join(missing)}")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{model_dir}: no *.safetensors weights found")
+    return files
+
+
+def load_tensors(model_dir: Path, wanted: set[str], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Reads the wanted tensors from every shard, cast to dtype; other tensors are left on disk."""
+    tensors: dict[str, torch.Tensor] = {}
+    for file in safetensors_files(model_dir):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                if name in wanted:
+                    tensors[name] = f.get_tensor(name).to(dtype)
+    return tensors
+
+
+def read_generation_defaults(model_dir: Path) -> GenerationDefaults:
+    """eos ids from generation_config.json, falling back to config.json, as transformers does."""
+    eos: list[int] = []
+    bos = None
+    for name in ("generation_config.json", "config.json"):
+        path = model_dir / name
+        if not path.is_file():
+            continue
+        cfg = json.loads(path.read_text())
+        value = cfg.get("eos_token_id")
+        if value is not None and not eos:
+            eos = [value] if isinstance(value, int) else list(value)
+        if bos is None:
+            bos = cfg.get("bos_token_id")
+    return GenerationDefaults(eos_token_ids=tuple(eos), bos_token_id=bos)
+
+
+def load_config(model_dir: Path) -> ModelConfig:
+    if not model_dir.is_dir():
+        raise CheckpointError(f"{model_dir}: not a checkpoint directory")
+    return ModelConfig.from_dir(model_dir)

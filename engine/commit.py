@@ -1,0 +1,73 @@
+"""The end of a step: append sampled tokens, check stops and cancellation, release finished pages."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from blink.engine.kv_cache import PagePool
+from blink.engine.sampler import SampleOutput
+from blink.engine.scheduler import StepPlan
+from blink.engine.state import FinishReason, SlotState, SlotStatus
+
+
+@dataclass
+class StepOutput:
+    """What one step produced, per slot ([S] or [S, k]); `token` is -1 where a slot sampled nothing."""
+
+    token: torch.Tensor
+    finish_reason: torch.Tensor  # FinishReason.NONE unless the slot finished this step
+    logprob: torch.Tensor | None
+    top_ids: torch.Tensor | None
+    top_logprobs: torch.Tensor | None
+    row_slot: torch.Tensor  # [R] slot of each logits row
+    row_logits: torch.Tensor  # [R, V] float32 logits the rows sampled from, before penalties
+
+
+def commit(state: SlotState, pool: PagePool, plan: StepPlan, rows: int, out: SampleOutput,
+           logits: torch.Tensor, eos_ids: torch.Tensor, count_outputs: bool) -> StepOutput:
+    S = state.num_slots
+    state.num_computed += plan.take
+    slot, valid = plan.sample_slot[:rows], plan.sample_valid[:rows]
+    # Invalid rows are routed to index S (a trash entry) or to the tokens' trash column.
+    target = torch.where(valid, slot, S)
+    tok = out.tokens
+    state.tokens[slot, torch.where(valid, state.seq_len[slot], state.max_len)] = tok.int()
+    state.seq_len.index_add_(0, slot, valid.long())
+    if count_outputs:
+        state.output_counts.index_put_((slot, tok), valid.int(), accumulate=True)
+
+    seq_len = state.seq_len[slot]
+    stopped = (state.stop_ids[slot] == tok[:, None]).any(-1)
+    stopped |= torch.isin(tok, eos_ids) & ~state.ignore_eos[slot]
+    too_long = (seq_len - state.prompt_len[slot] >= state.max_tokens[slot]) | (seq_len >= state.max_len)
+    row_reason = torch.where(stopped, FinishReason.STOP, torch.where(too_long, FinishReason.LENGTH, 0))
+    reason = _per_slot(S, target, row_reason, 0)
+    running = state.status == SlotStatus.RUNNING
+    reason = torch.where(running & state.cancel & (reason == 0), FinishReason.ABORT, reason)
+
+    finished = reason != FinishReason.NONE
+    state.finish_reason.copy_(torch.where(finished, reason, state.finish_reason))
+    state.status.masked_fill_(finished, SlotStatus.FINISHED)
+    pool.release(finished, state.block_table, state.pages_held)
+
+    def per_slot(x: torch.Tensor | None, fill: float) -> torch.Tensor | None:
+        return None if x is None else _per_slot(S, target, x, fill)
+
+    return StepOutput(
+        token=_per_slot(S, target, tok, -1),
+        finish_reason=reason,
+        logprob=per_slot(out.logprob, 0.0),
+        top_ids=per_slot(out.top_ids, -1),
+        top_logprobs=per_slot(out.top_logprobs, 0.0),
+        row_slot=torch.where(valid, slot, -1),
+        row_logits=logits,
+    )
+
+
+def _per_slot(num_slots: int, target: torch.Tensor, rows: torch.Tensor, fill: float) -> torch.Tensor:
+    """Scatters [R, ...] row values to [S, ...] slot values; target S is the trash entry."""
+    full = torch.full((num_slots + 1, *rows.shape[1:]), fill, dtype=rows.dtype, device=rows.device)
+    full[target] = rows
+    return full[:num_slots]

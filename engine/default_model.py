@@ -1,0 +1,116 @@
+"""The default model: a small random-weight Llama with a byte-level BPE tokenizer trained here.
+
+Written deterministically on first use into the user's cache directory and loaded through the same path
+as any Hugging Face checkpoint. `blink model init DIR` writes one anywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from importlib import resources
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+DEFAULT_MODEL_NAME = "blink-tiny-llama-v1"
+SPECIAL_TOKENS = ["<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+ARCH = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=2048, rope_theta=10000.0, rms_norm_eps=1e-5)
+TOKENIZER_VOCAB = 2048
+
+
+def default_model_dir() -> Path:
+    cache = os.environ.get("BLINK_CACHE_DIR")
+    root = Path(cache) if cache else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "blink"
+    return root / "models" / DEFAULT_MODEL_NAME
+
+
+def ensure_default_model() -> Path:
+    target = default_model_dir()
+    if not (target / "model.safetensors").is_file():
+        write_default_model(target)
+    return target
+
+
+def write_default_model(target: Path) -> Path:
+    """Writes the checkpoint into a sibling temporary directory, then renames it into place."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=target.parent))
+    try:
+        tokenizer = train_tokenizer()
+        tokenizer.save(str(staging / "tokenizer.json"))
+        vocab = tokenizer.get_vocab_size()
+        ids = {t: tokenizer.token_to_id(t) for t in SPECIAL_TOKENS}
+        eos = [ids["</s>"], ids["<|im_end|>"]]
+        config = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=vocab, hidden_act="silu",
+                      tie_word_embeddings=False, torch_dtype="float32", bos_token_id=ids["<s>"],
+                      eos_token_id=eos[0], **ARCH)
+        _write_json(staging / "config.json", config)
+        _write_json(staging / "generation_config.json", {"bos_token_id": ids["<s>"], "eos_token_id": eos})
+        _write_json(staging / "tokenizer_config.json", {
+            "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+            "chat_template": CHAT_TEMPLATE, "model_max_length": ARCH["max_position_embeddings"],
+        })
+        save_file(random_weights(config), str(staging / "model.safetensors"), metadata={"format": "pt"})
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return target
+
+
+def train_tokenizer() -> Tokenizer:
+    corpus = resources.files("blink.engine").joinpath("assets/corpus.txt").read_text(encoding="utf-8")
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=TOKENIZER_VOCAB, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(corpus.splitlines(), trainer)
+    bos = tokenizer.token_to_id("<s>")
+    tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                             special_tokens=[("<s>", bos)])
+    return tokenizer
+
+
+def random_weights(config: dict, seed: int = 0) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    head_dim = hidden // config["num_attention_heads"]
+    kv = config["num_key_value_heads"] * head_dim
+
+    def normal(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=gen) * 0.02
+
+    w = {"model.embed_tokens.weight": normal(config["vocab_size"], hidden), "model.norm.weight": torch.ones(hidden)}
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        w |= {
+            p + "input_layernorm.weight": torch.ones(hidden),
+            p + "post_attention_layernorm.weight": torch.ones(hidden),
+            p + "self_attn.q_proj.weight": normal(hidden, hidden),
+            p + "self_attn.k_proj.weight": normal(kv, hidden),
+            p + "self_attn.v_proj.weight": normal(kv, hidden),
+            p + "self_attn.o_proj.weight": normal(hidden, hidden),
+            p + "mlp.gate_proj.weight": normal(inter, hidden),
+            p + "mlp.up_proj.weight": normal(inter, hidden),
+            p + "mlp.down_proj.weight": normal(hidden, inter),
+        }
+    w["lm_head.weight"] = normal(config["vocab_size"], hidden)
+    return w
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2) + "\n")

@@ -1,0 +1,93 @@
+"""Building an engine from a checkpoint: model, page pool, slot state and step, sized for the device."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from blink.engine.checkpoint import load_config, read_generation_defaults
+from blink.engine.default_model import ensure_default_model
+from blink.engine.device import available_memory, configure_threads, resolve_device
+from blink.engine.kv_cache import PagePool
+from blink.engine.model import Transformer
+from blink.engine.model_config import DTYPES, ModelConfig
+from blink.engine.state import SlotState
+from blink.engine.step import Step
+from blink.shared.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # checkpoint directory; None takes the default model
+    dtype: str = "auto"  # auto (the checkpoint's), float32, bfloat16, float16
+    device: str = "auto"
+    max_num_seqs: int | None = None  # slot limit S
+    max_num_batched_tokens: int | None = None  # token budget T per step
+    max_model_len: int | None = None
+    page_size: int = 16
+    num_pages: int | None = None  # explicit pool size, the null page included
+    kv_memory_fraction: float | None = None  # of the device's free memory after loading weights
+    seed: int = 0  # seeds requests that bring none
+
+    def validate(self) -> None:
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be auto or one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_pages"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.page_size < 1 or self.page_size & (self.page_size - 1):
+            raise ValueError(f"page_size must be a power of two, got {self.page_size}")
+        if self.kv_memory_fraction is not None and not 0 < self.kv_memory_fraction <= 1:
+            raise ValueError(f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
+
+
+class Engine:
+    def __init__(self, config: EngineConfig):
+        config.validate()
+        self.config = config
+        configure_threads()
+        self.device = resolve_device(config.device)
+        on_cuda = self.device.type == "cuda"
+        self.model_dir = Path(config.model) if config.model else ensure_default_model()
+
+        cfg = load_config(self.model_dir)
+        if config.dtype != "auto":
+            cfg = dataclasses.replace(cfg, dtype=DTYPES[config.dtype])
+        self.model_config = cfg
+        self.tokenizer = Tokenizer(self.model_dir)
+        self.generation = read_generation_defaults(self.model_dir)
+
+        max_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        num_slots = config.max_num_seqs or (256 if on_cuda else 32)
+        budget = config.max_num_batched_tokens or max(2048 if on_cuda else 512, num_slots)
+        if budget < num_slots:
+            raise ValueError(f"max_num_batched_tokens ({budget}) must be at least max_num_seqs ({num_slots}), "
+                             "so every running sequence can decode in one step")
+        page = config.page_size
+
+        self.model = Transformer.from_checkpoint(self.model_dir, cfg, max_len, self.device)
+        pages_per_seq = -(-max_len // page)
+        num_pages = config.num_pages or self._pages_that_fit(cfg, page, num_slots * pages_per_seq + 1)
+        if (num_pages - 1) * page < max_len:
+            if config.max_model_len:
+                raise ValueError(f"max_model_len {max_len} needs {pages_per_seq} KV pages of {page} tokens, "
+                                 f"but the pool has {num_pages - 1}")
+            max_len = (num_pages - 1) * page
+            pages_per_seq = num_pages - 1
+            log.info("context limit lowered to %d tokens to fit the KV pool", max_len)
+        self.max_model_len = max_len
+        self.pool = PagePool(cfg, num_pages, page, self.device)
+        self.state = SlotState(num_slots, max_len, pages_per_seq, cfg.vocab_size, self.device)
+        self.step = Step(self.model, self.pool, self.state, list(self.generation.eos_token_ids), budget)
+        log.info("engine ready: %s on %s, %d slots, %d-token budget, %d KV pages of %d, context %d",
+                 cfg.architecture, self.device, num_slots, budget, num_pages, page, max_len)
+
+    def _pages_that_fit(self, cfg: ModelConfig, page: int, useful: int) -> int:
+        fraction = self.config.kv_memory_fraction or (0.9 if self.device.type == "cuda" else 0.25)
+        per_page = PagePool.bytes_per_page(cfg, page)
+        return max(2, min(useful, int(available_memory(self.device) * fraction) // per_page))

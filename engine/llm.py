@@ -1,0 +1,96 @@
+"""The offline Python API: `LLM(model).generate(prompts, sampling_params)`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from blink.engine.engine import Engine, EngineConfig
+from blink.engine.errors import RequestError
+from blink.engine.host_drive import HostDriver
+from blink.engine.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None  # stop | length | abort
+    logprobs: list[dict[int, float]] | None = None  # per generated token: its logprob and the top ones
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_options):
+        self.engine = Engine(EngineConfig(model=model, **engine_options))
+        self.tokenizer = self.engine.tokenizer
+        self._driver = HostDriver(self.engine)
+        self._next_id = 0
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        prompts = _as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts")
+
+        # Validate every request before any is queued, so one bad prompt loses nothing.
+        requests = [self._prepare(p, sp) for p, sp in zip(prompts, sampling_params, strict=True)]
+        outputs: dict[str, RequestOutput] = {}
+        for out, params, max_tokens in requests:
+            outputs[out.request_id] = out
+            if params.logprobs is not None:
+                out.logprobs = []
+            self._driver.add_request(out.request_id, out.prompt_token_ids, params, max_tokens)
+        while self._driver.has_work():
+            for event in self._driver.step():
+                out = outputs[event.request_id]
+                if event.token is not None:
+                    out.token_ids.append(event.token)
+                    if out.logprobs is not None:
+                        out.logprobs.append(event.top_logprobs)
+                out.finish_reason = event.finish_reason or out.finish_reason
+        for out in outputs.values():
+            out.text = self.tokenizer.decode(out.token_ids)
+        return list(outputs.values())
+
+    def _prepare(self, prompt: Prompt, params: SamplingParams) -> tuple[RequestOutput, SamplingParams, int]:
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        if isinstance(prompt, str):
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, ids = None, list(prompt)
+        vocab = self.engine.model_config.vocab_size
+        if not ids:
+            raise RequestError("the prompt is empty", param="prompt")
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+            raise RequestError(f"prompt token ids must be integers in [0, {vocab})", param="prompt")
+        limit = self.engine.max_model_len
+        if len(ids) >= limit:
+            raise RequestError(f"the prompt has {len(ids)} tokens, but the context limit is {limit} "
+                               "and at least one token must be generated", param="prompt")
+        room = limit - len(ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        request_id = str(self._next_id)
+        self._next_id += 1
+        return RequestOutput(request_id, text, ids), params, max_tokens
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one prompt given as token ids
+    return prompts

@@ -1,0 +1,127 @@
+"""The decoder shared by Llama, Mistral, Qwen2 and Qwen3, over a ragged batch of tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from blink.engine.attention import AttentionBatch, paged_attention
+from blink.engine.checkpoint import load_tensors
+from blink.engine.errors import CheckpointError
+from blink.engine.model_config import ModelConfig
+from blink.engine.rope import apply_rope, rope_tables
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor  # q, k and v projections fused: [q_size + 2 * kv_size, hidden]
+    qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    o_proj: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor  # gate and up projections fused: [2 * intermediate, hidden]
+    down: torch.Tensor
+
+
+def checkpoint_tensor_names(cfg: ModelConfig) -> list[str]:
+    """The Hugging Face names this architecture needs, in the order they are used."""
+    names = ["model.embed_tokens.weight"]
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+        names += [p + f"self_attn.{n}_proj.weight" for n in ("q", "k", "v", "o")]
+        if cfg.attention_bias:
+            names += [p + f"self_attn.{n}_proj.bias" for n in ("q", "k", "v")]
+        if cfg.qk_norm:
+            names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
+        names += [p + f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")]
+    names.append("model.norm.weight")
+    if not cfg.tie_word_embeddings:
+        names.append("lm_head.weight")
+    return names
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # As transformers does it: normalise in float32, cast back, then scale.
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+class Transformer:
+    """Weights as plain tensors and a forward pass over [B] tokens that reads and writes the paged cache."""
+
+    def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], max_len: int, device: torch.device):
+        self.cfg = cfg
+        missing = [n for n in checkpoint_tensor_names(cfg) if n not in tensors]
+        if missing:
+            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            raise CheckpointError(f"checkpoint is missing tensor(s): {shown}")
+
+        def get(name: str) -> torch.Tensor:
+            return tensors[name].to(device)
+
+        self.embed = get("model.embed_tokens.weight")
+        self.layers = []
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            attn = p + "self_attn."
+            self.layers.append(LayerWeights(
+                input_norm=get(p + "input_layernorm.weight"),
+                qkv=torch.cat([get(attn + f"{n}_proj.weight") for n in ("q", "k", "v")]),
+                qkv_bias=torch.cat([get(attn + f"{n}_proj.bias") for n in ("q", "k", "v")])
+                if cfg.attention_bias else None,
+                q_norm=get(attn + "q_norm.weight") if cfg.qk_norm else None,
+                k_norm=get(attn + "k_norm.weight") if cfg.qk_norm else None,
+                o_proj=get(attn + "o_proj.weight"),
+                post_norm=get(p + "post_attention_layernorm.weight"),
+                gate_up=torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]),
+                down=get(p + "mlp.down_proj.weight"),
+            ))
+        self.norm = get("model.norm.weight")
+        self.lm_head = self.embed if cfg.tie_word_embeddings else get("lm_head.weight")
+        self.cos, self.sin = rope_tables(cfg, max_len, device)
+        self.scale = cfg.head_dim ** -0.5
+
+    @classmethod
+    def from_checkpoint(cls, model_dir: Path, cfg: ModelConfig, max_len: int, device: torch.device) -> Transformer:
+        tensors = load_tensors(model_dir, set(checkpoint_tensor_names(cfg)), cfg.dtype)
+        return cls(cfg, tensors, max_len, device)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        batch: AttentionBatch,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """input_ids, positions: [B]; caches: [layers, rows, kv_heads, head_dim]. Returns hidden [B, hidden]."""
+        cfg = self.cfg
+        x = F.embedding(input_ids, self.embed)
+        cos, sin = self.cos[positions], self.sin[positions]
+        for i, w in enumerate(self.layers):
+            h = rms_norm(x, w.input_norm, cfg.rms_norm_eps)
+            q, k, v = F.linear(h, w.qkv, w.qkv_bias).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+            q = q.view(-1, cfg.num_heads, cfg.head_dim)
+            k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
+            v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+            if w.q_norm is not None:
+                q = rms_norm(q, w.q_norm, cfg.rms_norm_eps)
+                k = rms_norm(k, w.k_norm, cfg.rms_norm_eps)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            attn = paged_attention(q, k, v, k_cache[i], v_cache[i], batch, self.scale)
+            x = x + F.linear(attn.reshape(-1, cfg.q_size), w.o_proj)
+            h = rms_norm(x, w.post_norm, cfg.rms_norm_eps)
+            gate, up = F.linear(h, w.gate_up).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, w.down)
+        return x
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [R, hidden] rows that sample. Returns float32 logits [R, vocab]."""
+        return F.linear(rms_norm(hidden, self.norm, self.cfg.rms_norm_eps), self.lm_head).float()

@@ -1,0 +1,123 @@
+"""Sampling for the rows of a step: penalties, temperature, min-p, top-k, top-p, seeded Gumbel-max.
+
+Randomness comes from a counter-based hash of (seed, index of the token being generated, vocab id),
+so a seeded request draws the same noise whatever else is in the batch and however it was scheduled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from blink.engine.sampling_params import MAX_LOGPROBS
+
+_MASK32 = 0xFFFFFFFF
+
+
+@dataclass(frozen=True)
+class SamplerFeatures:
+    """What the resident requests ask of the sampler; the host knows it, so skipping work costs no sync."""
+
+    penalties: bool = False
+    filtering: bool = False  # top-k, top-p or min-p
+    random: bool = False  # some temperature > 0
+    logprobs: bool = False
+
+
+@dataclass
+class SamplingRows:
+    """Per-row sampling parameters, [R] each."""
+
+    temperature: torch.Tensor
+    top_p: torch.Tensor
+    top_k: torch.Tensor
+    min_p: torch.Tensor
+    repetition_penalty: torch.Tensor
+    presence_penalty: torch.Tensor
+    frequency_penalty: torch.Tensor
+    seed: torch.Tensor
+    step_index: torch.Tensor  # how many tokens the row's request has generated so far
+
+
+@dataclass
+class SampleOutput:
+    tokens: torch.Tensor  # [R] int64
+    logprob: torch.Tensor | None  # [R] raw logprob of the sampled token
+    top_ids: torch.Tensor | None  # [R, MAX_LOGPROBS]
+    top_logprobs: torch.Tensor | None
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    # (x * c) mod 2**32 for x < 2**32 without overflowing int64.
+    lo, hi = c & 0xFFFF, c >> 16
+    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & _MASK32
+
+
+def hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer mixer (lowbias32) on int64 tensors holding values below 2**32."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def uniform_noise(seed: torch.Tensor, step_index: torch.Tensor, vocab_hash: torch.Tensor) -> torch.Tensor:
+    """Uniform (0, 1) float32 of shape [R, V], a pure function of (seed, step_index, vocab id)."""
+    key = hash32(seed & _MASK32) ^ hash32(((seed >> 32) & _MASK32) ^ 0x9E3779B9)
+    key = hash32(hash32(key) ^ (step_index & _MASK32))
+    bits = hash32(key[:, None] ^ vocab_hash[None, :])
+    return ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))
+
+
+def apply_penalties(logits: torch.Tensor, rows: SamplingRows, output_counts: torch.Tensor,
+                    prompt_mask: torch.Tensor) -> torch.Tensor:
+    """vLLM's semantics: repetition over prompt and output tokens, presence/frequency over output only."""
+    counts = output_counts.to(logits.dtype)
+    seen = prompt_mask | (output_counts > 0)
+    rep = rows.repetition_penalty[:, None]
+    logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    logits = logits - rows.frequency_penalty[:, None] * counts
+    return logits - rows.presence_penalty[:, None] * (output_counts > 0).to(logits.dtype)
+
+
+def filter_logits(scaled: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
+    """min-p, then top-k, then top-p over what top-k kept; filtered-out entries become -inf."""
+    vocab = scaled.shape[-1]
+    probs = scaled.softmax(-1)
+    scaled = scaled.masked_fill(probs < rows.min_p[:, None] * probs.amax(-1, keepdim=True), float("-inf"))
+    ordered, order = scaled.sort(dim=-1, descending=True)
+    k = torch.where(rows.top_k > 0, rows.top_k, vocab)
+    ordered = ordered.masked_fill(torch.arange(vocab, device=scaled.device)[None, :] >= k[:, None], float("-inf"))
+    p = ordered.softmax(-1)
+    ordered = ordered.masked_fill(p.cumsum(-1) - p >= rows.top_p[:, None], float("-inf"))
+    return torch.full_like(scaled, float("-inf")).scatter(1, order, ordered)
+
+
+def sample(
+    logits: torch.Tensor,
+    rows: SamplingRows,
+    features: SamplerFeatures,
+    vocab_hash: torch.Tensor,
+    output_counts: torch.Tensor | None = None,
+    prompt_mask: torch.Tensor | None = None,
+) -> SampleOutput:
+    """logits: float32 [R, V]. Rows with temperature 0 are greedy."""
+    raw = logits
+    if features.penalties:
+        logits = apply_penalties(logits, rows, output_counts, prompt_mask)
+    tokens = logits.argmax(-1)
+    if features.random:
+        greedy = rows.temperature == 0
+        scaled = logits / torch.where(greedy, 1.0, rows.temperature)[:, None]
+        if features.filtering:
+            scaled = filter_logits(scaled, rows)
+        noise = uniform_noise(rows.seed, rows.step_index, vocab_hash)
+        drawn = (scaled - torch.log(-torch.log(noise))).argmax(-1)
+        tokens = torch.where(greedy, tokens, drawn)
+    if not features.logprobs:
+        return SampleOutput(tokens, None, None, None)
+    logprobs = raw.log_softmax(-1)
+    top_logprobs, top_ids = logprobs.topk(MAX_LOGPROBS, dim=-1)
+    return SampleOutput(tokens, logprobs.gather(1, tokens[:, None])[:, 0], top_ids, top_logprobs)

@@ -1,0 +1,114 @@
+"""Admission and batch planning for one step, as fixed-shape tensor work on the engine's device.
+
+plan() admits submitted slots, hands out the token budget (decodes first, then prefill chunks, each
+group by priority then arrival), preempts by recompute when pages run out (lowest priority, then
+latest arrival, first), allocates pages and lays the batch's tokens out flat. It never reads a tensor
+back to the host; the only numbers the host may read are `num_tokens` and `max_context`, to pick the
+forward's bucket.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from blink.engine.kv_cache import PagePool
+from blink.engine.state import SlotState, SlotStatus
+
+_NOT_CANDIDATE = 1 << 62
+
+
+@dataclass
+class StepPlan:
+    take: torch.Tensor  # [S] tokens each slot computes this step
+    token_slot: torch.Tensor  # [T] slot of each batch token
+    token_pos: torch.Tensor  # [T] position of each batch token in its sequence
+    token_valid: torch.Tensor  # [T] False for padding past num_tokens
+    input_ids: torch.Tensor  # [T]
+    sample_slot: torch.Tensor  # [S] slots that sample this step, packed first
+    sample_token: torch.Tensor  # [S] batch index of each sampling row's last token
+    sample_valid: torch.Tensor  # [S]
+    sizes: torch.Tensor  # [2]: num_tokens, max_context
+
+
+def _precedence(state: SlotState) -> torch.Tensor:
+    """Lower is served first: priority (vLLM: lower runs first), then arrival."""
+    return ((state.priority + (1 << 15)) << 32) + state.arrival
+
+
+def plan(state: SlotState, pool: PagePool, token_budget: int, track_prompts: bool) -> StepPlan:
+    S = state.num_slots
+    device = state.status.device
+    page = pool.page_size
+
+    # Admit.
+    admitted = state.status == SlotStatus.SUBMITTED
+    state.status.masked_fill_(admitted, SlotStatus.RUNNING)
+    if track_prompts:
+        _track_prompt_tokens(state, admitted)
+    running = state.status == SlotStatus.RUNNING
+
+    # Hand out the token budget: decodes first, then prefill chunks.
+    demand = torch.where(running, state.seq_len - state.num_computed, 0)
+    precedence = _precedence(state)
+    prefill = (demand > 1).long()
+    key = torch.where(running & (demand > 0), (prefill << 48) + precedence, _NOT_CANDIDATE)
+    order = key.argsort()
+    wanted = demand[order]
+    before = wanted.cumsum(0) - wanted
+    take = torch.empty_like(demand).scatter_(0, order, (token_budget - before).clamp(min=0).minimum(wanted))
+
+    # Pages, preempting by recompute when they run out.
+    need = ((state.num_computed + take + page - 1) // page - state.pages_held).clamp(min=0)
+    need, take, evicted = _preempt(state, pool, need, take, running, precedence)
+    pool.release(evicted, state.block_table, state.pages_held)
+    state.num_computed.masked_fill_(evicted, 0)
+    state.num_preemptions += evicted.sum()
+    pool.allocate(need, state.block_table, state.pages_held, max_new=token_budget // page + 2)
+
+    # Lay the batch out flat, slot after slot.
+    ends = take.cumsum(0)
+    starts = ends - take
+    t = torch.arange(token_budget, device=device)
+    token_slot = torch.searchsorted(ends, t, right=True).clamp(max=S - 1)
+    token_valid = t < ends[-1]
+    token_pos = torch.where(token_valid, state.num_computed[token_slot] + t - starts[token_slot], 0)
+    input_ids = state.tokens[token_slot, token_pos].long()
+
+    samples = (take > 0) & (state.num_computed + take == state.seq_len)
+    rank = torch.where(samples, samples.cumsum(0) - 1, S)
+    slots = torch.arange(S, device=device)
+    sample_slot = torch.zeros(S + 1, dtype=torch.int64, device=device).scatter_(0, rank, slots)[:S]
+    sample_valid = slots < samples.sum()
+    sample_token = torch.where(sample_valid, ends[sample_slot] - 1, 0)
+
+    max_context = torch.where(token_valid, token_pos + 1, 0).amax()
+    return StepPlan(take, token_slot, token_pos, token_valid, input_ids, sample_slot, sample_token,
+                    sample_valid, torch.stack([ends[-1], max_context]))
+
+
+def _preempt(state: SlotState, pool: PagePool, need: torch.Tensor, take: torch.Tensor,
+             running: torch.Tensor, precedence: torch.Tensor):
+    """Keeps the longest prefix of slots, in precedence order, whose new pages fit once every slot after
+    it gives its pages back; then evicts from the back only as many holders as that prefix needs."""
+    order = torch.where(running, precedence, _NOT_CANDIDATE).argsort()
+    need_o, held_o = need[order], state.pages_held[order]
+    held_after = held_o.sum() - held_o.cumsum(0)
+    fits_o = need_o.cumsum(0) <= pool.num_free + held_after
+    deficit = (need_o * fits_o).sum() - pool.num_free
+    evict_o = ~fits_o & (held_o > 0) & (held_after < deficit)
+    fits = torch.empty_like(fits_o).scatter_(0, order, fits_o)
+    evicted = torch.empty_like(evict_o).scatter_(0, order, evict_o)
+    # A slot past the prefix still runs if it needs no new page and keeps its own.
+    runs = fits | ((need == 0) & ~evicted)
+    return torch.where(fits, need, 0), torch.where(runs, take, 0), evicted
+
+
+def _track_prompt_tokens(state: SlotState, admitted: torch.Tensor) -> None:
+    """For penalties: which vocab ids each newly admitted prompt holds; output counts start at zero."""
+    cols = torch.arange(state.max_len, device=admitted.device)
+    in_prompt = (admitted[:, None] & (cols[None, :] < state.prompt_len[:, None])).int()
+    counts = torch.zeros_like(state.output_counts).scatter_add_(1, state.tokens[:, :-1].long(), in_prompt)
+    state.prompt_mask.copy_(torch.where(admitted[:, None], counts > 0, state.prompt_mask))
+    state.output_counts.masked_fill_(admitted[:, None], 0)

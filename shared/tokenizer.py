@@ -1,0 +1,39 @@
+"""A checkpoint's tokenizer (tokenizer.json + tokenizer_config.json) through the `tokenizers` library."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tokenizers import Tokenizer as _HFTokenizer
+
+
+class TokenizerError(ValueError):
+    pass
+
+
+class Tokenizer:
+    def __init__(self, model_dir: Path):
+        path = Path(model_dir) / "tokenizer.json"
+        if not path.is_file():
+            raise TokenizerError(f"{model_dir}: missing tokenizer.json")
+        self._tok = _HFTokenizer.from_file(str(path))
+        config_path = Path(model_dir) / "tokenizer_config.json"
+        self.config: dict = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        self.chat_template: str | None = self.config.get("chat_template")
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def token_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)

@@ -1,0 +1,72 @@
+"""Shared fixtures: small random checkpoints written by transformers itself, and the default model."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+CHECKPOINT_KINDS = ["llama-gqa", "llama3-rope", "mistral", "qwen2", "qwen3", "llama-tied"]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _blink_cache(tmp_path_factory):
+    """Keeps the default model the tests generate out of the user's cache."""
+    os.environ.setdefault("BLINK_CACHE_DIR", str(tmp_path_factory.mktemp("blink-cache")))
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    from blink.engine.default_model import train_tokenizer
+
+    path = tmp_path_factory.mktemp("tokenizer")
+    train_tokenizer().save(str(path / "tokenizer.json"))
+    return path
+
+
+def build_checkpoint(kind: str, target: Path, tokenizer_dir: Path, dtype: str = "float32",
+                     sharded: bool = False) -> Path:
+    """Writes a random checkpoint of the given kind with transformers' own save_pretrained."""
+    import shutil
+
+    import torch
+    import transformers as tf
+
+    vocab = 1174
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  initializer_range=0.15, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    configs = {
+        "llama-gqa": lambda: tf.LlamaConfig(**common, tie_word_embeddings=False),
+        "llama3-rope": lambda: tf.LlamaConfig(**common, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32}, rope_theta=500000.0),
+        "mistral": lambda: tf.MistralConfig(**common, sliding_window=24),
+        "qwen2": lambda: tf.Qwen2Config(**common, tie_word_embeddings=False),
+        "qwen3": lambda: tf.Qwen3Config(**common, head_dim=32, tie_word_embeddings=False),
+        "llama-tied": lambda: tf.LlamaConfig(**{**common, "num_key_value_heads": 4}, tie_word_embeddings=True),
+    }
+    config = configs[kind]()
+    classes = {"llama": tf.LlamaForCausalLM, "mistral": tf.MistralForCausalLM,
+               "qwen2": tf.Qwen2ForCausalLM, "qwen3": tf.Qwen3ForCausalLM}
+    torch.manual_seed(sum(map(ord, kind)))
+    model = classes[config.model_type](config).to(getattr(torch, dtype)).eval()
+    target.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(target, max_shard_size="200KB" if sharded else "2GB")
+    shutil.copy(tokenizer_dir / "tokenizer.json", target / "tokenizer.json")
+    return target
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory, tokenizer_dir):
+    made: dict[tuple, Path] = {}
+
+    def get(kind: str, dtype: str = "float32", sharded: bool = False) -> Path:
+        key = (kind, dtype, sharded)
+        if key not in made:
+            made[key] = build_checkpoint(kind, tmp_path_factory.mktemp(f"{kind}-{dtype}"), tokenizer_dir,
+                                         dtype, sharded)
+        return made[key]
+
+    return get
