@@ -85,7 +85,8 @@ class SlotState:
         self.tokens[slot, :n] = torch.tensor(req.prompt_token_ids, dtype=torch.int32)
         for name, value in (
             ("arrival", req.arrival), ("priority", p.priority), ("deadline", req.deadline),
-            ("prompt_len", n), ("seq_len", n), ("num_computed", 0), ("max_tokens", req.max_tokens), ("ignore_eos", p.ignore_eos),
+            ("prompt_len", n), ("seq_len", n), ("num_computed", 0), ("max_tokens", req.max_tokens),
+            ("ignore_eos", p.ignore_eos),
             ("temperature", p.temperature), ("top_p", p.top_p), ("top_k", p.top_k), ("min_p", p.min_p),
             ("repetition_penalty", p.repetition_penalty), ("presence_penalty", p.presence_penalty),
             ("frequency_penalty", p.frequency_penalty), ("seed", req.seed),
