@@ -1,0 +1,109 @@
+"""Checkpoint loading: shards, dtypes, eos from generation_config, and errors that name what is wrong."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from blink.engine import LLM, SamplingParams
+from blink.engine.errors import CheckpointError
+
+
+def _hf_logits(model_dir, ids, dtype):
+    import transformers as tf
+
+    model = tf.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0, -1].float()
+
+
+def test_sharded_checkpoint_loads_like_a_single_file(checkpoint):
+    single, sharded = checkpoint("qwen2"), checkpoint("qwen2", sharded=True)
+    assert (sharded / "model.safetensors.index.json").is_file()
+    assert len(list(sharded.glob("*.safetensors"))) > 1
+    prompt, params = [[5, 6, 7, 8, 9]], SamplingParams(temperature=0, max_tokens=8)
+    assert LLM(str(sharded), num_pages=64).generate(prompt, params)[0].token_ids == \
+        LLM(str(single), num_pages=64).generate(prompt, params)[0].token_ids
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_checkpoints_match_transformers_logits(checkpoint, dtype):
+    model_dir = checkpoint("llama-gqa", dtype=dtype)
+    ids = list(range(10, 40))
+    llm = LLM(str(model_dir), num_pages=64)
+    assert llm.engine.model.embed.dtype == getattr(torch, dtype)
+    llm.generate([ids], SamplingParams(temperature=0, max_tokens=1))
+    out = llm._driver.last_output
+    ours = out.row_logits[(out.row_slot >= 0).nonzero()[0, 0]]
+    torch.testing.assert_close(ours, _hf_logits(model_dir, ids, getattr(torch, dtype)), rtol=0.05, atol=0.05)
+
+
+def test_eos_from_generation_config_stops_unless_ignored(checkpoint, tmp_path):
+    model_dir = tmp_path / "m"
+    shutil.copytree(checkpoint("llama-gqa"), model_dir)
+    prompt = [1, 2, 3, 4]
+    greedy = LLM(str(model_dir), num_pages=64).generate([prompt], SamplingParams(temperature=0, max_tokens=6))
+    eos = greedy[0].token_ids[2]
+    (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [9999, eos]}))
+    llm = LLM(str(model_dir), num_pages=64)
+    stopped = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6))[0]
+    assert stopped.finish_reason == "stop"
+    assert stopped.token_ids == greedy[0].token_ids[: greedy[0].token_ids.index(eos) + 1]
+    ignored = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0]
+    assert ignored.token_ids == greedy[0].token_ids and ignored.finish_reason == "length"
+
+
+def test_unknown_architecture_is_named(checkpoint, tmp_path):
+    model_dir = tmp_path / "m"
+    shutil.copytree(checkpoint("llama-gqa"), model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["architectures"] = ["GPTNeoXForCausalLM"]
+    (model_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="GPTNeoXForCausalLM"):
+        LLM(str(model_dir))
+
+
+def test_missing_weights_file_is_named(checkpoint, tmp_path):
+    model_dir = tmp_path / "m"
+    shutil.copytree(checkpoint("llama-gqa"), model_dir)
+    (model_dir / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="safetensors"):
+        LLM(str(model_dir))
+
+
+def test_missing_shard_is_named(checkpoint, tmp_path):
+    model_dir = tmp_path / "m"
+    shutil.copytree(checkpoint("qwen2", sharded=True), model_dir)
+    victim = sorted(model_dir.glob("*.safetensors"))[-1]
+    victim.unlink()
+    with pytest.raises(CheckpointError, match=victim.name):
+        LLM(str(model_dir))
+
+
+def test_missing_tensor_is_named(checkpoint, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    model_dir = tmp_path / "m"
+    shutil.copytree(checkpoint("llama-gqa"), model_dir)
+    tensors = load_file(model_dir / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, model_dir / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"model\.layers\.1\.mlp\.up_proj\.weight"):
+        LLM(str(model_dir))
+
+
+@pytest.mark.parametrize("name", ["config.json", "tokenizer.json"])
+def test_missing_file_is_named(checkpoint, tmp_path, name):
+    model_dir = tmp_path / "m"
+    shutil.copytree(checkpoint("llama-gqa"), model_dir)
+    (model_dir / name).unlink()
+    with pytest.raises(ValueError, match=name):
+        LLM(str(model_dir))
+
+
+def test_a_directory_that_does_not_exist_is_named(tmp_path):
+    with pytest.raises(CheckpointError, match="nowhere"):
+        LLM(str(tmp_path / "nowhere"))

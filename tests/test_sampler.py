@@ -1,0 +1,122 @@
+"""The sampler against its definitions: filters, penalties, seeded noise, logprobs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from blink.engine import LLM, SamplingParams
+from blink.engine.sampler import SamplerFeatures, SamplingRows, hash32, sample, uniform_noise
+
+V = 50
+
+
+def _rows(n: int, **overrides) -> SamplingRows:
+    values = dict(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0,
+                  frequency_penalty=0.0, seed=0, step_index=0)
+    values |= overrides
+    dtypes = {"top_k": torch.int64, "seed": torch.int64, "step_index": torch.int64}
+    return SamplingRows(**{k: torch.full((n,), v, dtype=dtypes.get(k, torch.float32)) for k, v in values.items()})
+
+
+def _draws(logits: torch.Tensor, n: int, **overrides) -> torch.Tensor:
+    """n independent draws from one row of logits, through seeds 0..n-1."""
+    rows = _rows(n, **overrides)
+    rows.seed = torch.arange(n)
+    features = SamplerFeatures(random=True, filtering=True, penalties=False)
+    vocab_hash = hash32(torch.arange(logits.shape[-1]))
+    return sample(logits.expand(n, -1).clone(), rows, features, vocab_hash).tokens
+
+
+def test_noise_is_uniform_and_a_function_of_its_inputs():
+    vocab_hash = hash32(torch.arange(1000))
+    u = uniform_noise(torch.tensor([1, 2, 1]), torch.tensor([0, 0, 1]), vocab_hash)
+    assert u.min() > 0 and u.max() < 1
+    assert abs(u.mean().item() - 0.5) < 0.03
+    assert not torch.equal(u[0], u[1]) and not torch.equal(u[0], u[2])
+    assert torch.equal(u[0], uniform_noise(torch.tensor([1]), torch.tensor([0]), vocab_hash)[0])
+
+
+def test_draws_follow_the_softmax():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    tokens = _draws(logits, 20000)
+    freq = torch.bincount(tokens, minlength=4).float() / len(tokens)
+    assert torch.allclose(freq, logits.softmax(-1)[0], atol=0.015)
+
+
+def test_temperature_sharpens():
+    logits = torch.tensor([[1.0, 0.0]])
+    freq = (_draws(logits, 5000, temperature=0.25) == 0).float().mean().item()
+    assert abs(freq - 1 / (1 + math.exp(-4))) < 0.02
+
+
+def test_top_k_top_p_min_p_keep_only_the_allowed_tokens():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    assert set(_draws(logits, 2000, top_k=2).tolist()) == {0, 1}
+    assert set(_draws(logits, 2000, top_p=0.75).tolist()) == {0, 1}  # 0.5 + 0.3 reaches 0.75
+    assert set(_draws(logits, 2000, top_p=0.5).tolist()) == {0}
+    assert set(_draws(logits, 2000, min_p=0.25).tolist()) == {0, 1, 2}  # 0.15 >= 0.25 * 0.5
+    # top-p applies to what top-k kept, renormalised: 0.5/0.8 covers 0.6.
+    assert set(_draws(logits, 2000, top_k=2, top_p=0.6).tolist()) == {0}
+
+
+def test_greedy_rows_ignore_noise_and_filters():
+    logits = torch.randn(8, V)
+    rows = _rows(8, temperature=0.0, top_k=3)
+    rows.seed = torch.arange(8)
+    out = sample(logits, rows, SamplerFeatures(random=True, filtering=True), hash32(torch.arange(V)))
+    assert torch.equal(out.tokens, logits.argmax(-1))
+
+
+def test_penalties_follow_vllm():
+    logits = torch.tensor([[2.0, -1.0, 1.0, 0.5]])
+    counts = torch.tensor([[0, 0, 2, 0]], dtype=torch.int32)
+    prompt = torch.tensor([[True, True, False, False]])
+    rows = _rows(1, temperature=0.0, repetition_penalty=2.0, frequency_penalty=0.1, presence_penalty=0.2)
+    features = SamplerFeatures(penalties=True)
+    expected = torch.tensor([[1.0, -2.0, 0.5 - 0.2 - 0.2, 0.5]])
+    out = sample(logits, rows, features, hash32(torch.arange(4)), counts, prompt)
+    assert out.tokens.item() == expected.argmax().item() == 0
+    rows.repetition_penalty[:] = 5.0
+    assert sample(logits, rows, features, hash32(torch.arange(4)), counts, prompt).tokens.item() == 3
+
+
+def test_logprobs_are_the_raw_log_softmax():
+    logits = torch.randn(3, V)
+    out = sample(logits, _rows(3, temperature=0.0), SamplerFeatures(logprobs=True), hash32(torch.arange(V)))
+    expected = logits.log_softmax(-1)
+    assert torch.allclose(out.logprob, expected.gather(1, out.tokens[:, None])[:, 0])
+    assert torch.allclose(out.top_logprobs, expected.topk(20, dim=-1).values)
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoint):
+    return LLM(str(checkpoint("llama-gqa")), max_num_seqs=8, max_num_batched_tokens=64, num_pages=128)
+
+
+def test_seeded_requests_repeat_and_different_seeds_differ(llm):
+    prompt = [[3, 4, 5, 6]]
+    a, b, c = (llm.generate(prompt, SamplingParams(temperature=1.0, seed=s, max_tokens=16))[0].token_ids
+               for s in (1, 1, 2))
+    assert a == b and a != c
+
+
+def test_engine_logprobs_cover_the_sampled_token_and_the_top_k(llm):
+    out = llm.generate([[7, 8, 9]], SamplingParams(temperature=0, max_tokens=5, logprobs=3))[0]
+    assert len(out.logprobs) == 5
+    for token, entry in zip(out.token_ids, out.logprobs, strict=True):
+        assert token in entry and len(entry) >= 3
+        assert max(entry.values()) == entry[token]  # greedy picks the most likely token
+        assert all(lp <= 0 for lp in entry.values())
+    assert llm.generate([[7, 8, 9]], SamplingParams(max_tokens=2))[0].logprobs is None
+
+
+def test_penalties_change_greedy_output_in_the_engine(llm):
+    prompt = [[5] * 12]
+    plain = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12))[0].token_ids
+    penalised = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, frequency_penalty=2.0,
+                                                    repetition_penalty=1.5))[0].token_ids
+    assert plain != penalised
+    assert len(set(penalised)) > len(set(plain)) or max(map(penalised.count, penalised)) <= 2

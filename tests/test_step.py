@@ -1,0 +1,92 @@
+"""The step's contract: no host sync inside plan() and run(); page bookkeeping stays exact."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from blink.engine import LLM, SamplingParams
+from blink.engine.host_drive import HostDriver
+from blink.engine.kv_cache import PagePool
+from blink.engine.model_config import ModelConfig, RopeScaling
+from blink.engine.sampler import SamplerFeatures
+
+
+@contextlib.contextmanager
+def host_reads_forbidden():
+    """Makes every way of reading a tensor's value on the host raise."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("host read inside the step")
+
+    names = ["item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__", "__index__"]
+    saved = {n: getattr(torch.Tensor, n) for n in names}
+    for n in names:
+        setattr(torch.Tensor, n, refuse)
+    try:
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(torch.Tensor, n, f)
+
+
+def test_plan_and_run_never_read_tensors_on_the_host(checkpoint):
+    llm = LLM(str(checkpoint("qwen3")), max_num_seqs=4, max_num_batched_tokens=32, num_pages=40, page_size=8,
+              max_model_len=64)
+    driver: HostDriver = llm._driver
+    params = SamplingParams(temperature=0.7, top_p=0.9, top_k=5, min_p=0.01, repetition_penalty=1.1,
+                            frequency_penalty=0.1, logprobs=2, max_tokens=6)
+    for i, n in enumerate((30, 3, 50)):
+        driver.add_request(str(i), list(range(1, n + 1)), params, 6)
+    features = SamplerFeatures(penalties=True, filtering=True, random=True, logprobs=True)
+    step = llm.engine.step
+    steps = 0
+    while driver.has_work():
+        driver._fill_slots()
+        with host_reads_forbidden():
+            plan = step.plan(features)
+        shape = step.shape_for(*plan.sizes.tolist())  # the one read the host loop is allowed
+        with host_reads_forbidden():
+            out = step.run(plan, shape, features)
+        driver._collect(out, features)
+        steps += 1
+    assert steps > 6  # chunked prefill, then decodes
+
+
+def _tiny_config() -> ModelConfig:
+    return ModelConfig(architecture="LlamaForCausalLM", family="llama", vocab_size=10, hidden_size=8,
+                       intermediate_size=8, num_layers=1, num_heads=1, num_kv_heads=1, head_dim=8, rms_norm_eps=1e-6,
+                       rope_theta=1e4, rope_scaling=RopeScaling(), max_position_embeddings=64,
+                       tie_word_embeddings=True, attention_bias=False, qk_norm=False, sliding_window=None,
+                       dtype=torch.float32)
+
+
+def test_pages_are_handed_out_once_and_all_come_back():
+    pool = PagePool(_tiny_config(), num_pages=20, page_size=4, device=torch.device("cpu"))
+    table = torch.zeros(3, 8 + 1, dtype=torch.int64)
+    held = torch.zeros(3, dtype=torch.int64)
+    pool.allocate(torch.tensor([3, 0, 5]), table, held, max_new=6)
+    pool.allocate(torch.tensor([1, 2, 0]), table, held, max_new=6)
+    assert held.tolist() == [4, 2, 5] and int(pool.num_free) == 19 - 11
+    given = torch.cat([table[s, : held[s]] for s in range(3)])
+    assert len(set(given.tolist())) == 11 and 0 not in given.tolist()
+
+    pool.release(torch.tensor([True, False, True]), table, held)
+    assert held.tolist() == [0, 2, 0] and int(pool.num_free) == 17
+    pool.release(torch.tensor([False, True, False]), table, held)
+    free = pool.free_stack[: int(pool.num_free)].tolist()
+    assert sorted(free) == list(range(1, 20))
+    assert (table[:, :-1] == 0).all()  # the last column is trash
+
+
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_cuda_greedy_matches_cpu(checkpoint, device):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    model_dir = str(checkpoint("llama3-rope"))
+    prompts = [list(range(1, n)) for n in (5, 20, 45)]
+    params = SamplingParams(temperature=0, max_tokens=12)
+    on_cpu = LLM(model_dir, device="cpu", num_pages=64).generate(prompts, params)
+    on_gpu = LLM(model_dir, device=device, num_pages=64).generate(prompts, params)
+    assert [o.token_ids for o in on_gpu] == [o.token_ids for o in on_cpu]
