@@ -8,6 +8,7 @@ step's outputs back.
 from __future__ import annotations
 
 import random
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -37,6 +38,7 @@ class _Pending:
     prompt_token_ids: list[int]
     params: SamplingParams
     max_tokens: int
+    received: float = field(default_factory=time.monotonic)
 
 
 _FINISH_NAMES = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort"}
@@ -90,11 +92,12 @@ class HostDriver:
         while self._queue and self._free_slots:
             pending = self._queue.popleft()
             slot = self._free_slots.pop()
-            seed = pending.params.seed
+            params = pending.params
             self.state.write(slot, SlotRequest(
-                prompt_token_ids=pending.prompt_token_ids, params=pending.params,
-                seed=self._seeds.getrandbits(63) if seed is None else seed,
+                prompt_token_ids=pending.prompt_token_ids, params=params,
+                seed=self._seeds.getrandbits(63) if params.seed is None else params.seed,
                 arrival=self._arrivals, max_tokens=pending.max_tokens,
+                deadline=pending.received + params.deadline_ms / 1000 if params.deadline_ms else float("inf"),
             ))
             self._arrivals += 1
             self._resident[slot] = pending
