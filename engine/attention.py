@@ -1,8 +1,10 @@
 """Paged attention over a ragged batch: the torch reference that Triton kernels are checked against.
 
-Every token of the batch attends to its own sequence's first `position + 1` cache rows. The rows are
-gathered through the block table into a fixed [tokens, context] grid, so shapes depend only on the
-bucket sizes, never on the data.
+The batch's tokens belong to sequences ("rows"); a row's tokens are contiguous in the batch and attend to
+the row's first `position + 1` cache rows. Rows are handled in two groups so padding stays small: rows
+with one token (decodes) as [rows, 1] queries, rows with several (prefill chunks) as [rows, longest]
+queries. Each row's context is gathered once through its block table into a [rows, context] grid. All
+shapes come from the step's buckets, never from the data.
 """
 
 from __future__ import annotations
@@ -12,60 +14,62 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-# Tokens per gather chunk: bounds the [chunk, context, kv_heads, head_dim] gather buffer.
-GATHER_CHUNK = 128
+# Bounds a group's gathered context to about this many cache rows per SDPA call.
+GATHER_ROWS = 1 << 16
+
+
+@dataclass
+class RowGroup:
+    token_index: torch.Tensor  # [R, Q] batch index of each query; padding points at the trash index B
+    read_rows: torch.Tensor  # [R, C] flat cache rows the row reads
+    mask: torch.Tensor  # [R, 1, Q, C] True where the query may attend
 
 
 @dataclass
 class AttentionBatch:
     """Per-step indexing shared by every layer."""
 
-    write_rows: torch.Tensor  # [B] flat cache row each token's K/V is written to
-    read_rows: torch.Tensor  # [B, C] flat cache rows each token reads
-    read_mask: torch.Tensor  # [B, 1, 1, C] True where the token may attend
+    write_rows: torch.Tensor  # [B] flat cache row each token's K/V is written to (padding: the null page)
+    groups: list[RowGroup]
 
 
-def build_attention_batch(
-    token_slot: torch.Tensor,
-    token_pos: torch.Tensor,
-    token_valid: torch.Tensor,
-    block_table: torch.Tensor,
-    page_size: int,
-    context: int,
-    sliding_window: int | None,
-) -> AttentionBatch:
-    """token_*: [B]; block_table: [S, pages per sequence]. Padding tokens write to the null page (0)."""
-    pages = block_table[token_slot]  # [B, pages]
-    write_rows = pages.gather(1, (token_pos // page_size)[:, None])[:, 0] * page_size + token_pos % page_size
-    write_rows = torch.where(token_valid, write_rows, torch.zeros_like(write_rows))
-    ctx = torch.arange(context, device=token_pos.device)
-    read_rows = pages[:, ctx // page_size] * page_size + ctx % page_size  # [B, C]
-    mask = ctx[None, :] <= token_pos[:, None]
+def build_row_group(slots: torch.Tensor, count: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor,
+                    first_pos: torch.Tensor, block_table: torch.Tensor, page_size: int, queries: int,
+                    context: int, sliding_window: int | None, trash: int) -> RowGroup:
+    """slots: [R] packed slot ids of the group, the first `count` real; starts/lengths/first_pos: [S]."""
+    device = slots.device
+    real = torch.arange(slots.shape[0], device=device) < count
+    j = torch.arange(queries, device=device)
+    valid = real[:, None] & (j[None, :] < lengths[slots][:, None])  # [R, Q]
+    token_index = torch.where(valid, starts[slots][:, None] + j[None, :], trash)
+    pos = torch.where(valid, first_pos[slots][:, None] + j[None, :], 0)  # padding queries see row 0 only
+    ctx = torch.arange(context, device=device)
+    pages = block_table[slots]
+    read_rows = pages[:, ctx // page_size] * page_size + ctx % page_size
+    mask = ctx[None, None, :] <= pos[:, :, None]
     if sliding_window is not None:
-        mask &= ctx[None, :] > token_pos[:, None] - sliding_window
-    return AttentionBatch(write_rows, read_rows, mask[:, None, None, :])
+        mask &= ctx[None, None, :] > pos[:, :, None] - sliding_window
+    return RowGroup(token_index, read_rows, mask[:, None])
 
 
-def paged_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    batch: AttentionBatch,
-    scale: float,
-) -> torch.Tensor:
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, batch: AttentionBatch, scale: float) -> torch.Tensor:
     """q: [B, Hq, D]; k, v: [B, Hkv, D]; caches: [rows, Hkv, D]. Writes k/v, returns [B, Hq, D]."""
     k_cache.index_copy_(0, batch.write_rows, k)
     v_cache.index_copy_(0, batch.write_rows, v)
-    out = torch.empty_like(q)
-    for start in range(0, q.shape[0], GATHER_CHUNK):
-        end = min(start + GATHER_CHUNK, q.shape[0])
-        rows = batch.read_rows[start:end]
-        keys = k_cache[rows].transpose(1, 2)  # [b, Hkv, C, D]
-        values = v_cache[rows].transpose(1, 2)
-        out[start:end] = F.scaled_dot_product_attention(
-            q[start:end, :, None, :], keys, values, attn_mask=batch.read_mask[start:end], scale=scale,
-            enable_gqa=True,
-        )[:, :, 0, :]
-    return out
+    B = q.shape[0]
+    q = torch.cat([q, q.new_zeros(1, *q.shape[1:])])  # index B is the trash row
+    out = torch.zeros_like(q)
+    for group in batch.groups:
+        rows, context = group.read_rows.shape
+        step = max(1, GATHER_ROWS // context)
+        for start in range(0, rows, step):
+            part = slice(start, start + step)
+            index = group.token_index[part]
+            keys = k_cache[group.read_rows[part]].transpose(1, 2)  # [r, Hkv, C, D]
+            values = v_cache[group.read_rows[part]].transpose(1, 2)
+            queries = q[index].transpose(1, 2)  # [r, Hq, Q, D]
+            result = F.scaled_dot_product_attention(queries, keys, values, attn_mask=group.mask[part],
+                                                    scale=scale, enable_gqa=True)
+            out[index] = result.transpose(1, 2)
+    return out[:B]

@@ -81,10 +81,10 @@ class HostDriver:
         features = self._features()
         step = self.engine.step
         plan = step.plan(features)
-        num_tokens, max_context = plan.sizes.tolist()
-        if num_tokens == 0:
+        sizes = plan.sizes.tolist()
+        if sizes[0] == 0:
             raise RuntimeError("scheduler planned an empty step while requests are resident")
-        out = step.run(plan, step.shape_for(num_tokens, max_context), features)
+        out = step.run(plan, step.shape_for(sizes), features)
         self.last_output = out
         return self._collect(out, features)
 

@@ -3,8 +3,7 @@
 plan() admits submitted slots, hands out the token budget (decodes first, then prefill chunks, each
 group by priority then arrival), preempts by recompute when pages run out (lowest priority, then
 latest arrival, first), allocates pages and lays the batch's tokens out flat. It never reads a tensor
-back to the host; the only numbers the host may read are `num_tokens` and `max_context`, to pick the
-forward's bucket.
+back to the host; the only numbers the host may read are `sizes`, to pick the forward's buckets.
 """
 
 from __future__ import annotations
@@ -26,10 +25,14 @@ class StepPlan:
     token_pos: torch.Tensor  # [T] position of each batch token in its sequence
     token_valid: torch.Tensor  # [T] False for padding past num_tokens
     input_ids: torch.Tensor  # [T]
+    starts: torch.Tensor  # [S] batch index of each slot's first token
+    first_pos: torch.Tensor  # [S] sequence position of each slot's first token
+    single_slot: torch.Tensor  # [S] slots computing exactly one token, packed first
+    multi_slot: torch.Tensor  # [S] slots computing several tokens (prefill chunks), packed first
     sample_slot: torch.Tensor  # [S] slots that sample this step, packed first
     sample_token: torch.Tensor  # [S] batch index of each sampling row's last token
     sample_valid: torch.Tensor  # [S]
-    sizes: torch.Tensor  # [2]: num_tokens, max_context
+    sizes: torch.Tensor  # [5]: tokens, longest context, single-token rows, multi-token rows, longest take
 
 
 def _precedence(state: SlotState) -> torch.Tensor:
@@ -76,16 +79,24 @@ def plan(state: SlotState, pool: PagePool, token_budget: int, track_prompts: boo
     token_pos = torch.where(token_valid, state.num_computed[token_slot] + t - starts[token_slot], 0)
     input_ids = state.tokens[token_slot, token_pos].long()
 
-    samples = (take > 0) & (state.num_computed + take == state.seq_len)
-    rank = torch.where(samples, samples.cumsum(0) - 1, S)
-    slots = torch.arange(S, device=device)
-    sample_slot = torch.zeros(S + 1, dtype=torch.int64, device=device).scatter_(0, rank, slots)[:S]
-    sample_valid = slots < samples.sum()
+    single_slot, num_single = _pack(take == 1)
+    multi_slot, num_multi = _pack(take > 1)
+    sample_slot, num_samples = _pack((take > 0) & (state.num_computed + take == state.seq_len))
+    sample_valid = torch.arange(S, device=device) < num_samples
     sample_token = torch.where(sample_valid, ends[sample_slot] - 1, 0)
 
     max_context = torch.where(token_valid, token_pos + 1, 0).amax()
-    return StepPlan(take, token_slot, token_pos, token_valid, input_ids, sample_slot, sample_token,
-                    sample_valid, torch.stack([ends[-1], max_context]))
+    sizes = torch.stack([ends[-1], max_context, num_single, num_multi, take.amax()])
+    return StepPlan(take, token_slot, token_pos, token_valid, input_ids, starts, state.num_computed.clone(),
+                    single_slot, multi_slot, sample_slot, sample_token, sample_valid, sizes)
+
+
+def _pack(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The indices where mask is set, packed first (the rest 0), and how many there are."""
+    n = mask.shape[0]
+    rank = torch.where(mask, mask.cumsum(0) - 1, n)
+    index = torch.arange(n, device=mask.device)
+    return torch.zeros(n + 1, dtype=torch.int64, device=mask.device).scatter_(0, rank, index)[:n], mask.sum()
 
 
 def _preempt(state: SlotState, pool: PagePool, need: torch.Tensor, take: torch.Tensor,

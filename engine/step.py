@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from blink.engine.attention import build_attention_batch
+from blink.engine.attention import AttentionBatch, build_row_group
 from blink.engine.commit import StepOutput, commit
 from blink.engine.kv_cache import PagePool
 from blink.engine.model import Transformer
@@ -23,8 +23,13 @@ from blink.engine.state import SlotState
 
 @dataclass(frozen=True)
 class StepShape:
+    """The buckets one step runs on; the driver picks them from `plan.sizes`."""
+
     tokens: int  # batch tokens the forward runs on (a bucket of the token budget)
-    context: int  # cache rows each token may read (a bucket of the context limit)
+    context: int  # cache rows each sequence may read (a bucket of the context limit)
+    single_rows: int  # sequences computing one token (decodes)
+    multi_rows: int  # sequences computing several tokens (prefill chunks)
+    multi_len: int  # the longest of those chunks
     rows: int  # logits rows: min(slots, tokens)
 
 
@@ -47,21 +52,29 @@ class Step:
         self.vocab_hash = hash32(torch.arange(model.cfg.vocab_size, dtype=torch.int64, device=device))
         self.token_buckets = ladder(token_budget, 16)
         self.context_buckets = ladder(state.max_len, max(pool.page_size, 64))
+        self.row_buckets = [0, *ladder(state.num_slots, 1)]
 
     def plan(self, features: SamplerFeatures) -> StepPlan:
         return plan(self.state, self.pool, self.token_budget, track_prompts=features.penalties)
 
-    def shape_for(self, num_tokens: int, max_context: int) -> StepShape:
-        tokens = next(b for b in self.token_buckets if b >= num_tokens)
-        context = next(b for b in self.context_buckets if b >= max_context)
-        return StepShape(tokens, context, min(self.state.num_slots, tokens))
+    def shape_for(self, sizes: list[int]) -> StepShape:
+        """sizes: `plan.sizes` read on the host."""
+        num_tokens, max_context, singles, multis, longest = sizes
+        tokens = _bucket(self.token_buckets, num_tokens)
+        S = self.state.num_slots
+        return StepShape(
+            tokens=tokens,
+            context=_bucket(self.context_buckets, max_context),
+            single_rows=_bucket(self.row_buckets, singles),
+            multi_rows=_bucket(self.row_buckets, multis),
+            multi_len=_bucket(self.token_buckets, longest) if multis else 0,
+            rows=min(S, tokens),
+        )
 
     def run(self, plan: StepPlan, shape: StepShape, features: SamplerFeatures) -> StepOutput:
         state, pool, model = self.state, self.pool, self.model
         B, R = shape.tokens, shape.rows
-        batch = build_attention_batch(plan.token_slot[:B], plan.token_pos[:B], plan.token_valid[:B],
-                                      state.block_table, pool.page_size, shape.context,
-                                      model.cfg.sliding_window)
+        batch = self._attention_batch(plan, shape)
         hidden = model.forward(plan.input_ids[:B], plan.token_pos[:B], batch, pool.k, pool.v)
         logits = model.logits(hidden[plan.sample_token[:R]])
         slot = plan.sample_slot[:R]
@@ -74,3 +87,20 @@ class Step:
         penalties = (state.output_counts[slot], state.prompt_mask[slot]) if features.penalties else (None, None)
         out = sample(logits, rows, features, self.vocab_hash, *penalties)
         return commit(state, pool, plan, R, out, logits, self.eos_ids, count_outputs=features.penalties)
+
+    def _attention_batch(self, plan: StepPlan, shape: StepShape) -> AttentionBatch:
+        B, page = shape.tokens, self.pool.page_size
+        table = self.state.block_table
+        pages = table[plan.token_slot[:B]].gather(1, (plan.token_pos[:B] // page)[:, None])[:, 0]
+        write_rows = torch.where(plan.token_valid[:B], pages * page + plan.token_pos[:B] % page, 0)
+        groups = []
+        for slots, rows, queries, count in ((plan.single_slot, shape.single_rows, 1, plan.sizes[2]),
+                                            (plan.multi_slot, shape.multi_rows, shape.multi_len, plan.sizes[3])):
+            if rows:
+                groups.append(build_row_group(slots[:rows], count, plan.starts, plan.take, plan.first_pos, table,
+                                              page, queries, shape.context, self.model.cfg.sliding_window, B))
+        return AttentionBatch(write_rows, groups)
+
+
+def _bucket(ladder: list[int], size: int) -> int:
+    return next(b for b in ladder if b >= size)

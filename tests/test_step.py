@@ -46,7 +46,7 @@ def test_plan_and_run_never_read_tensors_on_the_host(checkpoint):
         driver._fill_slots()
         with host_reads_forbidden():
             plan = step.plan(features)
-        shape = step.shape_for(*plan.sizes.tolist())  # the one read the host loop is allowed
+        shape = step.shape_for(plan.sizes.tolist())  # the one read the host loop is allowed
         with host_reads_forbidden():
             out = step.run(plan, shape, features)
         driver._collect(out, features)
