@@ -21,7 +21,7 @@ GATHER_ROWS = 1 << 16
 @dataclass
 class RowGroup:
     token_index: torch.Tensor  # [R, Q] batch index of each query; padding points at the trash index B
-    read_rows: torch.Tensor  # [R, C] flat cache rows the row reads
+    read_pages: torch.Tensor  # [R, C / page_size] cache pages the row reads, in order
     mask: torch.Tensor  # [R, 1, Q, C] True where the query may attend
 
 
@@ -44,30 +44,33 @@ def build_row_group(slots: torch.Tensor, count: torch.Tensor, starts: torch.Tens
     token_index = torch.where(valid, starts[slots][:, None] + j[None, :], trash)
     pos = torch.where(valid, first_pos[slots][:, None] + j[None, :], 0)  # padding queries see row 0 only
     ctx = torch.arange(context, device=device)
-    pages = block_table[slots]
-    read_rows = pages[:, ctx // page_size] * page_size + ctx % page_size
+    read_pages = block_table[slots, : context // page_size]
     mask = ctx[None, None, :] <= pos[:, :, None]
     if sliding_window is not None:
         mask &= ctx[None, None, :] > pos[:, :, None] - sliding_window
-    return RowGroup(token_index, read_rows, mask[:, None])
+    return RowGroup(token_index, read_pages, mask[:, None])
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, batch: AttentionBatch, scale: float) -> torch.Tensor:
-    """q: [B, Hq, D]; k, v: [B, Hkv, D]; caches: [rows, Hkv, D]. Writes k/v, returns [B, Hq, D]."""
-    k_cache.index_copy_(0, batch.write_rows, k)
-    v_cache.index_copy_(0, batch.write_rows, v)
+    """q: [B, Hq, D]; k, v: [B, Hkv, D]; caches: [pages, page_size, Hkv, D]. Writes k/v, returns [B, Hq, D]."""
+    _, page_size, heads, dim = k_cache.shape
+    k_cache.view(-1, heads, dim).index_copy_(0, batch.write_rows, k)
+    v_cache.view(-1, heads, dim).index_copy_(0, batch.write_rows, v)
     B = q.shape[0]
     q = torch.cat([q, q.new_zeros(1, *q.shape[1:])])  # index B is the trash row
     out = torch.zeros_like(q)
     for group in batch.groups:
-        rows, context = group.read_rows.shape
-        step = max(1, GATHER_ROWS // context)
+        rows, pages = group.read_pages.shape
+        step = max(1, GATHER_ROWS // (pages * page_size))
         for start in range(0, rows, step):
             part = slice(start, start + step)
             index = group.token_index[part]
-            keys = k_cache[group.read_rows[part]].transpose(1, 2)  # [r, Hkv, C, D]
-            values = v_cache[group.read_rows[part]].transpose(1, 2)
+            # Whole pages are gathered (index_select copies them as blocks): -> [r, Hkv, C, D].
+            read = group.read_pages[part]
+            context = (read.shape[0], read.shape[1] * page_size, heads, dim)
+            keys = k_cache.index_select(0, read.flatten()).view(context).transpose(1, 2)
+            values = v_cache.index_select(0, read.flatten()).view(context).transpose(1, 2)
             queries = q[index].transpose(1, 2)  # [r, Hq, Q, D]
             result = F.scaled_dot_product_attention(queries, keys, values, attn_mask=group.mask[part],
                                                     scale=scale, enable_gqa=True)

@@ -20,7 +20,7 @@ class PagePool:
             raise ValueError(f"the KV pool needs at least 2 pages (one is the null page), got {num_pages}")
         self.num_pages = num_pages
         self.page_size = page_size
-        shape = (cfg.num_layers, num_pages * page_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = (cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
         # Zeroed so padding tokens that read never-written rows still see finite values.
         self.k = torch.zeros(shape, dtype=cfg.dtype, device=device)
         self.v = torch.zeros(shape, dtype=cfg.dtype, device=device)

@@ -101,7 +101,7 @@ class Transformer:
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
     ) -> torch.Tensor:
-        """input_ids, positions: [B]; caches: [layers, rows, kv_heads, head_dim]. Returns hidden [B, hidden]."""
+        """input_ids, positions: [B]; caches: [layers, pages, page_size, kv_heads, head_dim]. Returns [B, hidden]."""
         cfg = self.cfg
         x = F.embedding(input_ids, self.embed)
         cos, sin = self.cos[positions], self.sin[positions]

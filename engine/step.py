@@ -51,7 +51,11 @@ class Step:
         self.eos_ids = torch.tensor(eos_ids or [-1], dtype=torch.int64, device=device)
         self.vocab_hash = hash32(torch.arange(model.cfg.vocab_size, dtype=torch.int64, device=device))
         self.token_buckets = ladder(token_budget, 16)
-        self.context_buckets = ladder(state.max_len, max(pool.page_size, 64))
+        # Only the torch attention reference reads whole context buckets, so they can be fine-grained.
+        page = pool.page_size
+        top = -(-state.max_len // page) * page
+        step = max(page, 64)
+        self.context_buckets = [*range(step, top, step), top]
         self.row_buckets = [0, *ladder(state.num_slots, 1)]
 
     def plan(self, features: SamplerFeatures) -> StepPlan:
