@@ -17,7 +17,7 @@ with `save_pretrained`; the tokenizer is the engine's small trained BPE (prompts
 vocabulary being smaller than the model's does not matter). The script prints figures and writes a JSON
 file under bench/results/; it asserts nothing.
 
-    python bench/offline_throughput.py            # the default run (a few minutes on 2 CPU cores)
+    python bench/offline_throughput.py            # the default run: about 6 minutes on 2 CPU cores
     python bench/offline_throughput.py --quick    # a smoke test
 """
 
@@ -81,6 +81,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model-dir", type=Path, default=None,
                    help="where to build (or reuse) the checkpoint; a temporary directory when not given")
     p.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
+    p.add_argument("--label", default=None, help="free text saved with the results")
     p.add_argument("--quick", action="store_true",
                    help="a small smoke-test run: 16 requests, short prompts and outputs, one repeat")
     args = p.parse_args(argv)
@@ -179,7 +180,7 @@ def timed_run(runner: BlinkRunner | TransformersRunner, requests: list[Request],
     return figures(runner.name, repeat, requests, elapsed, wrong), outputs
 
 
-def agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, float]:
+def agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, int | float]:
     """How far greedy outputs agree: whole sequences, and the mean share of tokens before the first difference."""
     def prefix(x: list[int], y: list[int]) -> int:
         return next((i for i, (s, t) in enumerate(zip(x, y, strict=False)) if s != t), min(len(x), len(y)))
@@ -219,6 +220,25 @@ def machine() -> dict[str, object]:
             "torch": torch.__version__, "transformers": transformers.__version__, "gpu": gpu}
 
 
+def blink_source() -> dict[str, object]:
+    """Which engine code ran: its directory, and the git commit and local changes there, when it is a checkout."""
+    import blink.engine
+
+    path = Path(blink.engine.__file__).resolve().parent
+    commit = _git(path, "rev-parse", "HEAD")
+    changes = _git(path, "status", "--porcelain", "--", ".") if commit else None
+    return {"engine_path": str(path), "git_commit": commit, "engine_modified": bool(changes) if commit else None}
+
+
+def _git(cwd: Path, *args: str) -> str | None:
+    """A read-only git query; --no-optional-locks keeps `status` from rewriting the index."""
+    try:
+        return subprocess.run(["git", "--no-optional-locks", "-C", str(cwd), *args], capture_output=True, text=True,
+                              timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
 def _nvidia_driver() -> str | None:
     try:
         out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
@@ -234,6 +254,9 @@ def print_report(summary: dict, ratio: float, runs: list[RunResult], info: dict)
           f"{info['model']['num_hidden_layers']} layers, hidden {info['model']['hidden_size']}")
     print(f"workload: {w['num_requests']} requests, prompt {w['prompt_len']} tokens, output {w['output_len']} "
           f"tokens, seed {w['seed']}, batch {w['batch_size']}, Blink token budget {w['max_num_batched_tokens']}")
+    src = info["blink_source"]
+    state = {None: "", False: ", unmodified", True: ", with local changes"}[src["engine_modified"]]
+    print(f"blink engine: {src['engine_path']} (commit {src['git_commit'] or 'unknown'}{state})")
     print(f"machine: {info['machine']['cpu_model']}, {info['machine']['torch_threads']} torch threads\n")
     for r in runs:
         flag = f"  ({r.wrong_lengths} outputs of the wrong length!)" if r.wrong_lengths else ""
@@ -260,6 +283,7 @@ def save(result: dict, results_dir: Path) -> Path:
 
 
 def benchmark(args: argparse.Namespace, model_dir: Path) -> None:
+    source = blink_source()  # before the runs, so later edits to the checkout are not attributed to them
     build_checkpoint(model_dir, args.seed)
     requests = make_workload(args.num_requests, args.prompt_len, args.output_len, args.seed)
     warmup = make_workload(2, (8, 16), (4, 4), args.seed + 1)
@@ -280,7 +304,9 @@ def benchmark(args: argparse.Namespace, model_dir: Path) -> None:
     summary = summarize(runs)
     ratio = summary["blink"]["output_tokens_per_s"]["median"] / summary["transformers"]["output_tokens_per_s"]["median"]
     info = {
+        "label": args.label,
         "machine": machine(),
+        "blink_source": source,
         "model": {**MODEL_SHAPE, "tie_word_embeddings": True, "dtype": "float32", "parameters": hf.num_parameters()},
         "workload": {"num_requests": args.num_requests, "prompt_len": list(args.prompt_len),
                      "output_len": list(args.output_len), "distribution": "uniform, inclusive",
