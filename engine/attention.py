@@ -1,10 +1,9 @@
 """Paged attention over a ragged batch: the torch reference that Triton kernels are checked against.
 
-The batch's tokens belong to sequences ("rows"); a row's tokens are contiguous in the batch and attend to
-the row's first `position + 1` cache rows. Rows are handled in two groups so padding stays small: rows
-with one token (decodes) as [rows, 1] queries, rows with several (prefill chunks) as [rows, longest]
-queries. Each row's context is gathered once through its block table into a [rows, context] grid. All
-shapes come from the step's buckets, never from the data.
+A row is a run of consecutive batch tokens of one sequence; each token attends to its sequence's first
+`position + 1` cache rows. Rows come in two groups so padding stays small: decodes as [rows, 1] queries,
+prefill chunks cut into blocks as [rows, QUERY_BLOCK] queries. Each row's context is gathered once, whole
+pages at a time, into a [rows, context] grid. All shapes come from the step's buckets, never the data.
 """
 
 from __future__ import annotations
@@ -13,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from blink.engine.scheduler import QueryRows
 
 # Bounds a group's gathered context to about this many cache rows per SDPA call.
 GATHER_ROWS = 1 << 16
@@ -33,18 +34,17 @@ class AttentionBatch:
     groups: list[RowGroup]
 
 
-def build_row_group(slots: torch.Tensor, count: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor,
-                    first_pos: torch.Tensor, block_table: torch.Tensor, page_size: int, queries: int,
-                    context: int, sliding_window: int | None, trash: int) -> RowGroup:
-    """slots: [R] packed slot ids of the group, the first `count` real; starts/lengths/first_pos: [S]."""
-    device = slots.device
-    real = torch.arange(slots.shape[0], device=device) < count
+def build_row_group(rows: QueryRows, block_table: torch.Tensor, page_size: int, queries: int, context: int,
+                    sliding_window: int | None, trash: int) -> RowGroup:
+    """Each row's `queries` batch tokens (padding beyond its length) and its first `context` cache rows."""
+    device = rows.start.device
+    real = torch.arange(rows.start.shape[0], device=device) < rows.count
     j = torch.arange(queries, device=device)
-    valid = real[:, None] & (j[None, :] < lengths[slots][:, None])  # [R, Q]
-    token_index = torch.where(valid, starts[slots][:, None] + j[None, :], trash)
-    pos = torch.where(valid, first_pos[slots][:, None] + j[None, :], 0)  # padding queries see row 0 only
+    valid = real[:, None] & (j[None, :] < rows.length[:, None])  # [R, Q]
+    token_index = torch.where(valid, rows.start[:, None] + j[None, :], trash)
+    pos = torch.where(valid, rows.first_pos[:, None] + j[None, :], 0)  # padding queries see cache row 0 only
     ctx = torch.arange(context, device=device)
-    read_pages = block_table[slots, : context // page_size]
+    read_pages = block_table[rows.slot, : context // page_size]
     mask = ctx[None, None, :] <= pos[:, :, None]
     if sliding_window is not None:
         mask &= ctx[None, None, :] > pos[:, :, None] - sliding_window

@@ -16,6 +16,21 @@ from blink.engine.kv_cache import PagePool
 from blink.engine.state import SlotState, SlotStatus
 
 _NOT_CANDIDATE = 1 << 62
+QUERY_BLOCK = 64  # prefill chunks are attended in blocks of this many queries
+
+
+@dataclass
+class QueryRows:
+    """Runs of consecutive batch tokens of one sequence, packed first; the first `count` are real."""
+
+    start: torch.Tensor  # [N] batch index of the run's first token
+    length: torch.Tensor  # [N]
+    first_pos: torch.Tensor  # [N] sequence position of the run's first token
+    slot: torch.Tensor  # [N]
+    count: torch.Tensor  # scalar
+
+    def head(self, n: int) -> QueryRows:
+        return QueryRows(self.start[:n], self.length[:n], self.first_pos[:n], self.slot[:n], self.count)
 
 
 @dataclass
@@ -25,14 +40,12 @@ class StepPlan:
     token_pos: torch.Tensor  # [T] position of each batch token in its sequence
     token_valid: torch.Tensor  # [T] False for padding past num_tokens
     input_ids: torch.Tensor  # [T]
-    starts: torch.Tensor  # [S] batch index of each slot's first token
-    first_pos: torch.Tensor  # [S] sequence position of each slot's first token
-    single_slot: torch.Tensor  # [S] slots computing exactly one token, packed first
-    multi_slot: torch.Tensor  # [S] slots computing several tokens (prefill chunks), packed first
+    decode_rows: QueryRows  # sequences computing one token
+    chunk_rows: QueryRows  # sequences computing several (prefill chunks), in blocks of QUERY_BLOCK
     sample_slot: torch.Tensor  # [S] slots that sample this step, packed first
     sample_token: torch.Tensor  # [S] batch index of each sampling row's last token
     sample_valid: torch.Tensor  # [S]
-    sizes: torch.Tensor  # [5]: tokens, longest context, single-token rows, multi-token rows, longest take
+    sizes: torch.Tensor  # [4]: tokens, longest context, decode rows, chunk rows
 
 
 def _precedence(state: SlotState) -> torch.Tensor:
@@ -79,16 +92,35 @@ def plan(state: SlotState, pool: PagePool, token_budget: int, track_prompts: boo
     token_pos = torch.where(token_valid, state.num_computed[token_slot] + t - starts[token_slot], 0)
     input_ids = state.tokens[token_slot, token_pos].long()
 
-    single_slot, num_single = _pack(take == 1)
-    multi_slot, num_multi = _pack(take > 1)
+    first_pos = state.num_computed
+    decode_slot, num_decodes = _pack(take == 1)
+    decode_rows = QueryRows(starts[decode_slot], take[decode_slot], first_pos[decode_slot], decode_slot, num_decodes)
+    chunk_rows = _chunk_rows(take, starts, first_pos, token_budget)
     sample_slot, num_samples = _pack((take > 0) & (state.num_computed + take == state.seq_len))
     sample_valid = torch.arange(S, device=device) < num_samples
     sample_token = torch.where(sample_valid, ends[sample_slot] - 1, 0)
 
     max_context = torch.where(token_valid, token_pos + 1, 0).amax()
-    sizes = torch.stack([ends[-1], max_context, num_single, num_multi, take.amax()])
-    return StepPlan(take, token_slot, token_pos, token_valid, input_ids, starts, state.num_computed.clone(),
-                    single_slot, multi_slot, sample_slot, sample_token, sample_valid, sizes)
+    sizes = torch.stack([ends[-1], max_context, num_decodes, chunk_rows.count])
+    return StepPlan(take, token_slot, token_pos, token_valid, input_ids, decode_rows, chunk_rows, sample_slot,
+                    sample_token, sample_valid, sizes)
+
+
+def max_chunk_rows(token_budget: int, num_slots: int) -> int:
+    return token_budget // QUERY_BLOCK + num_slots
+
+
+def _chunk_rows(take: torch.Tensor, starts: torch.Tensor, first_pos: torch.Tensor, token_budget: int) -> QueryRows:
+    """Cuts every multi-token run into blocks of QUERY_BLOCK queries (the last one shorter)."""
+    S = take.shape[0]
+    per_slot = token_budget // QUERY_BLOCK + 1
+    j = torch.arange(per_slot, device=take.device)
+    blocks = torch.where(take > 1, (take + QUERY_BLOCK - 1) // QUERY_BLOCK, 0)
+    index, count = _pack((j[None, :] < blocks[:, None]).flatten())
+    index = index[: max_chunk_rows(token_budget, S)]
+    slot, offset = index // per_slot, index % per_slot * QUERY_BLOCK
+    length = (take[slot] - offset).clamp(max=QUERY_BLOCK)
+    return QueryRows(starts[slot] + offset, length, first_pos[slot] + offset, slot, count)
 
 
 def _pack(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

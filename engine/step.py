@@ -17,7 +17,7 @@ from blink.engine.commit import StepOutput, commit
 from blink.engine.kv_cache import PagePool
 from blink.engine.model import Transformer
 from blink.engine.sampler import SamplerFeatures, SamplingRows, hash32, sample
-from blink.engine.scheduler import StepPlan, plan
+from blink.engine.scheduler import QUERY_BLOCK, StepPlan, plan
 from blink.engine.state import SlotState
 
 
@@ -27,9 +27,8 @@ class StepShape:
 
     tokens: int  # batch tokens the forward runs on (a bucket of the token budget)
     context: int  # cache rows each sequence may read (a bucket of the context limit)
-    single_rows: int  # sequences computing one token (decodes)
-    multi_rows: int  # sequences computing several tokens (prefill chunks)
-    multi_len: int  # the longest of those chunks
+    decode_rows: int  # sequences computing one token
+    chunk_rows: int  # blocks of QUERY_BLOCK queries of the sequences computing several (prefill chunks)
     rows: int  # logits rows: min(slots, tokens)
 
 
@@ -51,28 +50,26 @@ class Step:
         self.eos_ids = torch.tensor(eos_ids or [-1], dtype=torch.int64, device=device)
         self.vocab_hash = hash32(torch.arange(model.cfg.vocab_size, dtype=torch.int64, device=device))
         self.token_buckets = ladder(token_budget, 16)
-        # Only the torch attention reference reads whole context buckets, so they can be fine-grained.
+        # Context and row counts only shape the torch attention reference, which the host mode runs as it is,
+        # so they are fine-grained (contexts) or exact (rows); the device loops' kernels do not use them.
         page = pool.page_size
         top = -(-state.max_len // page) * page
         step = max(page, 64)
         self.context_buckets = [*range(step, top, step), top]
-        self.row_buckets = [0, *ladder(state.num_slots, 1)]
 
     def plan(self, features: SamplerFeatures) -> StepPlan:
         return plan(self.state, self.pool, self.token_budget, track_prompts=features.penalties)
 
     def shape_for(self, sizes: list[int]) -> StepShape:
         """sizes: `plan.sizes` read on the host."""
-        num_tokens, max_context, singles, multis, longest = sizes
+        num_tokens, max_context, decodes, chunks = sizes
         tokens = _bucket(self.token_buckets, num_tokens)
-        S = self.state.num_slots
         return StepShape(
             tokens=tokens,
             context=_bucket(self.context_buckets, max_context),
-            single_rows=_bucket(self.row_buckets, singles),
-            multi_rows=_bucket(self.row_buckets, multis),
-            multi_len=_bucket(self.token_buckets, longest) if multis else 0,
-            rows=min(S, tokens),
+            decode_rows=decodes,
+            chunk_rows=chunks,
+            rows=min(self.state.num_slots, tokens),
         )
 
     def run(self, plan: StepPlan, shape: StepShape, features: SamplerFeatures) -> StepOutput:
@@ -98,11 +95,11 @@ class Step:
         pages = table[plan.token_slot[:B]].gather(1, (plan.token_pos[:B] // page)[:, None])[:, 0]
         write_rows = torch.where(plan.token_valid[:B], pages * page + plan.token_pos[:B] % page, 0)
         groups = []
-        for slots, rows, queries, count in ((plan.single_slot, shape.single_rows, 1, plan.sizes[2]),
-                                            (plan.multi_slot, shape.multi_rows, shape.multi_len, plan.sizes[3])):
-            if rows:
-                groups.append(build_row_group(slots[:rows], count, plan.starts, plan.take, plan.first_pos, table,
-                                              page, queries, shape.context, self.model.cfg.sliding_window, B))
+        for rows, n, queries in ((plan.decode_rows, shape.decode_rows, 1),
+                                 (plan.chunk_rows, shape.chunk_rows, QUERY_BLOCK)):
+            if n:
+                groups.append(build_row_group(rows.head(n), table, page, queries, shape.context,
+                                              self.model.cfg.sliding_window, B))
         return AttentionBatch(write_rows, groups)
 
 
