@@ -76,7 +76,8 @@ def plan(state: SlotState, pool: PagePool, token_budget: int, track_prompts: boo
     take = torch.empty_like(demand).scatter_(0, order, (token_budget - before).clamp(min=0).minimum(wanted))
 
     # Pages, preempting by recompute when they run out.
-    need = ((state.num_computed + take + page - 1) // page - state.pages_held).clamp(min=0)
+    covered = (state.num_computed + take + page - 1) // page
+    need = torch.where(take > 0, covered - state.pages_held, 0).clamp(min=0)
     need, take, evicted = _preempt(state, pool, need, take, running, precedence)
     pool.release(evicted, state.block_table, state.pages_held)
     state.num_computed.masked_fill_(evicted, 0)
