@@ -1,0 +1,267 @@
+"""The slot table: the one sync point between ingress and engine, as a shared-memory segment.
+
+A header (geometry, engine epoch, heartbeat, engine state) and a fixed array of request slots. Each slot is
+a small state machine whose transitions have one owner each:
+
+    FREE --ingress publishes--> SUBMITTED --engine admits--> ADMITTED --engine finishes--> FINISHED
+    FINISHED --ingress has read everything--> FREE
+
+The payload is written before the state that publishes it; tokens are written into the slot's output
+window before the `produced` counter that publishes them, and the ingress advances `consumed` after
+reading, so the engine never overwrites an unread token (it pauses a sequence whose window is full).
+Stores from one Python process become visible to another in program order on x86-64 (TSO); the RDMA
+transport gets the same ordering from a reliable-connected queue pair. This module imports no torch: the
+ingress side must run on a SmartNIC's cores.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import time
+from dataclasses import dataclass
+from enum import IntEnum
+from pathlib import Path
+
+import numpy as np
+
+MAGIC = 0x424C494E4B534C54  # "BLINKSLT"
+VERSION = 1
+SHM_DIR = Path("/dev/shm")
+
+
+class SlotState(IntEnum):
+    FREE = 0
+    SUBMITTED = 1
+    ADMITTED = 2
+    FINISHED = 3
+
+
+class EngineState(IntEnum):
+    STARTING = 0
+    READY = 1
+    DRAINING = 2
+    STOPPED = 3
+
+
+class Finish(IntEnum):
+    NONE = 0
+    STOP = 1
+    LENGTH = 2
+    ABORT = 3
+
+
+FLAG_IGNORE_EOS = 1
+
+
+@dataclass(frozen=True)
+class Geometry:
+    num_slots: int
+    max_prompt_tokens: int
+    window: int  # output tokens a slot buffers before the engine pauses it
+    top_logprobs: int = 20
+    max_stop_ids: int = 16
+
+
+HEADER = np.dtype([
+    ("magic", "<u8"), ("version", "<u4"), ("num_slots", "<u4"), ("max_prompt_tokens", "<u4"), ("window", "<u4"),
+    ("top_logprobs", "<u4"), ("max_stop_ids", "<u4"), ("engine_state", "<u4"), ("_pad", "<u4"),
+    ("epoch", "<u8"), ("steps", "<u8"), ("last_step_ns", "<u8"),
+], align=True)
+HEADER_BYTES = 256
+
+
+def slot_dtype(g: Geometry) -> np.dtype:
+    return np.dtype([
+        # Control: state has one owner per transition; cancel is the ingress's.
+        ("state", "<u4"), ("seq", "<u4"), ("epoch", "<u4"), ("cancel", "<u4"),
+        # The request, written by the ingress before it publishes the slot.
+        ("prompt_len", "<u4"), ("max_tokens", "<u4"), ("priority", "<i4"), ("flags", "<u4"),
+        ("temperature", "<f4"), ("top_p", "<f4"), ("top_k", "<i4"), ("min_p", "<f4"),
+        ("repetition_penalty", "<f4"), ("presence_penalty", "<f4"), ("frequency_penalty", "<f4"),
+        ("logprobs", "<i4"), ("seed", "<u8"), ("deadline_ns", "<u8"),
+        ("num_stop_ids", "<u4"), ("stop_ids", "<i4", (g.max_stop_ids,)),
+        ("prompt", "<i4", (g.max_prompt_tokens,)),
+        # The output window, written by the engine; consumed is the ingress's.
+        ("produced", "<u4"), ("consumed", "<u4"), ("finish_reason", "<u4"),
+        ("tokens", "<i4", (g.window,)), ("logprob", "<f4", (g.window,)),
+        ("top_ids", "<i4", (g.window, g.top_logprobs)), ("top_logprobs", "<f4", (g.window, g.top_logprobs)),
+    ], align=True)
+
+
+@dataclass
+class Request:
+    """What the ingress writes into a slot."""
+
+    prompt: list[int]
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int = -1  # -1: none wanted
+    seed: int = 0
+    priority: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    deadline_ns: int = 0  # 0: none
+
+
+@dataclass
+class Output:
+    tokens: list[int]
+    logprobs: list[float]
+    top_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+    finish: Finish  # NONE until the slot has finished and every token was read
+
+
+class SlotTable:
+    """A mapped slot table. `create` makes the segment (mode 0600); `attach` maps an existing one."""
+
+    def __init__(self, path: Path, mapping: mmap.mmap, geometry: Geometry):
+        self.path, self.geometry, self._map = path, geometry, mapping
+        self.header = np.ndarray((), dtype=HEADER, buffer=mapping, offset=0)
+        self.slots = np.ndarray((geometry.num_slots,), dtype=slot_dtype(geometry), buffer=mapping,
+                                offset=HEADER_BYTES)
+
+    @staticmethod
+    def path_for(name: str) -> Path:
+        if not name or "/" in name:
+            raise ValueError(f"invalid slot table name {name!r}")
+        return SHM_DIR / f"blink-{name}"
+
+    @staticmethod
+    def size_for(geometry: Geometry) -> int:
+        return HEADER_BYTES + geometry.num_slots * slot_dtype(geometry).itemsize
+
+    @classmethod
+    def create(cls, name: str, geometry: Geometry, epoch: int = 1) -> SlotTable:
+        path = cls.path_for(name)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            size = cls.size_for(geometry)
+            os.ftruncate(fd, size)
+            table = cls(path, mmap.mmap(fd, size), geometry)
+        finally:
+            os.close(fd)
+        h = table.header
+        for field, value in (("version", VERSION), ("num_slots", geometry.num_slots),
+                             ("max_prompt_tokens", geometry.max_prompt_tokens), ("window", geometry.window),
+                             ("top_logprobs", geometry.top_logprobs), ("max_stop_ids", geometry.max_stop_ids),
+                             ("epoch", epoch), ("engine_state", EngineState.STARTING)):
+            h[field] = value
+        h["magic"] = MAGIC  # last: an attacher that sees the magic sees the geometry
+        return table
+
+    @classmethod
+    def attach(cls, name: str) -> SlotTable:
+        path = cls.path_for(name)
+        fd = os.open(path, os.O_RDWR)
+        try:
+            size = os.fstat(fd).st_size
+            mapping = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        h = np.ndarray((), dtype=HEADER, buffer=mapping, offset=0)
+        if int(h["magic"]) != MAGIC or int(h["version"]) != VERSION:
+            raise ValueError(f"{path} is not a version-{VERSION} Blink slot table")
+        geometry = Geometry(int(h["num_slots"]), int(h["max_prompt_tokens"]), int(h["window"]),
+                            int(h["top_logprobs"]), int(h["max_stop_ids"]))
+        if size != cls.size_for(geometry):
+            raise ValueError(f"{path} is {size} bytes, its header describes {cls.size_for(geometry)}")
+        return cls(path, mapping, geometry)
+
+    def close(self) -> None:
+        del self.header, self.slots
+        self._map.close()
+
+    def unlink(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+    # -- the ingress's side ------------------------------------------------------------------------------
+
+    def publish(self, slot: int, request: Request) -> int:
+        """Writes a request into a FREE slot, then publishes it. Returns the slot's new sequence number."""
+        g, s = self.geometry, self.slots[slot]
+        if s["state"] != SlotState.FREE:
+            raise RuntimeError(f"slot {slot} is not free")
+        n = len(request.prompt)
+        if not 0 < n <= g.max_prompt_tokens:
+            raise ValueError(f"prompt of {n} tokens does not fit a slot of {g.max_prompt_tokens}")
+        if len(request.stop_token_ids) > g.max_stop_ids:
+            raise ValueError(f"at most {g.max_stop_ids} stop token ids fit a slot")
+        s["prompt"][:n] = request.prompt
+        for field in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                      "presence_penalty", "frequency_penalty", "logprobs", "seed", "priority", "deadline_ns"):
+            s[field] = getattr(request, field)
+        s["prompt_len"] = n
+        s["flags"] = FLAG_IGNORE_EOS if request.ignore_eos else 0
+        s["num_stop_ids"] = len(request.stop_token_ids)
+        s["stop_ids"][: len(request.stop_token_ids)] = request.stop_token_ids
+        s["produced"] = s["consumed"] = s["cancel"] = s["finish_reason"] = 0
+        s["epoch"] = self.header["epoch"]
+        seq = (int(s["seq"]) + 1) & 0xFFFFFFFF
+        s["seq"] = seq
+        s["state"] = SlotState.SUBMITTED  # last
+        return seq
+
+    def read(self, slot: int) -> Output:
+        """Takes every token the engine has published since the last read, and the finish once all are read."""
+        s, window = self.slots[slot], self.geometry.window
+        finished = s["state"] == SlotState.FINISHED  # read before `produced`: then no token can follow it
+        produced, consumed = int(s["produced"]), int(s["consumed"])
+        at = [i % window for i in range(consumed, produced)]
+        out = Output(s["tokens"][at].tolist(), s["logprob"][at].tolist(), s["top_ids"][at].tolist(),
+                     s["top_logprobs"][at].tolist(), Finish(int(s["finish_reason"])) if finished else Finish.NONE)
+        s["consumed"] = produced  # after copying: the engine may now reuse those cells
+        return out
+
+    def cancel(self, slot: int) -> None:
+        self.slots[slot]["cancel"] = 1
+
+    def free(self, slot: int) -> None:
+        s = self.slots[slot]
+        if s["state"] != SlotState.FINISHED:
+            raise RuntimeError(f"slot {slot} has not finished")
+        s["state"] = SlotState.FREE
+
+    # -- the engine's side -------------------------------------------------------------------------------
+
+    def submitted(self) -> np.ndarray:
+        """Slots published under the current epoch and not yet admitted."""
+        states, epochs = self.slots["state"], self.slots["epoch"]
+        return np.flatnonzero((states == SlotState.SUBMITTED) & (epochs == np.uint32(self.header["epoch"])))
+
+    def admit(self, slot: int) -> None:
+        self.slots[slot]["state"] = SlotState.ADMITTED
+
+    def room(self, slot: int) -> int:
+        """Tokens the engine may still write before the ingress reads some."""
+        s = self.slots[slot]
+        return self.geometry.window - (int(s["produced"]) - int(s["consumed"]))
+
+    def emit(self, slot: int, token: int, logprob: float = 0.0, top_ids: list[int] | None = None,
+             top_logprobs: list[float] | None = None) -> None:
+        s = self.slots[slot]
+        produced = int(s["produced"])
+        if produced - int(s["consumed"]) >= self.geometry.window:
+            raise RuntimeError(f"slot {slot}'s output window is full")
+        i = produced % self.geometry.window
+        s["tokens"][i], s["logprob"][i] = token, logprob
+        if top_ids is not None:
+            k = len(top_ids)
+            s["top_ids"][i, :k], s["top_logprobs"][i, :k] = top_ids, top_logprobs
+        s["produced"] = produced + 1  # after the record: publishes it
+
+    def finish(self, slot: int, reason: Finish) -> None:
+        s = self.slots[slot]
+        s["finish_reason"] = reason
+        s["state"] = SlotState.FINISHED  # after every token and the reason
+
+    def heartbeat(self) -> None:
+        self.header["last_step_ns"] = time.monotonic_ns()
+        self.header["steps"] = int(self.header["steps"]) + 1
