@@ -56,7 +56,7 @@ def commit(state: SlotState, pool: PagePool, plan: StepPlan, rows: int, out: Sam
         return None if x is None else _per_slot(S, target, x, fill)
 
     return StepOutput(
-        token=_per_slot(S, target, tok, -1),
+        token=torch.where(reason == FinishReason.ABORT, -1, _per_slot(S, target, tok, -1)),  # aborts emit nothing
         finish_reason=reason,
         logprob=per_slot(out.logprob, 0.0),
         top_ids=per_slot(out.top_ids, -1),

@@ -1,8 +1,8 @@
 """The `host` drive mode: a host loop that calls the step and syncs once per step.
 
-It is the CPU path and the baseline the device loops are measured against. Per step it fills empty
-slots from its queue, plans, reads the live-token count to pick a bucket, runs the step and reads the
-step's outputs back.
+It is the CPU path and the baseline the device loops are measured against. `HostLoop` runs one step over
+whatever requests are resident in the engine's slots and reads its outputs back; `HostDriver` feeds it
+from an in-process queue (the offline API), `blink.engine.table_drive` from the shared slot table.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 import time
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -20,16 +21,75 @@ from blink.engine.sampler import SamplerFeatures
 from blink.engine.sampling_params import SamplingParams
 from blink.engine.state import FinishReason, SlotRequest
 
+FINISH_NAMES = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort"}
+
 
 @dataclass
-class TokenEvent:
-    """One generated token (or none, for a request aborted before producing one) and, last, the finish."""
+class SlotEvent:
+    """What one slot produced in a step: a token (or none, when it was aborted) and, last, its finish."""
 
-    request_id: str
     token: int | None
     logprob: float | None = None
     top_logprobs: dict[int, float] = field(default_factory=dict)
-    finish_reason: str | None = None  # stop | length | abort, on the request's last event
+    finish_reason: str | None = None  # stop | length | abort
+
+
+class HostLoop:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.last_output: StepOutput | None = None  # kept for inspection (tests, debugging)
+
+    @torch.inference_mode()
+    def step(self, resident: Mapping[int, SamplingParams]) -> dict[int, SlotEvent]:
+        """One step over the resident slots (slot -> its request's params); returns each slot's event."""
+        if not resident:
+            return {}
+        features = sampler_features(resident.values())
+        step = self.engine.step
+        plan = step.plan(features)
+        sizes = plan.sizes.tolist()
+        if sizes[0] == 0:
+            return {}  # every resident sequence is paused
+        out = step.run(plan, step.shape_for(sizes), features)
+        self.last_output = out
+        return _events(out, resident, features)
+
+
+def sampler_features(params) -> SamplerFeatures:
+    params = list(params)
+    return SamplerFeatures(
+        penalties=any(p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty for p in params),
+        filtering=any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params),
+        random=any(p.temperature > 0 for p in params),
+        logprobs=any(p.logprobs is not None for p in params),
+    )
+
+
+def _events(out: StepOutput, resident: Mapping[int, SamplingParams],
+            features: SamplerFeatures) -> dict[int, SlotEvent]:
+    tokens, reasons = out.token.tolist(), out.finish_reason.tolist()
+    if features.logprobs:
+        logprob, top_ids, top_lp = out.logprob.tolist(), out.top_ids.tolist(), out.top_logprobs.tolist()
+    events = {}
+    for slot, params in resident.items():
+        token, reason = tokens[slot], reasons[slot]
+        if token < 0 and reason == FinishReason.NONE:
+            continue
+        event = SlotEvent(token if token >= 0 else None)
+        if params.logprobs is not None and token >= 0:
+            event.logprob = logprob[slot]
+            k = params.logprobs
+            event.top_logprobs = dict(zip(top_ids[slot][:k], top_lp[slot][:k], strict=True))
+            event.top_logprobs[token] = logprob[slot]
+        if reason != FinishReason.NONE:
+            event.finish_reason = FINISH_NAMES[FinishReason(reason)]
+        events[slot] = event
+    return events
+
+
+@dataclass
+class TokenEvent(SlotEvent):
+    request_id: str = ""
 
 
 @dataclass
@@ -41,19 +101,22 @@ class _Pending:
     received: float = field(default_factory=time.monotonic)
 
 
-_FINISH_NAMES = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort"}
-
-
 class HostDriver:
+    """Feeds the host loop from an in-process queue: requests wait there until a slot is free."""
+
     def __init__(self, engine: Engine):
         self.engine = engine
         self.state = engine.state
+        self.loop = HostLoop(engine)
         self._queue: deque[_Pending] = deque()
         self._resident: dict[int, _Pending] = {}  # slot -> request
         self._free_slots = list(range(self.state.num_slots - 1, -1, -1))
         self._arrivals = 0
         self._seeds = random.Random(engine.config.seed)
-        self.last_output: StepOutput | None = None  # kept for inspection (tests, debugging)
+
+    @property
+    def last_output(self) -> StepOutput | None:
+        return self.loop.last_output
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     max_tokens: int) -> None:
@@ -64,7 +127,7 @@ class HostDriver:
         for pending in list(self._queue):
             if pending.request_id == request_id:
                 self._queue.remove(pending)
-                return [TokenEvent(request_id, None, finish_reason="abort")]
+                return [TokenEvent(None, finish_reason="abort", request_id=request_id)]
         for slot, pending in self._resident.items():
             if pending.request_id == request_id:
                 self.state.cancel[slot] = True
@@ -73,20 +136,18 @@ class HostDriver:
     def has_work(self) -> bool:
         return bool(self._queue or self._resident)
 
-    @torch.inference_mode()
     def step(self) -> list[TokenEvent]:
         self._fill_slots()
-        if not self._resident:
-            return []
-        features = self._features()
-        step = self.engine.step
-        plan = step.plan(features)
-        sizes = plan.sizes.tolist()
-        if sizes[0] == 0:
-            raise RuntimeError("scheduler planned an empty step while requests are resident")
-        out = step.run(plan, step.shape_for(sizes), features)
-        self.last_output = out
-        return self._collect(out, features)
+        slot_events = self.loop.step({slot: p.params for slot, p in self._resident.items()})
+        events = []
+        for slot, e in slot_events.items():
+            request_id = self._resident[slot].request_id
+            if e.finish_reason:
+                del self._resident[slot]
+                self.state.release_slot(slot)
+                self._free_slots.append(slot)
+            events.append(TokenEvent(e.token, e.logprob, e.top_logprobs, e.finish_reason, request_id=request_id))
+        return events
 
     def _fill_slots(self) -> None:
         while self._queue and self._free_slots:
@@ -101,36 +162,3 @@ class HostDriver:
             ))
             self._arrivals += 1
             self._resident[slot] = pending
-
-    def _features(self) -> SamplerFeatures:
-        params = [p.params for p in self._resident.values()]
-        return SamplerFeatures(
-            penalties=any(p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty for p in params),
-            filtering=any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params),
-            random=any(p.temperature > 0 for p in params),
-            logprobs=any(p.logprobs is not None for p in params),
-        )
-
-    def _collect(self, out: StepOutput, features: SamplerFeatures) -> list[TokenEvent]:
-        tokens = out.token.tolist()
-        reasons = out.finish_reason.tolist()
-        if features.logprobs:
-            logprob, top_ids, top_lp = out.logprob.tolist(), out.top_ids.tolist(), out.top_logprobs.tolist()
-        events = []
-        for slot, pending in list(self._resident.items()):
-            token, reason = tokens[slot], reasons[slot]
-            if token < 0 and reason == FinishReason.NONE:
-                continue
-            event = TokenEvent(pending.request_id, token if token >= 0 else None)
-            wanted = pending.params.logprobs
-            if wanted is not None and token >= 0:
-                event.logprob = logprob[slot]
-                event.top_logprobs = dict(zip(top_ids[slot][:wanted], top_lp[slot][:wanted], strict=True))
-                event.top_logprobs[token] = logprob[slot]
-            if reason != FinishReason.NONE:
-                event.finish_reason = _FINISH_NAMES[FinishReason(reason)]
-                del self._resident[slot]
-                self.state.release_slot(slot)
-                self._free_slots.append(slot)
-            events.append(event)
-        return events

@@ -54,6 +54,7 @@ class SlotState:
         self.priority = zeros(S)
         self.deadline = torch.full((S,), float("inf"), dtype=torch.float64, device=device)
         self.cancel = zeros(S, dtype=torch.bool)
+        self.paused = zeros(S, dtype=torch.bool)  # set while the reader's output window is full
         self.prompt_len = zeros(S)
         self.seq_len = zeros(S)  # prompt + generated tokens
         self.num_computed = zeros(S)  # tokens whose K/V are in the cache
@@ -90,7 +91,7 @@ class SlotState:
             ("temperature", p.temperature), ("top_p", p.top_p), ("top_k", p.top_k), ("min_p", p.min_p),
             ("repetition_penalty", p.repetition_penalty), ("presence_penalty", p.presence_penalty),
             ("frequency_penalty", p.frequency_penalty), ("seed", req.seed),
-            ("finish_reason", FinishReason.NONE), ("cancel", False),
+            ("finish_reason", FinishReason.NONE), ("cancel", False), ("paused", False),
         ):
             getattr(self, name)[slot] = value
         self.stop_ids[slot] = -1

@@ -4,23 +4,43 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
+import os
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
+
+from blink.shared.settings import Settings
+
+
+def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per Settings field; what is not given comes from BLINK_* variables or the defaults."""
+    for name, field in Settings.model_fields.items():
+        parser.add_argument(f"--{name.replace('_', '-')}", dest=name, default=None, help=field.description)
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    given = {name: getattr(args, name) for name in Settings.model_fields if getattr(args, name, None) is not None}
+    return Settings(**given)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="blink", description="Blink: LLM serving off the host's per-token path")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    model = commands.add_parser("model", help="manage checkpoints").add_subparsers(dest="model_command", required=True)
+    for name, text in (("serve", "run the engine and the ingress (the OpenAI API) together"),
+                       ("engine", "run the engine service alone"), ("ingress", "run the ingress service alone")):
+        _add_settings_flags(commands.add_parser(name, help=text))
+
+    model = commands.add_parser("model", help="manage checkpoints").add_subparsers(dest="model_command",
+                                                                                   required=True)
     init = model.add_parser("init", help="write the default random-weight model (to DIR or the cache)")
     init.add_argument("dir", nargs="?", type=Path)
 
     gen = commands.add_parser("generate", help="generate offline on the engine (host drive mode)")
+    gen.add_argument("prompt", nargs="*", help="prompts (default: three examples)")
     gen.add_argument("--model", help="checkpoint directory (default: the built-in random model)")
-    gen.add_argument("--prompt", action="append", help="a prompt; repeat for a batch")
     gen.add_argument("--max-tokens", type=int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
@@ -28,30 +48,78 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--seed", type=int)
     gen.add_argument("--device", default="auto")
     gen.add_argument("--dtype", default="auto")
-    gen.add_argument("--max-num-seqs", type=int)
-    gen.add_argument("--max-num-batched-tokens", type=int)
-    gen.add_argument("--max-model-len", type=int)
 
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "model":
         return _model_init(args.dir)
-    return _generate(args)
+    if args.command == "generate":
+        return _generate(args)
+
+    from blink.shared.logs import configure_logging
+
+    configure_logging(args.command)
+    settings = _settings(args)
+    if args.command == "engine":
+        from blink.services.engine_service import run_engine
+
+        run_engine(settings)
+    elif args.command == "ingress":
+        from blink.services.ingress_service import run_ingress
+
+        run_ingress(settings)
+    else:
+        return _serve(settings)
+    return 0
+
+
+def _serve(settings: Settings) -> int:
+    """Starts the engine, waits for its handshake, starts the ingress; SIGTERM drains both in order."""
+    from blink.services.ingress_service import handshake
+
+    env = os.environ | {f"BLINK_{k.upper()}": str(v) for k, v in settings.model_dump().items() if v is not None}
+    blink = [sys.executable, "-m", "blink.services.cli"]
+    engine = subprocess.Popen([*blink, "engine"], env=env)
+    stopping = False
+
+    def stop(*_) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    ingress = None
+    try:
+        handshake(settings, timeout_s=600)
+        ingress = subprocess.Popen([*blink, "ingress"], env=env)
+        print(f"blink serving at http://{settings.host}:{settings.port}/v1 "
+              f"(engine pid {engine.pid}, ingress pid {ingress.pid})", flush=True)
+        while not stopping and engine.poll() is None and ingress.poll() is None:
+            time.sleep(0.2)
+    finally:
+        for proc, grace in ((ingress, settings.shutdown_timeout + 5), (engine, 30)):
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(grace)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+    return 0 if stopping else 1
 
 
 def _model_init(target: Path | None) -> int:
     from blink.engine.default_model import default_model_dir, write_default_model
 
-    path = write_default_model(target or default_model_dir())
-    print(path)
+    print(write_default_model(target or default_model_dir()))
     return 0
 
 
 def _generate(args: argparse.Namespace) -> int:
+    import logging
+
     from blink.engine import LLM, SamplingParams
 
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    llm = LLM(args.model, device=args.device, dtype=args.dtype)
     prompts = args.prompt or ["The quick brown fox", "Once upon a time", "Question: What is two plus two?"]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)

@@ -23,6 +23,10 @@ class Tokenizer:
         self.chat_template: str | None = self.config.get("chat_template")
 
     @property
+    def raw(self) -> _HFTokenizer:
+        return self._tok
+
+    @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 

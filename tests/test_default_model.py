@@ -44,5 +44,5 @@ def test_no_model_means_the_default_model():
 def test_blink_generate_runs(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "blink.services.cli", "generate", "--model", str(write_default_model(tmp_path / "m")),
-         "--prompt", "Hi there", "--max-tokens", "4"], capture_output=True, text=True, check=True)
+         "Hi there", "--max-tokens", "4"], capture_output=True, text=True, check=True)
     assert '"tokens": 4' in result.stdout

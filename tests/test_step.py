@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from blink.engine import LLM, SamplingParams
-from blink.engine.host_drive import HostDriver
+from blink.engine.host_drive import HostDriver, _events
 from blink.engine.kv_cache import PagePool
 from blink.engine.model_config import ModelConfig, RopeScaling
 from blink.engine.sampler import SamplerFeatures
@@ -44,12 +44,17 @@ def test_plan_and_run_never_read_tensors_on_the_host(checkpoint):
     steps = 0
     while driver.has_work():
         driver._fill_slots()
+        resident = {slot: p.params for slot, p in driver._resident.items()}
         with host_reads_forbidden():
             plan = step.plan(features)
         shape = step.shape_for(plan.sizes.tolist())  # the one read the host loop is allowed
         with host_reads_forbidden():
             out = step.run(plan, shape, features)
-        driver._collect(out, features)
+        for slot, event in _events(out, resident, features).items():
+            if event.finish_reason:
+                del driver._resident[slot]
+                driver.state.release_slot(slot)
+                driver._free_slots.append(slot)
         steps += 1
     assert steps > 6  # chunked prefill, then decodes
 

@@ -1,0 +1,281 @@
+"""The OpenAI-compatible HTTP API: completions, chat, models, tokenize, health, readiness, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import structlog
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from blink.ingress.chat import render_chat
+from blink.ingress.errors import APIError, api_error_handler, http_error_handler, validation_error_handler
+from blink.ingress.generate import Delta, choice_deltas, merged, slot_request
+from blink.ingress.metrics import Metrics
+from blink.ingress.protocol import (
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    SamplingFields,
+    TokenizeRequest,
+)
+from blink.ingress.slots import Overloaded, SlotClient
+from blink.shared.control import EngineInfo, EngineStatus
+from blink.shared.slot_table import EngineState
+from blink.shared.tokenizer import Tokenizer
+
+log = structlog.get_logger()
+READY_HEARTBEAT_S = 2.0
+
+
+@dataclass
+class IngressState:
+    info: EngineInfo
+    tokenizer: Tokenizer
+    client: SlotClient
+    metrics: Metrics
+    api_key: str | None = None
+    engine_status: Callable[[], EngineStatus | None] = lambda: None
+    draining: bool = False
+    in_flight: int = 0
+    seeds: secrets.SystemRandom = field(default_factory=secrets.SystemRandom)
+
+
+def create_app(state: IngressState) -> FastAPI:
+    app = FastAPI(title="Blink", docs_url=None, redoc_url=None)
+    app.state.blink = state
+    app.add_exception_handler(APIError, api_error_handler)
+    app.add_exception_handler(RequestValidationError, validation_error_handler)
+    app.add_exception_handler(StarletteHTTPException, http_error_handler)
+
+    @app.middleware("http")
+    async def request_context(request: Request, call_next):
+        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        structlog.contextvars.bind_contextvars(request_id=request_id[:128])
+        try:
+            if request.url.path.startswith("/v1/"):
+                _check_key(state, request)
+                if state.draining:
+                    raise APIError(503, "the server is shutting down", "service_unavailable", code="draining")
+            response = await call_next(request)
+        except APIError as e:
+            response = await api_error_handler(request, e)
+        response.headers["x-request-id"] = request_id[:128]
+        structlog.contextvars.unbind_contextvars("request_id")
+        return response
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        header = state.client.table.header
+        engine_state = EngineState(int(header["engine_state"]))
+        idle_s = (time.monotonic_ns() - int(header["last_step_ns"])) / 1e9
+        ok = not state.draining and engine_state == EngineState.READY and idle_s < READY_HEARTBEAT_S
+        body = {"ready": ok, "engine": engine_state.name.lower(), "heartbeat_age_s": round(idle_s, 3),
+                "draining": state.draining, "drive": state.info.drive, "transport": "shm", "degraded": False}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        status = await asyncio.to_thread(state.engine_status)
+        used, total, preempt = (status.kv_pages_used, status.kv_pages_total, status.preemptions) if status else (
+            None, None, None)
+        return Response(state.metrics.render(state.client, used, total, preempt), media_type="text/plain")
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": state.info.model, "object": "model", "created": 0,
+                                            "owned_by": "blink", "max_model_len": state.info.max_model_len}]}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict:
+        ids = state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return {"tokens": ids, "count": len(ids), "max_model_len": state.info.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        _check_token_ids(state, body.tokens, "tokens")
+        return {"prompt": state.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        prompts = _completion_prompts(state, body)
+        if len(prompts) * body.n > 16:
+            raise APIError(400, "at most 16 choices (prompts times n) per request", param="n")
+        jobs = [(p, i * body.n + j) for i, p in enumerate(prompts) for j in range(body.n)]
+        return await _respond(state, body, jobs, body.max_tokens, body.logprobs, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest, request: Request):
+        if state.tokenizer.chat_template is None:
+            raise APIError(400, "this model has no chat template", param="messages")
+        text = render_chat(state.tokenizer, body.messages, body.add_generation_prompt)
+        prompt = state.tokenizer.encode(text, add_special_tokens=False)
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        jobs = [(prompt, j) for j in range(body.n)]
+        return await _respond(state, body, jobs, body.max_completion_tokens or body.max_tokens, logprobs, chat=True)
+
+    return app
+
+
+def _check_key(state: IngressState, request: Request) -> None:
+    if state.api_key is None:
+        return
+    given = request.headers.get("authorization", "")
+    if not secrets.compare_digest(given.encode(), f"Bearer {state.api_key}".encode()):
+        raise APIError(401, "invalid or missing API key", "authentication_error", code="invalid_api_key")
+
+
+def _check_model(state: IngressState, model: str) -> None:
+    if model != state.info.model:
+        raise APIError(400, f"the model {model[:100]!r} does not exist; this server serves {state.info.model!r}",
+                       param="model", code="model_not_found")
+
+
+def _check_token_ids(state: IngressState, ids: list[int], param: str) -> None:
+    if any(not 0 <= t < state.info.vocab_size for t in ids):
+        raise APIError(400, f"token ids must be in [0, {state.info.vocab_size})", param=param)
+
+
+def _completion_prompts(state: IngressState, body: CompletionRequest) -> list[list[int]]:
+    p = body.prompt
+    if isinstance(p, str):
+        prompts = [state.tokenizer.encode(p)]
+    elif p and isinstance(p[0], str):
+        prompts = [state.tokenizer.encode(s) for s in p]
+    elif p and isinstance(p[0], list):
+        prompts = [list(x) for x in p]
+    else:
+        prompts = [list(p)]
+    if not prompts or any(not x for x in prompts):
+        raise APIError(400, "the prompt is empty", param="prompt")
+    for x in prompts:
+        _check_token_ids(state, x, "prompt")
+    return prompts
+
+
+async def _respond(state: IngressState, body: SamplingFields, jobs: list[tuple[list[int], int]],
+                   max_tokens: int | None, logprobs: int | None, chat: bool):
+    _check_model(state, body.model)
+    limit = state.info.max_model_len
+    requests = []
+    for prompt, index in jobs:
+        room = limit - len(prompt)
+        if room < 1 or (max_tokens is not None and max_tokens > room):
+            asked = max_tokens if max_tokens is not None else 1
+            raise APIError(400, f"this model's maximum context length is {limit} tokens, but {len(prompt)} prompt "
+                           f"tokens and {asked} completion tokens were requested", param="max_tokens" if room >= 1
+                           else ("messages" if chat else "prompt"), code="context_length_exceeded")
+        seed = body.seed + index if body.seed is not None else state.seeds.getrandbits(63)
+        requests.append((slot_request(prompt, body, max_tokens or room, logprobs, seed), index))
+    choices = [choice_deltas(state.client, state.tokenizer, r, body, i, state.metrics) for r, i in requests]
+    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+    shape = _Shape(rid, int(time.time()), state.info.model, chat, state.tokenizer)
+    prompt_tokens = sum(len(p) for p, _ in jobs)
+    state.in_flight += 1
+    deltas = merged(choices)
+    try:
+        first = await anext(deltas, None)  # surfaces 429 before any byte is sent
+    except Overloaded:
+        state.in_flight -= 1
+        await deltas.aclose()
+        raise APIError(429, "the server is at capacity; retry shortly", "rate_limit_error",
+                       code="overloaded", headers={"Retry-After": "1"}) from None
+    except BaseException:
+        state.in_flight -= 1
+        raise
+    if body.stream:
+        usage = body.stream_options.include_usage if body.stream_options else False
+        return StreamingResponse(_sse(state, shape, first, deltas, prompt_tokens, usage),
+                                 media_type="text/event-stream")
+    try:
+        return _collect(shape, first, [d async for d in deltas], len(jobs), prompt_tokens)
+    finally:
+        state.in_flight -= 1
+
+
+@dataclass
+class _Shape:
+    id: str
+    created: int
+    model: str
+    chat: bool
+    tokenizer: Tokenizer
+
+    def logprobs(self, delta: Delta) -> dict | None:
+        if not delta.logprobs:
+            return None
+        tok = self.tokenizer.id_to_token
+        if self.chat:
+            return {"content": [{"token": tok(lp.token_id), "logprob": lp.logprob, "bytes": None,
+                                 "top_logprobs": [{"token": tok(t), "logprob": v, "bytes": None} for t, v in lp.top]}
+                                for lp in delta.logprobs]}
+        return {"tokens": [tok(lp.token_id) for lp in delta.logprobs],
+                "token_logprobs": [lp.logprob for lp in delta.logprobs],
+                "top_logprobs": [{tok(t): v for t, v in lp.top} | {tok(lp.token_id): lp.logprob}
+                                 for lp in delta.logprobs],
+                "text_offset": []}
+
+    def chunk(self, delta: Delta) -> dict:
+        choice = {"index": delta.index, "logprobs": self.logprobs(delta), "finish_reason": delta.finish_reason}
+        if self.chat:
+            choice["delta"] = {"role": "assistant", "content": delta.text}
+            return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+                    "choices": [choice]}
+        choice["text"] = delta.text
+        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                "choices": [choice]}
+
+
+async def _sse(state: IngressState, shape: _Shape, first: Delta | None, deltas: AsyncIterator[Delta],
+               prompt_tokens: int, include_usage: bool) -> AsyncIterator[str]:
+    completion_tokens = 0
+    try:
+        delta = first
+        while delta is not None:
+            completion_tokens += len(delta.token_ids)
+            yield f"data: {json.dumps(shape.chunk(delta))}\n\n"
+            delta = await anext(deltas, None)
+        if include_usage:
+            usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                     "total_tokens": prompt_tokens + completion_tokens}
+            kind = "chat.completion.chunk" if shape.chat else "text_completion"
+            yield f"data: {json.dumps({'id': shape.id, 'object': kind, 'created': shape.created, 'model': shape.model, 'choices': [], 'usage': usage})}\n\n"  # noqa: E501
+        yield "data: [DONE]\n\n"
+    finally:
+        await deltas.aclose()
+        state.in_flight -= 1
+
+
+def _collect(shape: _Shape, first: Delta | None, rest: list[Delta], num_choices: int, prompt_tokens: int) -> dict:
+    by_index: dict[int, list[Delta]] = {}
+    for delta in ([first] if first else []) + rest:
+        by_index.setdefault(delta.index, []).append(delta)
+    choices, completion_tokens = [], 0
+    for index in range(num_choices):
+        parts = by_index.get(index, [])
+        merged_delta = Delta(index, "".join(d.text for d in parts), [t for d in parts for t in d.token_ids],
+                             [lp for d in parts for lp in d.logprobs], next((d.finish_reason for d in reversed(parts)
+                                                                              if d.finish_reason), None))
+        completion_tokens += len(merged_delta.token_ids)
+        choice = {"index": index, "logprobs": shape.logprobs(merged_delta), "finish_reason": merged_delta.finish_reason}
+        if shape.chat:
+            choice["message"] = {"role": "assistant", "content": merged_delta.text}
+        else:
+            choice["text"] = merged_delta.text
+        choices.append(choice)
+    return {"id": shape.id, "object": "chat.completion" if shape.chat else "text_completion",
+            "created": shape.created, "model": shape.model, "choices": choices,
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                      "total_tokens": prompt_tokens + completion_tokens}}

@@ -1,0 +1,44 @@
+"""Incremental detokenization that never splits a character, with stop strings held back until decided."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
+
+
+@dataclass
+class TextDelta:
+    text: str
+    stopped: bool = False  # a stop string matched: the request ends here
+
+
+@dataclass
+class Detokenizer:
+    tokenizer: Tokenizer
+    stop: list[str] = field(default_factory=list)
+    include_stop: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        self._stream = DecodeStream(skip_special_tokens=self.skip_special_tokens)
+        self._pending = ""  # decoded text not yet released: it may start a stop string
+        self._hold = max((len(s) for s in self.stop), default=1) - 1
+
+    def push(self, token_id: int) -> TextDelta:
+        piece = self._stream.step(self.tokenizer, token_id) or ""
+        text = self._pending + piece
+        for stop in self.stop:
+            at = text.find(stop)
+            if at >= 0:
+                self._pending = ""
+                return TextDelta(text[: at + len(stop)] if self.include_stop else text[:at], stopped=True)
+        keep = min(self._hold, len(text))
+        self._pending = text[len(text) - keep:] if keep else ""
+        return TextDelta(text[: len(text) - keep])
+
+    def flush(self) -> str:
+        """What is held back, once the request has ended without a stop string."""
+        text, self._pending = self._pending, ""
+        return text

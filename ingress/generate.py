@@ -1,0 +1,119 @@
+"""One request's choices: publish each into a slot, turn its tokens into text deltas, merge the choices."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from blink.ingress.detokenize import Detokenizer
+from blink.ingress.metrics import Metrics
+from blink.ingress.protocol import SamplingFields
+from blink.ingress.slots import SlotClient
+from blink.shared.slot_table import Finish, Request
+from blink.shared.tokenizer import Tokenizer
+
+FINISH_NAMES = {Finish.STOP: "stop", Finish.LENGTH: "length", Finish.ABORT: "abort"}
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class Delta:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+def slot_request(prompt: list[int], fields: SamplingFields, max_tokens: int, logprobs: int | None,
+                 seed: int) -> Request:
+    return Request(
+        prompt=prompt, max_tokens=max_tokens, temperature=fields.temperature, top_p=fields.top_p,
+        top_k=fields.top_k, min_p=fields.min_p, repetition_penalty=fields.repetition_penalty,
+        presence_penalty=fields.presence_penalty, frequency_penalty=fields.frequency_penalty,
+        logprobs=-1 if logprobs is None else logprobs, seed=seed, priority=fields.priority,
+        ignore_eos=fields.ignore_eos, stop_token_ids=tuple(fields.stop_token_ids),
+    )
+
+
+async def choice_deltas(client: SlotClient, tokenizer: Tokenizer, request: Request, fields: SamplingFields,
+                        index: int, metrics: Metrics) -> AsyncIterator[Delta]:
+    detok = Detokenizer(tokenizer.raw, fields.stop, fields.include_stop_str_in_output, fields.skip_special_tokens)
+    stream = await client.submit(request)
+    k = max(request.logprobs, 0)
+    first_at = last_at = None
+    generated = 0
+    outputs = client.outputs(stream)
+    try:
+        async for out in outputs:
+            now = time.monotonic()
+            delta = Delta(index)
+            for i, token in enumerate(out.tokens):
+                generated += 1
+                delta.token_ids.append(token)
+                if request.logprobs >= 0:
+                    top = list(zip(out.top_ids[i][:k], out.top_logprobs[i][:k], strict=True))
+                    delta.logprobs.append(TokenLogprob(token, out.logprobs[i], top))
+                piece = detok.push(token)
+                delta.text += piece.text
+                if piece.stopped:
+                    delta.finish_reason = "stop"
+                    break
+            if out.tokens:
+                if first_at is None:
+                    first_at = now
+                    metrics.ttft.observe(now - stream.submitted_at)
+                elif last_at is not None:
+                    metrics.itl.observe((now - last_at) / len(out.tokens))
+                last_at = now
+            if delta.finish_reason is None and out.finish != Finish.NONE:
+                delta.text += detok.flush()
+                delta.finish_reason = FINISH_NAMES[out.finish]
+            if delta.text or delta.token_ids or delta.finish_reason:
+                yield delta
+            if delta.finish_reason:
+                break
+    finally:
+        await outputs.aclose()  # cancels the slot's request when the choice ended early
+        metrics.finished(stream, generated, len(request.prompt))
+
+
+async def merged(choices: list[AsyncIterator[Delta]]) -> AsyncIterator[Delta]:
+    """Interleaves the choices' deltas as they come."""
+    if len(choices) == 1:
+        async for delta in choices[0]:
+            yield delta
+        return
+    queue: asyncio.Queue[Delta | BaseException | None] = asyncio.Queue()
+
+    async def pump(choice: AsyncIterator[Delta]) -> None:
+        try:
+            async for delta in choice:
+                await queue.put(delta)
+        except BaseException as e:  # handed to the consumer, which re-raises it
+            await queue.put(e)
+        finally:
+            await queue.put(None)
+
+    tasks = [asyncio.create_task(pump(c)) for c in choices]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()

@@ -1,0 +1,133 @@
+"""The ingress's side of the slot table: take a free slot, publish a request, stream its outputs back.
+
+One poller task reads every busy slot's output window and hands the records to that request's queue; a
+request whose reader falls behind is not read further, so its window fills and the engine pauses it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from blink.shared.slot_table import Finish, Output, Request, SlotState, SlotTable
+
+POLL_S = 0.0005
+
+
+class Overloaded(Exception):
+    """Every slot is busy and the waiting line is full."""
+
+
+@dataclass
+class Stream:
+    slot: int
+    queue: asyncio.Queue[Output]
+    submitted_at: float = field(default_factory=time.monotonic)
+    admitted_at: float | None = None
+    abandoned: bool = False  # the consumer went away: outputs are dropped until the engine aborts it
+
+
+class SlotClient:
+    def __init__(self, table: SlotTable, max_waiting: int):
+        self.table = table
+        self.max_waiting = max_waiting
+        self._free = deque(i for i in range(table.geometry.num_slots) if table.slots[i]["state"] == SlotState.FREE)
+        self._waiters: deque[asyncio.Future[int]] = deque()
+        self._busy: dict[int, Stream] = {}
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    @property
+    def running(self) -> int:
+        return len(self._busy)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters)
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._poll())
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+
+    async def submit(self, request: Request) -> Stream:
+        slot = await self._acquire()
+        try:
+            self.table.publish(slot, request)
+        except Exception:
+            self._release(slot)
+            raise
+        stream = Stream(slot, asyncio.Queue())
+        self._busy[slot] = stream
+        self._wake.set()
+        return stream
+
+    async def outputs(self, stream: Stream) -> AsyncIterator[Output]:
+        """Yields the stream's records until its finish; cancels the request if the consumer goes away."""
+        finished = False
+        try:
+            while not finished:
+                out = await stream.queue.get()
+                finished = out.finish != Finish.NONE
+                yield out
+        finally:
+            if not finished:
+                stream.abandoned = True
+                self.table.cancel(stream.slot)
+
+    async def _acquire(self) -> int:
+        if self._free:
+            return self._free.popleft()
+        if len(self._waiters) >= self.max_waiting:
+            raise Overloaded
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        try:
+            return await waiter
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():
+                self._release(waiter.result())
+            else:
+                self._waiters.remove(waiter)
+            raise
+
+    def _release(self, slot: int) -> None:
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(slot)
+                return
+        self._free.append(slot)
+
+    async def _poll(self) -> None:
+        slots = self.table.slots
+        while True:
+            if not self._busy:
+                self._wake.clear()
+                await self._wake.wait()
+            busy = np.fromiter(self._busy, dtype=np.int64)
+            records = slots[busy]
+            news = (records["produced"] != records["consumed"]) | (records["state"] == SlotState.FINISHED)
+            now = time.monotonic()
+            for slot, admitted in zip(busy[news].tolist(), (records["state"][news] != SlotState.SUBMITTED).tolist(),
+                                      strict=True):
+                stream = self._busy[slot]
+                if admitted and stream.admitted_at is None:
+                    stream.admitted_at = now
+                if stream.queue.qsize() > self.table.geometry.window and not stream.abandoned:
+                    continue  # the reader is behind: leave the window full so the engine pauses
+                out = self.table.read(slot)
+                if not stream.abandoned:
+                    stream.queue.put_nowait(out)
+                if out.finish != Finish.NONE:
+                    del self._busy[slot]
+                    self.table.free(slot)
+                    self._release(slot)
+            await asyncio.sleep(POLL_S)

@@ -1,0 +1,119 @@
+"""The engine service: owns the slot table, runs the drive loop over it, answers the control plane."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import structlog
+import zmq
+
+from blink.engine.engine import Engine, EngineConfig
+from blink.engine.table_drive import TableDriver
+from blink.shared import control
+from blink.shared.settings import Settings
+from blink.shared.slot_table import EngineState, Geometry, SlotTable
+
+log = structlog.get_logger()
+
+STALE_AFTER_S = 5.0  # a table whose engine has not stepped for this long belongs to a dead engine
+
+
+def open_table(name: str, geometry: Geometry) -> SlotTable:
+    """Creates the deployment's slot table, replacing one a dead engine left behind (with a new epoch)."""
+    epoch = 1
+    if SlotTable.path_for(name).exists():
+        old = SlotTable.attach(name)
+        idle_s = (time.monotonic_ns() - int(old.header["last_step_ns"])) / 1e9
+        alive = old.header["engine_state"] not in (EngineState.STOPPED,) and idle_s < STALE_AFTER_S
+        epoch = int(old.header["epoch"]) + 1
+        old.close()
+        if alive:
+            raise RuntimeError(f"deployment {name!r} already has a live engine (slot table {old.path})")
+        old.unlink()
+    return SlotTable.create(name, geometry, epoch=epoch)
+
+
+class EngineService:
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.engine = Engine(EngineConfig(
+            model=settings.model, device=settings.device, dtype=settings.dtype, max_num_seqs=settings.max_num_seqs,
+            max_num_batched_tokens=settings.max_num_batched_tokens, max_model_len=settings.max_model_len,
+            num_pages=settings.num_pages,
+        ))
+        geometry = Geometry(num_slots=self.engine.state.num_slots, max_prompt_tokens=self.engine.max_model_len,
+                            window=settings.window)
+        self.table = open_table(settings.deployment, geometry)
+        self.driver = TableDriver(self.engine, self.table)
+        self._stop = threading.Event()
+        self.info = control.EngineInfo(
+            slot_table=settings.deployment, epoch=int(self.table.header["epoch"]),
+            model=settings.served_model_name or self.engine.model_dir.name, model_dir=str(self.engine.model_dir),
+            max_model_len=self.engine.max_model_len,
+            vocab_size=self.engine.model_config.vocab_size,
+            eos_token_ids=list(self.engine.generation.eos_token_ids), device=str(self.engine.device), drive="host",
+        )
+
+    def run(self) -> None:
+        signal.signal(signal.SIGTERM, lambda *_: self._stop.set())
+        signal.signal(signal.SIGINT, lambda *_: self._stop.set())
+        control_thread = threading.Thread(target=self._serve_control, name="control", daemon=True)
+        control_thread.start()
+        self.table.header["engine_state"] = EngineState.READY
+        log.info("engine ready", **self.info.model_dump(exclude={"type"}), slots=self.table.geometry.num_slots)
+        idle_s = 0.0
+        try:
+            while not self._stop.is_set():
+                if self.driver.step():
+                    idle_s = 0.0
+                    continue
+                self.table.heartbeat()  # idle is alive too
+                idle_s = min(0.005, idle_s * 2 or 0.0002)  # back off, but wake within ~5 ms
+                time.sleep(idle_s)
+        finally:
+            self.table.header["engine_state"] = EngineState.STOPPED
+            self.table.close()
+            self.table.unlink()
+            log.info("engine stopped")
+
+    def _serve_control(self) -> None:
+        ctx = zmq.Context.instance()
+        sock = ctx.socket(zmq.REP)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind(self.settings.control_endpoint)
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(100):
+                continue
+            try:
+                reply = self._handle(control.decode(sock.recv()))
+            except ValueError as e:
+                reply = control.Failure(message=str(e)[:200])
+            sock.send(control.encode(reply))
+        sock.close()
+
+    def _handle(self, message: control.Message) -> control.Message:
+        if isinstance(message, control.Hello):
+            return self.info
+        if isinstance(message, control.GetStatus):
+            state, pool = self.engine.state, self.engine.pool
+            return control.EngineStatus(
+                state=EngineState(int(self.table.header["engine_state"])).name.lower(),
+                epoch=self.info.epoch, steps=int(self.table.header["steps"]), running=len(self.driver.resident),
+                kv_pages_used=pool.usable_pages - int(pool.num_free), kv_pages_total=pool.usable_pages,
+                preemptions=int(state.num_preemptions),
+            )
+        if isinstance(message, control.Drain):
+            self.table.header["engine_state"] = EngineState.DRAINING
+            return control.Ack()
+        if isinstance(message, control.Stop):
+            self._stop.set()
+            return control.Ack()
+        return control.Failure(message=f"unexpected message {message.type!r}")
+
+
+def run_engine(settings: Settings) -> None:
+    EngineService(settings).run()

@@ -1,0 +1,86 @@
+"""The ingress service: handshake with the engine, map its slot table, serve HTTP until drained."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import structlog
+import uvicorn
+import uvloop
+
+from blink.ingress.app import IngressState, create_app
+from blink.ingress.metrics import Metrics
+from blink.ingress.slots import SlotClient
+from blink.shared import control
+from blink.shared.settings import Settings
+from blink.shared.slot_table import SlotTable
+from blink.shared.tokenizer import Tokenizer
+
+log = structlog.get_logger()
+
+
+def handshake(settings: Settings, timeout_s: float) -> control.EngineInfo:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            reply = control.request(settings.control_endpoint, control.Hello(), timeout_s=1.0)
+            if isinstance(reply, control.EngineInfo):
+                return reply
+        except TimeoutError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no engine answered at {settings.control_endpoint} within {timeout_s} s")
+        time.sleep(0.2)
+
+
+class DrainingServer(uvicorn.Server):
+    """On SIGTERM or SIGINT: answer new requests 503, let in-flight ones finish (within the timeout), exit."""
+
+    def __init__(self, config: uvicorn.Config, state: IngressState, timeout_s: float):
+        super().__init__(config)
+        self.blink, self.timeout_s = state, timeout_s
+
+    def handle_exit(self, sig, frame) -> None:
+        if self.blink.draining:
+            return super().handle_exit(sig, frame)  # a second signal: stop now
+        self.blink.draining = True
+        log.info("draining", in_flight=self.blink.in_flight, timeout_s=self.timeout_s)
+        asyncio.get_event_loop().call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain(sig, frame)))
+
+    async def _drain(self, sig, frame) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        while self.blink.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        log.info("drained", unfinished=self.blink.in_flight)
+        super().handle_exit(sig, frame)
+
+
+async def serve(settings: Settings, info: control.EngineInfo) -> None:
+    table = SlotTable.attach(info.slot_table)
+    client = SlotClient(table, settings.max_waiting)
+    client.start()
+
+    def engine_status() -> control.EngineStatus | None:
+        try:
+            reply = control.request(settings.control_endpoint, control.GetStatus(), timeout_s=0.5)
+        except TimeoutError:
+            return None
+        return reply if isinstance(reply, control.EngineStatus) else None
+
+    state = IngressState(info=info, tokenizer=Tokenizer(info.model_dir), client=client,
+                         metrics=Metrics(info.model, info.drive, "shm"), api_key=settings.api_key,
+                         engine_status=engine_status)
+    config = uvicorn.Config(create_app(state), host=settings.host, port=settings.port, loop="none",
+                            log_config=None, access_log=False, timeout_graceful_shutdown=settings.shutdown_timeout)
+    server = DrainingServer(config, state, settings.shutdown_timeout)
+    try:
+        await server.serve()
+    finally:
+        await client.stop()
+
+
+def run_ingress(settings: Settings, engine_timeout_s: float = 600.0) -> None:
+    info = handshake(settings, engine_timeout_s)
+    log.info("ingress starting", url=f"http://{settings.host}:{settings.port}", model=info.model, epoch=info.epoch)
+    uvloop.run(serve(settings, info))

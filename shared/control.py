@@ -1,0 +1,85 @@
+"""Control-plane messages (pydantic) and their ZeroMQ framing: one JSON frame per message."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, Field, TypeAdapter
+
+
+class Hello(BaseModel):
+    type: Literal["hello"] = "hello"
+
+
+class GetStatus(BaseModel):
+    type: Literal["status"] = "status"
+
+
+class Drain(BaseModel):
+    type: Literal["drain"] = "drain"
+
+
+class Stop(BaseModel):
+    type: Literal["stop"] = "stop"
+
+
+class EngineInfo(BaseModel):
+    type: Literal["engine_info"] = "engine_info"
+    slot_table: str
+    epoch: int
+    model: str
+    model_dir: str  # where the ingress finds the tokenizer and chat template
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    device: str
+    drive: str
+
+
+class EngineStatus(BaseModel):
+    type: Literal["engine_status"] = "engine_status"
+    state: str
+    epoch: int
+    steps: int
+    running: int
+    kv_pages_used: int
+    kv_pages_total: int
+    preemptions: int
+
+
+class Ack(BaseModel):
+    type: Literal["ack"] = "ack"
+
+
+class Failure(BaseModel):
+    type: Literal["error"] = "error"
+    message: str
+
+
+Message = Annotated[Hello | GetStatus | Drain | Stop | EngineInfo | EngineStatus | Ack | Failure,
+                    Field(discriminator="type")]
+_adapter: TypeAdapter[Message] = TypeAdapter(Message)
+
+
+def encode(message: BaseModel) -> bytes:
+    return message.model_dump_json().encode()
+
+
+def decode(frame: bytes) -> Message:
+    return _adapter.validate_json(frame)
+
+
+def request(endpoint: str, message: BaseModel, timeout_s: float = 1.0) -> Message:
+    """One request/reply over a fresh REQ socket; raises TimeoutError when nobody answers in time."""
+    import zmq
+
+    sock = zmq.Context.instance().socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(endpoint)
+        sock.send(encode(message))
+        if not sock.poll(int(timeout_s * 1000)):
+            raise TimeoutError(f"no answer from {endpoint} within {timeout_s} s")
+        return decode(sock.recv())
+    finally:
+        sock.close()

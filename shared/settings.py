@@ -1,0 +1,31 @@
+"""Deployment settings: CLI flags override `BLINK_*` environment variables, which override the defaults."""
+
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="BLINK_", extra="forbid")
+
+    deployment: str = Field("default", pattern=r"^[A-Za-z0-9_.-]+$", description="names the slot table and sockets")
+    model: str | None = Field(None, description="checkpoint directory; the default random model when unset")
+    served_model_name: str | None = None
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    device: str = "auto"
+    dtype: str = "auto"
+    max_num_seqs: int | None = Field(None, ge=1)
+    max_num_batched_tokens: int | None = Field(None, ge=1)
+    max_model_len: int | None = Field(None, ge=2)
+    num_pages: int | None = Field(None, ge=2)
+    window: int = Field(64, ge=1, description="output tokens a slot buffers before the engine pauses it")
+    max_waiting: int = Field(256, ge=0, description="requests that may wait for a slot before 429")
+    api_key: str | None = None
+    shutdown_timeout: float = Field(30.0, ge=0)
+    runtime_dir: str = "/tmp"
+
+    @property
+    def control_endpoint(self) -> str:
+        return f"ipc://{self.runtime_dir}/blink-{self.deployment}-control"
