@@ -17,7 +17,7 @@ import torch
 
 from blink.engine.commit import StepOutput
 from blink.engine.engine import Engine
-from blink.engine.sampler import SamplerFeatures
+from blink.engine.sampler import GREEDY_BELOW, SamplerFeatures
 from blink.engine.sampling_params import SamplingParams
 from blink.engine.state import FinishReason, SlotRequest
 
@@ -48,8 +48,8 @@ class HostLoop:
         step = self.engine.step
         plan = step.plan(features)
         sizes = plan.sizes.tolist()
-        if sizes[0] == 0:
-            return {}  # every resident sequence is paused
+        if sizes[0] == 0 and not self.engine.state.cancel[list(resident)].any():
+            return {}  # every resident sequence is paused; a cancelled one still needs the commit to end it
         out = step.run(plan, step.shape_for(sizes), features)
         self.last_output = out
         return _events(out, resident, features)
@@ -60,7 +60,7 @@ def sampler_features(params) -> SamplerFeatures:
     return SamplerFeatures(
         penalties=any(p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty for p in params),
         filtering=any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params),
-        random=any(p.temperature > 0 for p in params),
+        random=any(p.temperature >= GREEDY_BELOW for p in params),
         logprobs=any(p.logprobs is not None for p in params),
     )
 
@@ -132,6 +132,10 @@ class HostDriver:
             if pending.request_id == request_id:
                 self.state.cancel[slot] = True
         return []
+
+    def abort_all(self) -> None:
+        for pending in list(self._queue) + list(self._resident.values()):
+            self.abort(pending.request_id)
 
     def has_work(self) -> bool:
         return bool(self._queue or self._resident)

@@ -46,6 +46,7 @@ class LLM:
 
         # Validate every request before any is queued, so one bad prompt loses nothing.
         requests = [self._prepare(p, sp) for p, sp in zip(prompts, sampling_params, strict=True)]
+        self._driver.abort_all()  # what an interrupted call left behind
         outputs: dict[str, RequestOutput] = {}
         for out, params, max_tokens in requests:
             outputs[out.request_id] = out
@@ -54,7 +55,9 @@ class LLM:
             self._driver.add_request(out.request_id, out.prompt_token_ids, params, max_tokens)
         while self._driver.has_work():
             for event in self._driver.step():
-                out = outputs[event.request_id]
+                out = outputs.get(event.request_id)
+                if out is None:
+                    continue  # an aborted leftover
                 if event.token is not None:
                     out.token_ids.append(event.token)
                     if out.logprobs is not None:

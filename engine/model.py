@@ -23,6 +23,7 @@ class LayerWeights:
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
     o_proj: torch.Tensor
+    o_proj_bias: torch.Tensor | None
     post_norm: torch.Tensor
     gate_up: torch.Tensor  # gate and up projections fused: [2 * intermediate, hidden]
     down: torch.Tensor
@@ -37,6 +38,8 @@ def checkpoint_tensor_names(cfg: ModelConfig) -> list[str]:
         names += [p + f"self_attn.{n}_proj.weight" for n in ("q", "k", "v", "o")]
         if cfg.attention_bias:
             names += [p + f"self_attn.{n}_proj.bias" for n in ("q", "k", "v")]
+        if cfg.o_proj_bias:
+            names.append(p + "self_attn.o_proj.bias")
         if cfg.qk_norm:
             names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
         names += [p + f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")]
@@ -79,6 +82,7 @@ class Transformer:
                 q_norm=get(attn + "q_norm.weight") if cfg.qk_norm else None,
                 k_norm=get(attn + "k_norm.weight") if cfg.qk_norm else None,
                 o_proj=get(attn + "o_proj.weight"),
+                o_proj_bias=get(attn + "o_proj.bias") if cfg.o_proj_bias else None,
                 post_norm=get(p + "post_attention_layernorm.weight"),
                 gate_up=torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]),
                 down=get(p + "mlp.down_proj.weight"),
@@ -116,7 +120,7 @@ class Transformer:
                 k = rms_norm(k, w.k_norm, cfg.rms_norm_eps)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             attn = paged_attention(q, k, v, k_cache[i], v_cache[i], batch, self.scale)
-            x = x + F.linear(attn.reshape(-1, cfg.q_size), w.o_proj)
+            x = x + F.linear(attn.reshape(-1, cfg.q_size), w.o_proj, w.o_proj_bias)
             h = rms_norm(x, w.post_norm, cfg.rms_norm_eps)
             gate, up = F.linear(h, w.gate_up).chunk(2, dim=-1)
             x = x + F.linear(F.silu(gate) * up, w.down)

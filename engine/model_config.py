@@ -46,7 +46,8 @@ class ModelConfig:
     rope_scaling: RopeScaling
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool
+    attention_bias: bool  # q, k and v projections carry biases
+    o_proj_bias: bool
     qk_norm: bool
     sliding_window: int | None
     dtype: torch.dtype
@@ -87,9 +88,10 @@ class ModelConfig:
             raise CheckpointError(f"{source}: unsupported dtype {dtype_name!r}; supported: {', '.join(DTYPES)}")
         # Mistral and Qwen2 carry a sliding window; Qwen2 only uses it when use_sliding_window is set.
         window = cfg.get("sliding_window")
-        if family == "qwen2" and not cfg.get("use_sliding_window", False):
-            window = None
-        if family == "qwen3" and not cfg.get("use_sliding_window", False):
+        if family in ("qwen2", "qwen3"):
+            if cfg.get("use_sliding_window", False):
+                # Qwen slides only some layers (max_window_layers / layer_types); not supported yet.
+                raise CheckpointError(f"{source}: use_sliding_window=true is not supported for {arch}")
             window = None
         return cls(
             architecture=arch,
@@ -107,6 +109,7 @@ class ModelConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             attention_bias=family == "qwen2" or cfg.get("attention_bias", False),
+            o_proj_bias=family != "qwen2" and cfg.get("attention_bias", False),
             qk_norm=family == "qwen3",
             sliding_window=window,
             dtype=DTYPES[dtype_name],

@@ -13,6 +13,7 @@ import torch
 from blink.engine.sampling_params import MAX_LOGPROBS
 
 _MASK32 = 0xFFFFFFFF
+GREEDY_BELOW = 1e-5  # temperatures below this are greedy (as vLLM), so logits never overflow
 
 
 @dataclass(frozen=True)
@@ -67,8 +68,12 @@ def uniform_noise(seed: torch.Tensor, step_index: torch.Tensor, vocab_hash: torc
     """Uniform (0, 1) float32 of shape [R, V], a pure function of (seed, step_index, vocab id)."""
     key = hash32(seed & _MASK32) ^ hash32(((seed >> 32) & _MASK32) ^ 0x9E3779B9)
     key = hash32(hash32(key) ^ (step_index & _MASK32))
-    bits = hash32(key[:, None] ^ vocab_hash[None, :])
-    return ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))
+    return bits_to_uniform(hash32(key[:, None] ^ vocab_hash[None, :]))
+
+
+def bits_to_uniform(bits: torch.Tensor) -> torch.Tensor:
+    """32 random bits to float32 in (0, 1); 23 of them, so the largest value stays below 1 in float32."""
+    return ((bits >> 9).float() + 0.5) * (1.0 / (1 << 23))
 
 
 def apply_penalties(logits: torch.Tensor, rows: SamplingRows, output_counts: torch.Tensor,
@@ -91,7 +96,9 @@ def filter_logits(scaled: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
     k = torch.where(rows.top_k > 0, rows.top_k, vocab)
     ordered = ordered.masked_fill(torch.arange(vocab, device=scaled.device)[None, :] >= k[:, None], float("-inf"))
     p = ordered.softmax(-1)
-    ordered = ordered.masked_fill(p.cumsum(-1) - p >= rows.top_p[:, None], float("-inf"))
+    # top_p = 1 keeps everything (the float cumsum can reach 1 before the tail).
+    beyond_p = (p.cumsum(-1) - p >= rows.top_p[:, None]) & (rows.top_p < 1)[:, None]
+    ordered = ordered.masked_fill(beyond_p, float("-inf"))
     return torch.full_like(scaled, float("-inf")).scatter(1, order, ordered)
 
 
@@ -109,7 +116,7 @@ def sample(
         logits = apply_penalties(logits, rows, output_counts, prompt_mask)
     tokens = logits.argmax(-1)
     if features.random:
-        greedy = rows.temperature == 0
+        greedy = rows.temperature < GREEDY_BELOW
         scaled = logits / torch.where(greedy, 1.0, rows.temperature)[:, None]
         if features.filtering:
             scaled = filter_logits(scaled, rows)
@@ -119,5 +126,5 @@ def sample(
     if not features.logprobs:
         return SampleOutput(tokens, None, None, None)
     logprobs = raw.log_softmax(-1)
-    top_logprobs, top_ids = logprobs.topk(MAX_LOGPROBS, dim=-1)
+    top_logprobs, top_ids = logprobs.topk(min(MAX_LOGPROBS, logprobs.shape[-1]), dim=-1)
     return SampleOutput(tokens, logprobs.gather(1, tokens[:, None])[:, 0], top_ids, top_logprobs)

@@ -66,7 +66,7 @@ def plan(state: SlotState, pool: PagePool, token_budget: int, track_prompts: boo
     running = state.status == SlotStatus.RUNNING
 
     # Hand out the token budget: decodes first, then prefill chunks.
-    demand = torch.where(running & ~state.paused, state.seq_len - state.num_computed, 0)
+    demand = torch.where(running & ~state.paused & ~state.cancel, state.seq_len - state.num_computed, 0)
     precedence = _precedence(state)
     prefill = (demand > 1).long()
     key = torch.where(running & (demand > 0), (prefill << 48) + precedence, _NOT_CANDIDATE)

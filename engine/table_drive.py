@@ -37,9 +37,10 @@ class TableDriver:
         records = self.table.slots[slots]
         cancel = records["cancel"] != 0
         full = (records["produced"].astype(np.int64) - records["consumed"]) >= self.table.geometry.window
-        state, index = self.engine.state, torch.from_numpy(slots)
-        state.cancel[index] = torch.from_numpy(cancel)
-        state.paused[index] = torch.from_numpy(full & ~cancel)  # a cancelled slot runs once more, to abort
+        state = self.engine.state
+        index = torch.from_numpy(slots).to(state.cancel.device)
+        state.cancel[index] = torch.from_numpy(cancel).to(state.cancel.device)
+        state.paused[index] = torch.from_numpy(full).to(state.paused.device)
         for slot, event in self.loop.step(self.resident).items():
             self._publish(slot, event)
         self.table.heartbeat()

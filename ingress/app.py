@@ -17,7 +17,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from blink.ingress.chat import render_chat
-from blink.ingress.errors import APIError, api_error_handler, http_error_handler, validation_error_handler
+from blink.ingress.errors import (
+    APIError,
+    api_error_handler,
+    error_response,
+    http_error_handler,
+    validation_error_handler,
+)
 from blink.ingress.generate import Delta, choice_deltas, merged, slot_request
 from blink.ingress.metrics import Metrics
 from blink.ingress.protocol import (
@@ -55,22 +61,7 @@ def create_app(state: IngressState) -> FastAPI:
     app.add_exception_handler(APIError, api_error_handler)
     app.add_exception_handler(RequestValidationError, validation_error_handler)
     app.add_exception_handler(StarletteHTTPException, http_error_handler)
-
-    @app.middleware("http")
-    async def request_context(request: Request, call_next):
-        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
-        structlog.contextvars.bind_contextvars(request_id=request_id[:128])
-        try:
-            if request.url.path.startswith("/v1/"):
-                _check_key(state, request)
-                if state.draining:
-                    raise APIError(503, "the server is shutting down", "service_unavailable", code="draining")
-            response = await call_next(request)
-        except APIError as e:
-            response = await api_error_handler(request, e)
-        response.headers["x-request-id"] = request_id[:128]
-        structlog.contextvars.unbind_contextvars("request_id")
-        return response
+    app.add_middleware(RequestContext, state=state)
 
     @app.get("/health")
     async def health() -> Response:
@@ -129,12 +120,41 @@ def create_app(state: IngressState) -> FastAPI:
     return app
 
 
-def _check_key(state: IngressState, request: Request) -> None:
-    if state.api_key is None:
-        return
-    given = request.headers.get("authorization", "")
-    if not secrets.compare_digest(given.encode(), f"Bearer {state.api_key}".encode()):
-        raise APIError(401, "invalid or missing API key", "authentication_error", code="invalid_api_key")
+class RequestContext:
+    """Pure ASGI middleware (streaming-safe): request ids, the API key and draining for /v1/ routes."""
+
+    def __init__(self, app, state: IngressState):
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        request_id = (headers.get(b"x-request-id") or uuid.uuid4().hex.encode())[:128]
+        structlog.contextvars.bind_contextvars(request_id=request_id.decode("latin-1"))
+
+        async def send_with_id(message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id)]
+            await send(message)
+
+        error = self._refusal(scope["path"], headers.get(b"authorization", b""))
+        if error is not None:
+            await error_response(error.status, error.message, error.type, code=error.code)(scope, receive,
+                                                                                          send_with_id)
+        else:
+            await self.app(scope, receive, send_with_id)
+        structlog.contextvars.unbind_contextvars("request_id")
+
+    def _refusal(self, path: str, authorization: bytes) -> APIError | None:
+        if not path.startswith("/v1/"):
+            return None
+        key = self.state.api_key
+        if key is not None and not secrets.compare_digest(authorization, f"Bearer {key}".encode()):
+            return APIError(401, "invalid or missing API key", "authentication_error", code="invalid_api_key")
+        if self.state.draining:
+            return APIError(503, "the server is shutting down", "service_unavailable", code="draining")
+        return None
 
 
 def _check_model(state: IngressState, model: str) -> None:

@@ -24,21 +24,32 @@ class Detokenizer:
     def __post_init__(self) -> None:
         self._stream = DecodeStream(skip_special_tokens=self.skip_special_tokens)
         self._pending = ""  # decoded text not yet released: it may start a stop string
+        self._ids: list[int] = []
+        self._released = 0  # characters handed out so far
         self._hold = max((len(s) for s in self.stop), default=1) - 1
 
     def push(self, token_id: int) -> TextDelta:
+        self._ids.append(token_id)
         piece = self._stream.step(self.tokenizer, token_id) or ""
         text = self._pending + piece
         for stop in self.stop:
             at = text.find(stop)
             if at >= 0:
                 self._pending = ""
-                return TextDelta(text[: at + len(stop)] if self.include_stop else text[:at], stopped=True)
+                return self._release(text[: at + len(stop)] if self.include_stop else text[:at], stopped=True)
         keep = min(self._hold, len(text))
         self._pending = text[len(text) - keep:] if keep else ""
-        return TextDelta(text[: len(text) - keep])
+        return self._release(text[: len(text) - keep])
 
     def flush(self) -> str:
-        """What is held back, once the request has ended without a stop string."""
-        text, self._pending = self._pending, ""
-        return text
+        """The rest, once the request has ended without a stop string: what was held back, and bytes of an
+        unfinished character, decoded as a whole decode would (so the text equals decoding every token)."""
+        whole = self.tokenizer.decode(self._ids, skip_special_tokens=self.skip_special_tokens)
+        rest = whole[self._released:]
+        self._pending = ""
+        self._released = len(whole)
+        return rest
+
+    def _release(self, text: str, stopped: bool = False) -> TextDelta:
+        self._released += len(text)
+        return TextDelta(text, stopped)

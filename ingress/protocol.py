@@ -61,6 +61,7 @@ class SamplingFields(BaseModel):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
+    max_tokens: StrictInt | None = Field(16, ge=1)  # OpenAI's default for completions; chat fills the context
     logprobs: StrictInt | None = Field(None, ge=0, le=20)
     echo: Literal[False] = False
     best_of: Literal[1] | None = None

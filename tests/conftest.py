@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-CHECKPOINT_KINDS = ["llama-gqa", "llama3-rope", "mistral", "qwen2", "qwen3", "llama-tied"]
+CHECKPOINT_KINDS = ["llama-gqa", "llama3-rope", "mistral", "qwen2", "qwen3", "llama-tied", "llama-bias"]
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -46,12 +46,18 @@ def build_checkpoint(kind: str, target: Path, tokenizer_dir: Path, dtype: str = 
         "qwen2": lambda: tf.Qwen2Config(**common, tie_word_embeddings=False),
         "qwen3": lambda: tf.Qwen3Config(**common, head_dim=32, tie_word_embeddings=False),
         "llama-tied": lambda: tf.LlamaConfig(**{**common, "num_key_value_heads": 4}, tie_word_embeddings=True),
+        "llama-bias": lambda: tf.LlamaConfig(**common, attention_bias=True),
     }
     config = configs[kind]()
     classes = {"llama": tf.LlamaForCausalLM, "mistral": tf.MistralForCausalLM,
                "qwen2": tf.Qwen2ForCausalLM, "qwen3": tf.Qwen3ForCausalLM}
     torch.manual_seed(sum(map(ord, kind)))
-    model = classes[config.model_type](config).to(getattr(torch, dtype)).eval()
+    model = classes[config.model_type](config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):  # transformers starts biases at zero, which would test nothing
+                param.normal_(0.0, 0.2)
+    model = model.to(getattr(torch, dtype)).eval()
     target.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(target, max_shard_size="200KB" if sharded else "2GB")
     shutil.copy(tokenizer_dir / "tokenizer.json", target / "tokenizer.json")

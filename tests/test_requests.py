@@ -70,3 +70,23 @@ def test_text_prompts_and_token_prompts_agree(llm):
     assert by_text.prompt_token_ids == ids and by_text.token_ids == by_ids.token_ids
     assert by_text.text == llm.tokenizer.decode(by_text.token_ids)
     assert llm.generate(ids, params)[0].token_ids == by_ids.token_ids  # one prompt given as a token list
+
+
+def test_abort_ends_a_resident_request_and_spares_the_others(llm):
+    driver = llm._driver
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    driver.add_request("a", [1, 2, 3], params, 30)
+    driver.add_request("b", [4, 5, 6], params, 30)
+    events = driver.step()
+    assert {e.request_id for e in events} == {"a", "b"}
+    assert driver.abort("a") == []  # resident: ended by the next step
+    finishes, tokens_b = {}, 1
+    while driver.has_work():
+        for e in driver.step():
+            if e.request_id == "b" and e.token is not None:
+                tokens_b += 1
+            if e.finish_reason:
+                finishes[e.request_id] = e.finish_reason
+    assert finishes == {"a": "abort", "b": "length"} and tokens_b == 30
+    pool = llm.engine.pool
+    assert int(pool.num_free) == pool.usable_pages

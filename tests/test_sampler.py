@@ -120,3 +120,27 @@ def test_penalties_change_greedy_output_in_the_engine(llm):
                                                     repetition_penalty=1.5))[0].token_ids
     assert plain != penalised
     assert len(set(penalised)) > len(set(plain)) or max(map(penalised.count, penalised)) <= 2
+
+
+def test_the_largest_random_draw_stays_below_one():
+    from blink.engine.sampler import bits_to_uniform
+
+    u = bits_to_uniform(torch.tensor([0, 2**32 - 1]))
+    assert u.dtype == torch.float32 and u[0] > 0 and u[1] < 1
+
+
+def test_top_p_of_one_keeps_every_token_when_others_filter():
+    logits = torch.randn(2, 150_000) * 6
+    rows = _rows(2, top_p=1.0)
+    rows.top_k[1] = 5  # a batch-mate that does filter
+    from blink.engine.sampler import filter_logits
+
+    kept = torch.isfinite(filter_logits(logits, rows))
+    assert kept[0].all() and kept[1].sum() == 5
+
+
+def test_tiny_temperatures_are_greedy():
+    logits = torch.tensor([[0.0, 1.0, 0.5]])
+    rows = _rows(1, temperature=1e-39)
+    out = sample(logits, rows, SamplerFeatures(random=True), hash32(torch.arange(3)))
+    assert out.tokens.item() == 1

@@ -63,8 +63,8 @@ def _tiny_config() -> ModelConfig:
     return ModelConfig(architecture="LlamaForCausalLM", family="llama", vocab_size=10, hidden_size=8,
                        intermediate_size=8, num_layers=1, num_heads=1, num_kv_heads=1, head_dim=8, rms_norm_eps=1e-6,
                        rope_theta=1e4, rope_scaling=RopeScaling(), max_position_embeddings=64,
-                       tie_word_embeddings=True, attention_bias=False, qk_norm=False, sliding_window=None,
-                       dtype=torch.float32)
+                       tie_word_embeddings=True, attention_bias=False, o_proj_bias=False, qk_norm=False,
+                       sliding_window=None, dtype=torch.float32)
 
 
 def test_pages_are_handed_out_once_and_all_come_back():

@@ -1,0 +1,50 @@
+"""A `blink serve` subprocess on a free port, for tests that talk to it as clients do."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from contextlib import contextmanager
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def running_server(tmp_path, *flags: str, timeout_s: float = 120):
+    port = free_port()
+    cmd = [sys.executable, "-m", "blink.services.cli", "serve", "--port", str(port),
+           "--deployment", f"test-{uuid.uuid4().hex[:10]}", "--runtime-dir", str(tmp_path), *flags]
+    log = open(tmp_path / f"serve-{port}.log", "w")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            assert proc.poll() is None, (tmp_path / f"serve-{port}.log").read_text()[-3000:]
+            try:
+                if httpx.get(f"{url}/ready", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "server did not become ready"
+            time.sleep(0.2)
+        yield url, proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        log.close()

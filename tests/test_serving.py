@@ -1,0 +1,202 @@
+"""The OpenAI API end to end: the official client against `blink serve`, outputs equal the offline engine's."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from blink.engine import LLM, SamplingParams
+from blink.engine.default_model import ensure_default_model
+from blink.ingress.chat import render_chat
+from blink.ingress.protocol import ChatMessage
+from tests.serving import running_server
+
+MODEL = "blink-tiny-llama-v1"
+PROMPTS = ["Once upon a time", "The quick brown fox", "Question: What is two plus two?", "Dear team,"]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    ensure_default_model()
+    with running_server(tmp_path_factory.mktemp("serve"), "--max-num-seqs", "16", "--window", "8") as (url, _):
+        yield url
+
+
+@pytest.fixture(scope="module")
+def offline():
+    return LLM(num_pages=512)
+
+
+def _expected(offline, prompts, max_tokens):
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    return [o.text for o in offline.generate(prompts, params)]
+
+
+def test_completions_sync_client_matches_offline(server, offline):
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused")
+    got = [client.completions.create(model=MODEL, prompt=p, max_tokens=12, temperature=0).choices[0].text
+           for p in PROMPTS]
+    assert got == _expected(offline, PROMPTS, 12)
+    batch = client.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=12, temperature=0)
+    assert [c.text for c in sorted(batch.choices, key=lambda c: c.index)] == got
+    assert batch.usage.completion_tokens == 12 * len(PROMPTS)
+
+
+def test_chat_async_streaming_matches_offline(server, offline):
+    messages = [{"role": "user", "content": "Say something nice."}]
+    text = render_chat(offline.tokenizer, [ChatMessage(**m) for m in messages], True)
+    ids = offline.tokenizer.encode(text, add_special_tokens=False)
+    expected = offline.generate([ids], SamplingParams(temperature=0, max_tokens=10))[0]
+
+    async def run():
+        client = openai.AsyncOpenAI(base_url=f"{server}/v1", api_key="unused")
+        stream = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0,
+                                                      stream=True, stream_options={"include_usage": True})
+        parts, finishes, usage = [], [], None
+        async for chunk in stream:
+            usage = chunk.usage or usage
+            for choice in chunk.choices:
+                parts.append(choice.delta.content or "")
+                finishes += [choice.finish_reason] if choice.finish_reason else []
+        plain = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0)
+        return "".join(parts), finishes, usage, plain
+
+    streamed, finishes, usage, plain = asyncio.run(run())
+    assert streamed == expected.text == plain.choices[0].message.content
+    assert finishes == [expected.finish_reason]
+    assert usage.completion_tokens == len(expected.token_ids) and usage.prompt_tokens == len(ids)
+
+
+def test_64_concurrent_streams_each_end_once_with_the_offline_output(server, offline):
+    prompts = [f"{PROMPTS[i % 4]} {i}" for i in range(64)]
+    expected = _expected(offline, prompts, 16)
+
+    async def one(client, prompt):
+        stream = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0,
+                                                 stream=True)
+        text, finishes = "", 0
+        async for chunk in stream:
+            text += chunk.choices[0].text
+            finishes += chunk.choices[0].finish_reason is not None
+        return text, finishes
+
+    async def run():
+        client = openai.AsyncOpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=120)
+        return await asyncio.gather(*(one(client, p) for p in prompts))
+
+    results = asyncio.run(run())
+    assert [finishes for _, finishes in results] == [1] * 64
+    assert [text for text, _ in results] == expected
+
+
+def test_n_seed_stop_and_logprobs(server):
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused")
+    out = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=1.0, n=3,
+                                    seed=5, logprobs=2)
+    again = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=1.0, n=3,
+                                      seed=5, logprobs=2)
+    assert [c.text for c in out.choices] == [c.text for c in again.choices]
+    assert len({c.text for c in out.choices}) > 1
+    assert all(len(c.logprobs.token_logprobs) == 8 for c in out.choices)
+    full = client.completions.create(model=MODEL, prompt="Hello", max_tokens=10, temperature=0).choices[0].text
+    stop = full[3:6]
+    cut = client.completions.create(model=MODEL, prompt="Hello", max_tokens=10, temperature=0, stop=[stop])
+    assert cut.choices[0].text == full[: full.index(stop)] and cut.choices[0].finish_reason == "stop"
+    kept = client.completions.create(model=MODEL, prompt="Hello", max_tokens=10, temperature=0, stop=[stop],
+                                     extra_body={"include_stop_str_in_output": True})
+    assert kept.choices[0].text == full[: full.index(stop) + len(stop)]
+
+
+def test_a_client_that_disconnects_frees_its_slot(server):
+    with httpx.stream("POST", f"{server}/v1/completions", json={
+            "model": MODEL, "prompt": "Once", "max_tokens": 1500, "stream": True, "ignore_eos": True}) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+    deadline = time.monotonic() + 1.0
+    while time.monotonic() < deadline:
+        metrics = httpx.get(f"{server}/metrics").text
+        if 'blink:num_requests_running{model_name="blink-tiny-llama-v1"} 0.0' in metrics:
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail("the slot was not freed within a second")
+    assert httpx.get(f"{server}/ready").status_code == 200
+
+
+@pytest.mark.parametrize("body, status, param, code", [
+    ({"model": MODEL, "prompt": "x", "max_tokens": -1}, 400, "max_tokens", "invalid_value"),
+    ({"model": MODEL, "prompt": "x", "temperature": "hot"}, 400, "temperature", "invalid_value"),
+    ({"model": MODEL, "prompt": "x", "top_p": 1.5}, 400, "top_p", "invalid_value"),
+    ({"model": MODEL, "prompt": "x", "n": 0}, 400, "n", "invalid_value"),
+    ({"model": MODEL}, 400, "prompt", "invalid_value"),
+    ({"model": MODEL, "prompt": [1, 2, 10**9]}, 400, "prompt", None),
+    ({"model": MODEL, "prompt": []}, 400, "prompt", None),
+    ({"model": "gpt-4", "prompt": "x"}, 400, "model", "model_not_found"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": 5000}, 400, "max_tokens", "context_length_exceeded"),
+    ({"model": MODEL, "prompt": "x" * 9000}, 400, "prompt", "context_length_exceeded"),
+    ({"model": MODEL, "prompt": "x", "frobnicate": 1}, 400, "frobnicate", "invalid_value"),
+])
+def test_bad_completions_get_400_with_the_envelope(server, body, status, param, code):
+    r = httpx.post(f"{server}/v1/completions", json=body)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param and error["type"] == "invalid_request_error"
+    if code:
+        assert error["code"] == code
+    assert len(r.text) < 1000  # never echoes a long input back
+
+
+def test_malformed_json_and_bad_chat(server):
+    r = httpx.post(f"{server}/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    r = httpx.post(f"{server}/v1/chat/completions", json={"model": MODEL, "messages": []})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    r = httpx.post(f"{server}/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "wizard",
+                                                                                         "content": "hi"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"].startswith("messages")
+    assert httpx.get(f"{server}/v1/models").json()["data"][0]["id"] == MODEL
+
+
+def test_tokenize_detokenize_and_request_ids(server, offline):
+    r = httpx.post(f"{server}/tokenize", json={"prompt": "Hello world"}, headers={"x-request-id": "abc-123"})
+    assert r.headers["x-request-id"] == "abc-123"
+    assert r.json()["tokens"] == offline.tokenizer.encode("Hello world")
+    r = httpx.post(f"{server}/detokenize", json={"tokens": offline.tokenizer.encode("Hello world",
+                                                                                     add_special_tokens=False)})
+    assert r.json()["prompt"] == "Hello world"
+
+
+def test_overload_answers_429_and_api_key_401(tmp_path):
+    ensure_default_model()
+    with running_server(tmp_path, "--max-num-seqs", "1", "--max-waiting", "0", "--api-key", "sekret") as (url, _):
+        assert httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x"}).status_code == 401
+        headers = {"authorization": "Bearer sekret"}
+        body = {"model": MODEL, "prompt": "Once", "max_tokens": 400, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=headers) as first:
+            lines = first.iter_lines()  # held, so the stream stays open
+            next(lines)
+            r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2},
+                           headers=headers)
+            assert r.status_code == 429 and r.headers["retry-after"] == "1"
+            assert r.json()["error"]["type"] == "rate_limit_error"
+        deadline = time.monotonic() + 2  # the abandoned stream's slot frees within a step or two
+        while True:
+            ok = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2},
+                            headers=headers)
+            if ok.status_code != 429 or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert ok.status_code == 200
+
+
+def test_the_ingress_never_imports_torch():
+    code = ("import sys, blink.ingress.app, blink.services.ingress_service; "
+            "sys.exit('torch' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
