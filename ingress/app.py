@@ -7,8 +7,8 @@ import json
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import structlog
 from fastapi import FastAPI, Request
@@ -25,7 +25,6 @@ from blink.ingress.errors import (
     validation_error_handler,
 )
 from blink.ingress.generate import Delta, choice_deltas, merged, slot_request
-from blink.ingress.metrics import Metrics
 from blink.ingress.protocol import (
     ChatRequest,
     CompletionRequest,
@@ -33,26 +32,14 @@ from blink.ingress.protocol import (
     SamplingFields,
     TokenizeRequest,
 )
-from blink.ingress.slots import Overloaded, SlotClient
-from blink.shared.control import EngineInfo, EngineStatus
+from blink.ingress.slots import Overloaded
+from blink.ingress.state import IngressState
+from blink.ingress.validation import check_model, check_token_ids, completion_prompts, context_room
 from blink.shared.slot_table import EngineState
 from blink.shared.tokenizer import Tokenizer
 
 log = structlog.get_logger()
 READY_HEARTBEAT_S = 2.0
-
-
-@dataclass
-class IngressState:
-    info: EngineInfo
-    tokenizer: Tokenizer
-    client: SlotClient
-    metrics: Metrics
-    api_key: str | None = None
-    engine_status: Callable[[], EngineStatus | None] = lambda: None
-    draining: bool = False
-    in_flight: int = 0
-    seeds: secrets.SystemRandom = field(default_factory=secrets.SystemRandom)
 
 
 def create_app(state: IngressState) -> FastAPI:
@@ -96,12 +83,12 @@ def create_app(state: IngressState) -> FastAPI:
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:
-        _check_token_ids(state, body.tokens, "tokens")
+        check_token_ids(state, body.tokens, "tokens")
         return {"prompt": state.tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        prompts = _completion_prompts(state, body)
+        prompts = completion_prompts(state, body)
         if len(prompts) * body.n > 16:
             raise APIError(400, "at most 16 choices (prompts times n) per request", param="n")
         jobs = [(p, i * body.n + j) for i, p in enumerate(prompts) for j in range(body.n)]
@@ -157,46 +144,12 @@ class RequestContext:
         return None
 
 
-def _check_model(state: IngressState, model: str) -> None:
-    if model != state.info.model:
-        raise APIError(400, f"the model {model[:100]!r} does not exist; this server serves {state.info.model!r}",
-                       param="model", code="model_not_found")
-
-
-def _check_token_ids(state: IngressState, ids: list[int], param: str) -> None:
-    if any(not 0 <= t < state.info.vocab_size for t in ids):
-        raise APIError(400, f"token ids must be in [0, {state.info.vocab_size})", param=param)
-
-
-def _completion_prompts(state: IngressState, body: CompletionRequest) -> list[list[int]]:
-    p = body.prompt
-    if isinstance(p, str):
-        prompts = [state.tokenizer.encode(p)]
-    elif p and isinstance(p[0], str):
-        prompts = [state.tokenizer.encode(s) for s in p]
-    elif p and isinstance(p[0], list):
-        prompts = [list(x) for x in p]
-    else:
-        prompts = [list(p)]
-    if not prompts or any(not x for x in prompts):
-        raise APIError(400, "the prompt is empty", param="prompt")
-    for x in prompts:
-        _check_token_ids(state, x, "prompt")
-    return prompts
-
-
 async def _respond(state: IngressState, body: SamplingFields, jobs: list[tuple[list[int], int]],
                    max_tokens: int | None, logprobs: int | None, chat: bool):
-    _check_model(state, body.model)
-    limit = state.info.max_model_len
+    check_model(state, body.model)
     requests = []
     for prompt, index in jobs:
-        room = limit - len(prompt)
-        if room < 1 or (max_tokens is not None and max_tokens > room):
-            asked = max_tokens if max_tokens is not None else 1
-            raise APIError(400, f"this model's maximum context length is {limit} tokens, but {len(prompt)} prompt "
-                           f"tokens and {asked} completion tokens were requested", param="max_tokens" if room >= 1
-                           else ("messages" if chat else "prompt"), code="context_length_exceeded")
+        room = context_room(state, prompt, max_tokens, "messages" if chat else "prompt")
         seed = body.seed + index if body.seed is not None else state.seeds.getrandbits(63)
         requests.append((slot_request(prompt, body, max_tokens or room, logprobs, seed), index))
     choices = [choice_deltas(state.client, state.tokenizer, r, body, i, state.metrics) for r, i in requests]

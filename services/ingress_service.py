@@ -9,9 +9,11 @@ import structlog
 import uvicorn
 import uvloop
 
-from blink.ingress.app import IngressState, create_app
+from blink.ingress.app import create_app
 from blink.ingress.metrics import Metrics
 from blink.ingress.slots import SlotClient
+from blink.ingress.state import IngressState
+from blink.ingress.zmq_api import ZmqApi
 from blink.shared import control
 from blink.shared.settings import Settings
 from blink.shared.slot_table import SlotTable
@@ -74,9 +76,11 @@ async def serve(settings: Settings, info: control.EngineInfo) -> None:
     config = uvicorn.Config(create_app(state), host=settings.host, port=settings.port, loop="none",
                             log_config=None, access_log=False, timeout_graceful_shutdown=settings.shutdown_timeout)
     server = DrainingServer(config, state, settings.shutdown_timeout)
+    zmq_api = asyncio.create_task(ZmqApi(state, settings.zmq_endpoint).serve())
     try:
         await server.serve()
     finally:
+        zmq_api.cancel()
         await client.stop()
 
 

@@ -25,7 +25,14 @@ class Settings(BaseSettings):
     api_key: str | None = None
     shutdown_timeout: float = Field(30.0, ge=0)
     runtime_dir: str = "/tmp"
+    zmq_port: int | None = Field(None, ge=1, le=65535, description="TCP port of the ZeroMQ API (default: ipc)")
 
     @property
     def control_endpoint(self) -> str:
         return f"ipc://{self.runtime_dir}/blink-{self.deployment}-control"
+
+    @property
+    def zmq_endpoint(self) -> str:
+        if self.zmq_port:
+            return f"tcp://{self.host}:{self.zmq_port}"
+        return f"ipc://{self.runtime_dir}/blink-{self.deployment}-api"

@@ -10,8 +10,16 @@ import sys
 import time
 import uuid
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import httpx
+
+
+@dataclass
+class Server:
+    url: str
+    process: subprocess.Popen
+    zmq_endpoint: str
 
 
 def free_port() -> int:
@@ -23,8 +31,9 @@ def free_port() -> int:
 @contextmanager
 def running_server(tmp_path, *flags: str, timeout_s: float = 120):
     port = free_port()
+    deployment = f"test-{uuid.uuid4().hex[:10]}"
     cmd = [sys.executable, "-m", "blink.services.cli", "serve", "--port", str(port),
-           "--deployment", f"test-{uuid.uuid4().hex[:10]}", "--runtime-dir", str(tmp_path), *flags]
+           "--deployment", deployment, "--runtime-dir", str(tmp_path), *flags]
     log = open(tmp_path / f"serve-{port}.log", "w")  # noqa: SIM115 - closed below
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
     url = f"http://127.0.0.1:{port}"
@@ -39,7 +48,7 @@ def running_server(tmp_path, *flags: str, timeout_s: float = 120):
                 pass
             assert time.monotonic() < deadline, "server did not become ready"
             time.sleep(0.2)
-        yield url, proc
+        yield Server(url, proc, f"ipc://{tmp_path}/blink-{deployment}-api")
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -24,8 +26,8 @@ PROMPTS = ["Once upon a time", "The quick brown fox", "Question: What is two plu
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     ensure_default_model()
-    with running_server(tmp_path_factory.mktemp("serve"), "--max-num-seqs", "16", "--window", "8") as (url, _):
-        yield url
+    with running_server(tmp_path_factory.mktemp("serve"), "--max-num-seqs", "16", "--window", "8") as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +41,7 @@ def _expected(offline, prompts, max_tokens):
 
 
 def test_completions_sync_client_matches_offline(server, offline):
-    client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused")
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
     got = [client.completions.create(model=MODEL, prompt=p, max_tokens=12, temperature=0).choices[0].text
            for p in PROMPTS]
     assert got == _expected(offline, PROMPTS, 12)
@@ -55,7 +57,7 @@ def test_chat_async_streaming_matches_offline(server, offline):
     expected = offline.generate([ids], SamplingParams(temperature=0, max_tokens=10))[0]
 
     async def run():
-        client = openai.AsyncOpenAI(base_url=f"{server}/v1", api_key="unused")
+        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused")
         stream = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0,
                                                       stream=True, stream_options={"include_usage": True})
         parts, finishes, usage = [], [], None
@@ -87,7 +89,7 @@ def test_64_concurrent_streams_each_end_once_with_the_offline_output(server, off
         return text, finishes
 
     async def run():
-        client = openai.AsyncOpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=120)
+        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
         return await asyncio.gather(*(one(client, p) for p in prompts))
 
     results = asyncio.run(run())
@@ -96,7 +98,7 @@ def test_64_concurrent_streams_each_end_once_with_the_offline_output(server, off
 
 
 def test_n_seed_stop_and_logprobs(server):
-    client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused")
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
     out = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=1.0, n=3,
                                     seed=5, logprobs=2)
     again = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=1.0, n=3,
@@ -114,19 +116,19 @@ def test_n_seed_stop_and_logprobs(server):
 
 
 def test_a_client_that_disconnects_frees_its_slot(server):
-    with httpx.stream("POST", f"{server}/v1/completions", json={
+    with httpx.stream("POST", f"{server.url}/v1/completions", json={
             "model": MODEL, "prompt": "Once", "max_tokens": 1500, "stream": True, "ignore_eos": True}) as r:
         lines = r.iter_lines()
         assert next(lines).startswith("data: ")
     deadline = time.monotonic() + 1.0
     while time.monotonic() < deadline:
-        metrics = httpx.get(f"{server}/metrics").text
+        metrics = httpx.get(f"{server.url}/metrics").text
         if 'blink:num_requests_running{model_name="blink-tiny-llama-v1"} 0.0' in metrics:
             break
         time.sleep(0.05)
     else:
         pytest.fail("the slot was not freed within a second")
-    assert httpx.get(f"{server}/ready").status_code == 200
+    assert httpx.get(f"{server.url}/ready").status_code == 200
 
 
 @pytest.mark.parametrize("body, status, param, code", [
@@ -143,7 +145,7 @@ def test_a_client_that_disconnects_frees_its_slot(server):
     ({"model": MODEL, "prompt": "x", "frobnicate": 1}, 400, "frobnicate", "invalid_value"),
 ])
 def test_bad_completions_get_400_with_the_envelope(server, body, status, param, code):
-    r = httpx.post(f"{server}/v1/completions", json=body)
+    r = httpx.post(f"{server.url}/v1/completions", json=body)
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
@@ -154,28 +156,29 @@ def test_bad_completions_get_400_with_the_envelope(server, body, status, param, 
 
 
 def test_malformed_json_and_bad_chat(server):
-    r = httpx.post(f"{server}/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    r = httpx.post(f"{server.url}/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
-    r = httpx.post(f"{server}/v1/chat/completions", json={"model": MODEL, "messages": []})
+    r = httpx.post(f"{server.url}/v1/chat/completions", json={"model": MODEL, "messages": []})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
-    r = httpx.post(f"{server}/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "wizard",
+    r = httpx.post(f"{server.url}/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "wizard",
                                                                                          "content": "hi"}]})
     assert r.status_code == 400 and r.json()["error"]["param"].startswith("messages")
-    assert httpx.get(f"{server}/v1/models").json()["data"][0]["id"] == MODEL
+    assert httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"] == MODEL
 
 
 def test_tokenize_detokenize_and_request_ids(server, offline):
-    r = httpx.post(f"{server}/tokenize", json={"prompt": "Hello world"}, headers={"x-request-id": "abc-123"})
+    r = httpx.post(f"{server.url}/tokenize", json={"prompt": "Hello world"}, headers={"x-request-id": "abc-123"})
     assert r.headers["x-request-id"] == "abc-123"
     assert r.json()["tokens"] == offline.tokenizer.encode("Hello world")
-    r = httpx.post(f"{server}/detokenize", json={"tokens": offline.tokenizer.encode("Hello world",
+    r = httpx.post(f"{server.url}/detokenize", json={"tokens": offline.tokenizer.encode("Hello world",
                                                                                      add_special_tokens=False)})
     assert r.json()["prompt"] == "Hello world"
 
 
 def test_overload_answers_429_and_api_key_401(tmp_path):
     ensure_default_model()
-    with running_server(tmp_path, "--max-num-seqs", "1", "--max-waiting", "0", "--api-key", "sekret") as (url, _):
+    with running_server(tmp_path, "--max-num-seqs", "1", "--max-waiting", "0", "--api-key", "sekret") as server:
+        url = server.url
         assert httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x"}).status_code == 401
         headers = {"authorization": "Bearer sekret"}
         body = {"model": MODEL, "prompt": "Once", "max_tokens": 400, "ignore_eos": True, "stream": True}
@@ -200,3 +203,54 @@ def test_the_ingress_never_imports_torch():
     code = ("import sys, blink.ingress.app, blink.services.ingress_service; "
             "sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_zmq_client_sync_and_async_match_http(server, offline):
+    from blink.ingress.zmq_client import AsyncClient, BlinkError, Client
+
+    expected = _expected(offline, PROMPTS[:2], 10)
+    client = Client(server.zmq_endpoint)
+    try:
+        got = [client.generate(p, max_tokens=10, temperature=0) for p in PROMPTS[:2]]
+        assert [g.text for g in got] == expected and all(g.finish_reason == "length" for g in got)
+        chunks = list(client.stream(PROMPTS[0], max_tokens=10, temperature=0))
+        assert [c.finish_reason for c in chunks].count("length") == 1 and chunks[-1].finish_reason == "length"
+        with pytest.raises(BlinkError, match="max_tokens"):
+            client.generate("x", max_tokens=-2)
+    finally:
+        client.close()
+
+    async def run():
+        aclient = AsyncClient(server.zmq_endpoint)
+        try:
+            return "".join([c.text async for c in aclient.stream(PROMPTS[1], max_tokens=10, temperature=0)])
+        finally:
+            aclient.close()
+
+    assert asyncio.run(run()) == expected[1]
+
+
+def test_sigterm_drains_in_flight_requests_and_refuses_new_ones(tmp_path):
+    ensure_default_model()
+    with running_server(tmp_path, "--max-num-seqs", "2", "--shutdown-timeout", "20") as server:
+        body = {"model": MODEL, "prompt": "Once", "max_tokens": 300, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as stream:
+            lines = stream.iter_lines()
+            next(lines)
+            ingress = [p for p in _children(server.process.pid) if "ingress" in p[1]]
+            assert ingress, "no ingress process"
+            os.kill(ingress[0][0], signal.SIGTERM)
+            deadline = time.monotonic() + 5
+            while httpx.get(f"{server.url}/ready").status_code != 503:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            refused = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": "x"})
+            assert refused.status_code == 503 and refused.json()["error"]["code"] == "draining"
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]"
+        assert '"finish_reason": "length"' in rest[-2]
+
+
+def _children(pid: int) -> list[tuple[int, str]]:
+    out = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return [(int(line.split(None, 1)[0]), line.split(None, 1)[1]) for line in out.strip().splitlines()]

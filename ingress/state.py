@@ -1,0 +1,25 @@
+"""What the ingress's request handlers share."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from blink.ingress.metrics import Metrics
+from blink.ingress.slots import SlotClient
+from blink.shared.control import EngineInfo, EngineStatus
+from blink.shared.tokenizer import Tokenizer
+
+
+@dataclass
+class IngressState:
+    info: EngineInfo
+    tokenizer: Tokenizer
+    client: SlotClient
+    metrics: Metrics
+    api_key: str | None = None
+    engine_status: Callable[[], EngineStatus | None] = lambda: None
+    draining: bool = False
+    in_flight: int = 0
+    seeds: secrets.SystemRandom = field(default_factory=secrets.SystemRandom)

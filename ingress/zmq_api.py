@@ -1,0 +1,94 @@
+"""The ZeroMQ client API: a ROUTER endpoint on the ingress that streams a request's tokens back.
+
+Wire format, one JSON frame each way after the DEALER's empty delimiter: the client sends a completion
+request (the OpenAI completions body plus an `id` the client picks; `model` may be left out); the ingress
+answers with chunks `{"id", "text", "token_ids", "finish_reason"}` until one carries a finish reason, or one
+`{"id", "error": {...}}` with OpenAI's error object.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import structlog
+import zmq
+import zmq.asyncio
+from pydantic import ValidationError
+
+from blink.ingress.errors import APIError
+from blink.ingress.generate import choice_deltas, slot_request
+from blink.ingress.protocol import CompletionRequest
+from blink.ingress.slots import Overloaded
+from blink.ingress.state import IngressState
+from blink.ingress.validation import check_model, completion_prompts, context_room
+
+log = structlog.get_logger()
+
+
+class ZmqApi:
+    def __init__(self, state: IngressState, endpoint: str):
+        self.state, self.endpoint = state, endpoint
+        self._sock = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._tasks: set[asyncio.Task] = set()
+
+    async def serve(self) -> None:
+        self._sock.bind(self.endpoint)
+        log.info("zmq api listening", endpoint=self.endpoint)
+        try:
+            while True:
+                frames = await self._sock.recv_multipart()
+                task = asyncio.create_task(self._handle(frames[0], frames[-1]))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+        finally:
+            self._sock.close()
+
+    async def _send(self, identity: bytes, body: dict) -> None:
+        await self._sock.send_multipart([identity, b"", json.dumps(body).encode()])
+
+    async def _handle(self, identity: bytes, frame: bytes) -> None:
+        request_id = None
+        try:
+            raw = json.loads(frame)
+            if not isinstance(raw, dict):
+                raise APIError(400, "the request must be a JSON object")
+            request_id = raw.pop("id", None)
+            raw.setdefault("model", self.state.info.model)
+            body = CompletionRequest.model_validate(raw)
+            await self._generate(identity, request_id, body)
+        except json.JSONDecodeError:
+            await self._error(identity, request_id, APIError(400, "the request is not valid JSON", code="invalid_json"))
+        except ValidationError as e:
+            first = e.errors()[0]
+            param = ".".join(str(p) for p in first["loc"]) or None
+            await self._error(identity, request_id, APIError(400, f"{param}: {first['msg']}", param=param))
+        except Overloaded:
+            await self._error(identity, request_id, APIError(429, "the server is at capacity", "rate_limit_error",
+                                                             code="overloaded"))
+        except APIError as e:
+            await self._error(identity, request_id, e)
+
+    async def _error(self, identity: bytes, request_id, e: APIError) -> None:
+        await self._send(identity, {"id": request_id, "error": {"message": e.message, "type": e.type,
+                                                                 "param": e.param, "code": e.code}})
+
+    async def _generate(self, identity: bytes, request_id, body: CompletionRequest) -> None:
+        state = self.state
+        if state.draining:
+            raise APIError(503, "the server is shutting down", "service_unavailable", code="draining")
+        check_model(state, body.model)
+        if body.n != 1 or (isinstance(body.prompt, list) and body.prompt and not isinstance(body.prompt[0], int)):
+            raise APIError(400, "the ZeroMQ API takes one prompt and n=1 per request", param="prompt")
+        prompt = completion_prompts(state, body)[0]
+        room = context_room(state, prompt, body.max_tokens, "prompt")
+        seed = body.seed if body.seed is not None else state.seeds.getrandbits(63)
+        request = slot_request(prompt, body, body.max_tokens or room, body.logprobs, seed)
+        state.in_flight += 1
+        try:
+            async for delta in choice_deltas(state.client, state.tokenizer, request, body, 0, state.metrics):
+                await self._send(identity, {"id": request_id, "text": delta.text, "token_ids": delta.token_ids,
+                                            "finish_reason": delta.finish_reason})
+        finally:
+            state.in_flight -= 1
