@@ -24,26 +24,20 @@ file under bench/results/; it asserts nothing.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import random
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
 import transformers
+from common import RESULTS_DIR, blink_source, machine, save
 
 PROMPT_VOCAB = 1174  # prompt token ids are drawn below the engine tokenizer's vocabulary size
 MODEL_SHAPE = dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
                    num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=2048)
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
 METRICS = ("elapsed_s", "requests_per_s", "output_tokens_per_s", "total_tokens_per_s")
 
 
@@ -203,51 +197,6 @@ def summarize(runs: list[RunResult]) -> dict[str, dict[str, dict[str, float]]]:
     return summary
 
 
-def machine() -> dict[str, object]:
-    def proc_field(path: str, key: str) -> str | None:
-        try:
-            lines = Path(path).read_text().splitlines()
-        except OSError:
-            return None
-        return next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith(key)), None)
-
-    gpu = None
-    if torch.cuda.is_available():
-        gpu = {"name": torch.cuda.get_device_name(0), "driver": _nvidia_driver()}
-    return {"platform": platform.platform(), "cpu_model": proc_field("/proc/cpuinfo", "model name"),
-            "logical_cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "memory_total": proc_field("/proc/meminfo", "MemTotal"), "python": sys.version.split()[0],
-            "torch": torch.__version__, "transformers": transformers.__version__, "gpu": gpu}
-
-
-def blink_source() -> dict[str, object]:
-    """Which engine code ran: its directory, and the git commit and local changes there, when it is a checkout."""
-    import blink.engine
-
-    path = Path(blink.engine.__file__).resolve().parent
-    commit = _git(path, "rev-parse", "HEAD")
-    changes = _git(path, "status", "--porcelain", "--", ".") if commit else None
-    return {"engine_path": str(path), "git_commit": commit, "engine_modified": bool(changes) if commit else None}
-
-
-def _git(cwd: Path, *args: str) -> str | None:
-    """A read-only git query; --no-optional-locks keeps `status` from rewriting the index."""
-    try:
-        return subprocess.run(["git", "--no-optional-locks", "-C", str(cwd), *args], capture_output=True, text=True,
-                              timeout=10, check=True).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
-def _nvidia_driver() -> str | None:
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=10, check=True).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.strip().splitlines()[0] if out.strip() else None
-
-
 def print_report(summary: dict, ratio: float, runs: list[RunResult], info: dict) -> None:
     w = info["workload"]
     print(f"\nmodel: {info['model']['parameters'] / 1e6:.1f}M parameters, float32, "
@@ -270,13 +219,6 @@ def print_report(summary: dict, ratio: float, runs: list[RunResult], info: dict)
     a = info["greedy_agreement"]
     print(f"greedy outputs identical in {a['identical_requests']}/{a['of']} requests "
           f"(mean common prefix {a['mean_common_prefix_share']:.0%})")
-
-
-def save(result: dict, results_dir: Path) -> Path:
-    results_dir.mkdir(parents=True, exist_ok=True)
-    path = results_dir / f"offline_throughput-{datetime.now(UTC).strftime('%Y%m%dT%H%M%SZ')}.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    return path
 
 
 # ---------------------------------------------------------------- main
@@ -305,7 +247,7 @@ def benchmark(args: argparse.Namespace, model_dir: Path) -> None:
     ratio = summary["blink"]["output_tokens_per_s"]["median"] / summary["transformers"]["output_tokens_per_s"]["median"]
     info = {
         "label": args.label,
-        "machine": machine(),
+        "machine": machine() | {"transformers": transformers.__version__},
         "blink_source": source,
         "model": {**MODEL_SHAPE, "tie_word_embeddings": True, "dtype": "float32", "parameters": hf.num_parameters()},
         "workload": {"num_requests": args.num_requests, "prompt_len": list(args.prompt_len),
@@ -319,7 +261,7 @@ def benchmark(args: argparse.Namespace, model_dir: Path) -> None:
     print_report(summary, ratio, runs, info)
     result = {**info, "repeats": args.repeats, "runs": [asdict(r) for r in runs], "summary": summary,
               "ratio_output_tokens_per_s": ratio}
-    print(f"\nsaved {save(result, args.results_dir)}")
+    print(f"\nsaved {save('offline_throughput', result, args.results_dir)}")
 
 
 def main(argv: list[str] | None = None) -> None:

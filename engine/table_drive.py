@@ -34,9 +34,9 @@ class TableDriver:
         if not self.resident:
             return False
         slots = np.fromiter(self.resident, dtype=np.int64)
-        records = self.table.slots[slots]
-        cancel = records["cancel"] != 0
-        full = (records["produced"].astype(np.int64) - records["consumed"]) >= self.table.geometry.window
+        table = self.table.slots  # field by field: whole records would copy prompts and windows each step
+        cancel = table["cancel"][slots] != 0
+        full = (table["produced"][slots].astype(np.int64) - table["consumed"][slots]) >= self.table.geometry.window
         state = self.engine.state
         index = torch.from_numpy(slots).to(state.cancel.device)
         state.cancel[index] = torch.from_numpy(cancel).to(state.cancel.device)

@@ -24,6 +24,10 @@ def error_response(status: int, message: str, type_: str = "invalid_request_erro
     return JSONResponse(body, status_code=status, headers=headers)
 
 
+def _is_type_tag(part: object) -> bool:
+    return isinstance(part, str) and (part in {"str", "int", "float", "bool", "list", "dict", "none"} or "[" in part)
+
+
 def _clip(value: object) -> str:
     text = repr(value)
     return text if len(text) <= MAX_ECHO else text[:MAX_ECHO] + "…"
@@ -35,7 +39,8 @@ async def api_error_handler(_: Request, exc: APIError) -> JSONResponse:
 
 async def validation_error_handler(_: Request, exc: RequestValidationError) -> JSONResponse:
     first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    # Drop "body" and the union-member tags pydantic adds ("str", "list[int]", "function-after[...]").
+    loc = [str(part) for part in first.get("loc", ()) if part != "body" and not _is_type_tag(part)]
     param = ".".join(loc) or None
     if first.get("type") == "json_invalid":
         return error_response(400, "the request body is not valid JSON", param=None, code="invalid_json")

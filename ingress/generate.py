@@ -7,6 +7,8 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+import structlog
+
 from blink.ingress.detokenize import Detokenizer
 from blink.ingress.metrics import Metrics
 from blink.ingress.protocol import SamplingFields
@@ -14,6 +16,7 @@ from blink.ingress.slots import SlotClient
 from blink.shared.slot_table import Finish, Request
 from blink.shared.tokenizer import Tokenizer
 
+log = structlog.get_logger()
 FINISH_NAMES = {Finish.STOP: "stop", Finish.LENGTH: "length", Finish.ABORT: "abort"}
 
 
@@ -50,7 +53,7 @@ async def choice_deltas(client: SlotClient, tokenizer: Tokenizer, request: Reque
     stream = await client.submit(request)
     k = max(request.logprobs, 0)
     first_at = last_at = None
-    generated = 0
+    generated, finish_reason = 0, "abort"  # stays abort if the consumer leaves first
     outputs = client.outputs(stream)
     try:
         async for out in outputs:
@@ -77,6 +80,7 @@ async def choice_deltas(client: SlotClient, tokenizer: Tokenizer, request: Reque
             if delta.finish_reason is None and out.finish != Finish.NONE:
                 delta.text += detok.flush()
                 delta.finish_reason = FINISH_NAMES[out.finish]
+            finish_reason = delta.finish_reason
             if delta.text or delta.token_ids or delta.finish_reason:
                 yield delta
             if delta.finish_reason:
@@ -84,6 +88,9 @@ async def choice_deltas(client: SlotClient, tokenizer: Tokenizer, request: Reque
     finally:
         await outputs.aclose()  # cancels the slot's request when the choice ended early
         metrics.finished(stream, generated, len(request.prompt))
+        log.info("choice finished", choice=index, slot=stream.slot, prompt_tokens=len(request.prompt),
+                 generated=generated, finish_reason=finish_reason,
+                 latency_s=round(time.monotonic() - stream.submitted_at, 4))
 
 
 async def merged(choices: list[AsyncIterator[Delta]]) -> AsyncIterator[Delta]:

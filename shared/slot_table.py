@@ -234,7 +234,7 @@ class SlotTable:
     def submitted(self) -> np.ndarray:
         """Slots published under the current epoch and not yet admitted."""
         states, epochs = self.slots["state"], self.slots["epoch"]
-        return np.flatnonzero((states == SlotState.SUBMITTED) & (epochs == np.uint32(self.header["epoch"])))
+        return np.flatnonzero((states == int(SlotState.SUBMITTED)) & (epochs == np.uint32(self.header["epoch"])))
 
     def admit(self, slot: int) -> None:
         self.slots[slot]["state"] = SlotState.ADMITTED
