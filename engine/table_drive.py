@@ -26,6 +26,7 @@ class TableDriver:
         self.engine, self.table = engine, table
         self.loop = HostLoop(engine)
         self.resident: dict[int, SamplingParams] = {}
+        self.max_running: int | None = None  # admission limit set over the control plane
         self._arrivals = 0
 
     def step(self) -> bool:
@@ -48,6 +49,8 @@ class TableDriver:
 
     def _admit(self) -> None:
         for slot in self.table.submitted().tolist():
+            if self.max_running is not None and len(self.resident) >= self.max_running:
+                return  # the rest stay SUBMITTED until a request finishes
             record = self.table.slots[slot]
             try:
                 params, request = self._request(record)

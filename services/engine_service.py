@@ -106,6 +106,9 @@ class EngineService:
                 kv_pages_used=pool.usable_pages - int(pool.num_free), kv_pages_total=pool.usable_pages,
                 preemptions=int(state.num_preemptions),
             )
+        if isinstance(message, control.SetLimits):
+            self.driver.max_running = message.max_running
+            return control.Ack()
         if isinstance(message, control.Drain):
             self.table.header["engine_state"] = EngineState.DRAINING
             return control.Ack()

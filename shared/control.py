@@ -15,6 +15,13 @@ class GetStatus(BaseModel):
     type: Literal["status"] = "status"
 
 
+class SetLimits(BaseModel):
+    """Admission limits the engine applies from its next step on."""
+
+    type: Literal["set_limits"] = "set_limits"
+    max_running: int | None = Field(None, ge=0, description="requests admitted at once; None: every slot")
+
+
 class Drain(BaseModel):
     type: Literal["drain"] = "drain"
 
@@ -56,7 +63,7 @@ class Failure(BaseModel):
     message: str
 
 
-Message = Annotated[Hello | GetStatus | Drain | Stop | EngineInfo | EngineStatus | Ack | Failure,
+Message = Annotated[Hello | GetStatus | SetLimits | Drain | Stop | EngineInfo | EngineStatus | Ack | Failure,
                     Field(discriminator="type")]
 _adapter: TypeAdapter[Message] = TypeAdapter(Message)
 

@@ -20,6 +20,7 @@ class Server:
     url: str
     process: subprocess.Popen
     zmq_endpoint: str
+    control_endpoint: str
 
 
 def free_port() -> int:
@@ -48,7 +49,8 @@ def running_server(tmp_path, *flags: str, timeout_s: float = 120):
                 pass
             assert time.monotonic() < deadline, "server did not become ready"
             time.sleep(0.2)
-        yield Server(url, proc, f"ipc://{tmp_path}/blink-{deployment}-api")
+        yield Server(url, proc, f"ipc://{tmp_path}/blink-{deployment}-api",
+                     f"ipc://{tmp_path}/blink-{deployment}-control")
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)

@@ -17,6 +17,7 @@ from blink.engine import LLM, SamplingParams
 from blink.engine.default_model import ensure_default_model
 from blink.ingress.chat import render_chat
 from blink.ingress.protocol import ChatMessage
+from blink.shared import control
 from tests.serving import running_server
 
 MODEL = "blink-tiny-llama-v1"
@@ -128,7 +129,28 @@ def test_a_client_that_disconnects_frees_its_slot(server):
         time.sleep(0.05)
     else:
         pytest.fail("the slot was not freed within a second")
+    status = control.request(server.control_endpoint, control.GetStatus())
+    assert status.running == 0  # the engine is not computing for it either
     assert httpx.get(f"{server.url}/ready").status_code == 200
+
+
+def test_admission_limit_over_the_control_plane(server):
+    """With a limit of 0 nothing is admitted; lifting it lets the waiting request through."""
+    assert isinstance(control.request(server.control_endpoint, control.SetLimits(max_running=0)), control.Ack)
+
+    async def run():
+        aclient = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused")
+        pending = asyncio.ensure_future(aclient.completions.create(model=MODEL, prompt="x", max_tokens=3))
+        await asyncio.sleep(0.5)
+        held = not pending.done() and control.request(server.control_endpoint, control.GetStatus()).running == 0
+        control.request(server.control_endpoint, control.SetLimits(max_running=None))
+        return held, await pending
+
+    try:
+        held, result = asyncio.run(run())
+    finally:
+        control.request(server.control_endpoint, control.SetLimits(max_running=None))
+    assert held and result.usage.completion_tokens == 3
 
 
 @pytest.mark.parametrize("body, status, param, code", [
