@@ -1,6 +1,6 @@
 """Serving overhead: generated tokens/s through `blink serve` (HTTP streaming) against the offline engine.
 
-Same workload, same engine settings, same (default random) model, on this machine's device, in one run:
+Same workload, same engine settings, same model (the default random one unless --model), in one run:
 the server's run sends every request at once as a streaming /v1/completions call and counts the tokens the
 client receives until the last stream ends; the offline run hands the same requests to `LLM.generate`. The
 ratio server/offline is the share of the engine's throughput the serving path keeps. Prints, saves JSON
@@ -69,19 +69,20 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model", type=Path, help="checkpoint directory (default: the built-in random model)")
     args = parser.parse_args()
 
     from blink.engine import LLM
     from blink.engine.default_model import ensure_default_model
 
-    model_dir = ensure_default_model()
+    model_dir = args.model or ensure_default_model()
     requests = workload(args.num_requests, args.seed)
     source = blink_source()
     llm = LLM(str(model_dir), max_num_seqs=args.max_num_seqs)
     offline(llm, requests[:4])  # warm-up
     runs = {"server": [], "offline": []}
-    with tempfile.TemporaryDirectory() as tmp, running_server(Path(tmp), "--max-num-seqs",
-                                                                str(args.max_num_seqs)) as server:
+    flags = ["--max-num-seqs", str(args.max_num_seqs), "--model", str(model_dir)]
+    with tempfile.TemporaryDirectory() as tmp, running_server(Path(tmp), *flags) as server:
         asyncio.run(through_http(server.url, model_dir.name, requests[:4]))  # warm-up
         for repeat in range(args.repeats):
             for name in ("server", "offline"):

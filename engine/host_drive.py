@@ -38,10 +38,12 @@ class HostLoop:
     def __init__(self, engine: Engine):
         self.engine = engine
         self.last_output: StepOutput | None = None  # kept for inspection (tests, debugging)
+        self.ran = False  # whether the last call ran a step (False: nothing resident, or all paused)
 
     @torch.inference_mode()
     def step(self, resident: Mapping[int, SamplingParams]) -> dict[int, SlotEvent]:
         """One step over the resident slots (slot -> its request's params); returns each slot's event."""
+        self.ran = False
         if not resident:
             return {}
         features = sampler_features(resident.values())
@@ -51,7 +53,7 @@ class HostLoop:
         if sizes[0] == 0 and not self.engine.state.cancel[list(resident)].any():
             return {}  # every resident sequence is paused; a cancelled one still needs the commit to end it
         out = step.run(plan, step.shape_for(sizes), features)
-        self.last_output = out
+        self.last_output, self.ran = out, True
         return _events(out, resident, features)
 
 

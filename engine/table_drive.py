@@ -30,7 +30,7 @@ class TableDriver:
         self._arrivals = 0
 
     def step(self) -> bool:
-        """Admits, steps once and publishes; returns whether any request is resident."""
+        """Admits, steps once and publishes; returns whether a step ran (False: idle, or every sequence paused)."""
         self._admit()
         if not self.resident:
             return False
@@ -45,7 +45,7 @@ class TableDriver:
         for slot, event in self.loop.step(self.resident).items():
             self._publish(slot, event)
         self.table.heartbeat()
-        return True
+        return self.loop.ran
 
     def _admit(self) -> None:
         for slot in self.table.submitted().tolist():

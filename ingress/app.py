@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import secrets
 import time
@@ -40,6 +41,7 @@ from blink.shared.tokenizer import Tokenizer
 
 log = structlog.get_logger()
 READY_HEARTBEAT_S = 2.0
+DISCONNECT_POLL_S = 0.25
 
 
 def create_app(state: IngressState) -> FastAPI:
@@ -92,7 +94,7 @@ def create_app(state: IngressState) -> FastAPI:
         if len(prompts) * body.n > 16:
             raise APIError(400, "at most 16 choices (prompts times n) per request", param="n")
         jobs = [(p, i * body.n + j) for i, p in enumerate(prompts) for j in range(body.n)]
-        return await _respond(state, body, jobs, body.max_tokens, body.logprobs, chat=False)
+        return await _respond(state, request, body, jobs, body.max_tokens, body.logprobs, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
@@ -102,7 +104,8 @@ def create_app(state: IngressState) -> FastAPI:
         prompt = state.tokenizer.encode(text, add_special_tokens=False)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         jobs = [(prompt, j) for j in range(body.n)]
-        return await _respond(state, body, jobs, body.max_completion_tokens or body.max_tokens, logprobs, chat=True)
+        return await _respond(state, request, body, jobs, body.max_completion_tokens or body.max_tokens, logprobs,
+                              chat=True)
 
     return app
 
@@ -144,7 +147,25 @@ class RequestContext:
         return None
 
 
-async def _respond(state: IngressState, body: SamplingFields, jobs: list[tuple[list[int], int]],
+class _ClientGone(Exception):
+    pass
+
+
+async def _unless_disconnected(request: Request, awaitable):
+    """Awaits, but gives up (cancelling the work, so the slot's request is cancelled) if the client leaves."""
+    task = asyncio.ensure_future(awaitable)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+        if done:
+            return task.result()
+        if await request.is_disconnected():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+            raise _ClientGone
+
+
+async def _respond(state: IngressState, request: Request, body: SamplingFields, jobs: list[tuple[list[int], int]],
                    max_tokens: int | None, logprobs: int | None, chat: bool):
     check_model(state, body.model)
     requests = []
@@ -152,14 +173,19 @@ async def _respond(state: IngressState, body: SamplingFields, jobs: list[tuple[l
         room = context_room(state, prompt, max_tokens, "messages" if chat else "prompt")
         seed = body.seed + index if body.seed is not None else state.seeds.getrandbits(63)
         requests.append((slot_request(prompt, body, max_tokens or room, logprobs, seed), index))
-    choices = [choice_deltas(state.client, state.tokenizer, r, body, i, state.metrics) for r, i in requests]
+    choices = [choice_deltas(state.client, state.tokenizer, r, body, i, state.metrics, state.info.eos_token_ids,
+                             counts_prompt=i % body.n == 0) for r, i in requests]
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     shape = _Shape(rid, int(time.time()), state.info.model, chat, state.tokenizer)
-    prompt_tokens = sum(len(p) for p, _ in jobs)
+    prompt_tokens = sum(len(p) for p, i in jobs if i % body.n == 0)  # each prompt once, whatever n
     state.in_flight += 1
     deltas = merged(choices)
     try:
-        first = await anext(deltas, None)  # surfaces 429 before any byte is sent
+        first = await _unless_disconnected(request, anext(deltas, None))  # surfaces 429 before any byte is sent
+    except _ClientGone:
+        state.in_flight -= 1
+        await deltas.aclose()
+        return Response(status_code=499)
     except Overloaded:
         state.in_flight -= 1
         await deltas.aclose()
@@ -172,9 +198,15 @@ async def _respond(state: IngressState, body: SamplingFields, jobs: list[tuple[l
         usage = body.stream_options.include_usage if body.stream_options else False
         return StreamingResponse(_sse(state, shape, first, deltas, prompt_tokens, usage),
                                  media_type="text/event-stream")
+    async def rest() -> list[Delta]:
+        return [d async for d in deltas]
+
     try:
-        return _collect(shape, first, [d async for d in deltas], len(jobs), prompt_tokens)
+        return _collect(shape, first, await _unless_disconnected(request, rest()), len(jobs), prompt_tokens)
+    except _ClientGone:
+        return Response(status_code=499)
     finally:
+        await deltas.aclose()
         state.in_flight -= 1
 
 

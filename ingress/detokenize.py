@@ -41,14 +41,17 @@ class Detokenizer:
         self._pending = text[len(text) - keep:] if keep else ""
         return self._release(text[: len(text) - keep])
 
-    def flush(self) -> str:
-        """The rest, once the request has ended without a stop string: what was held back, and bytes of an
-        unfinished character, decoded as a whole decode would (so the text equals decoding every token)."""
+    def flush(self) -> TextDelta:
+        """The rest, once the engine ended the request: what was held back, and bytes of an unfinished
+        character, decoded as a whole decode would (so the text equals decoding every token), stop-checked."""
         whole = self.tokenizer.decode(self._ids, skip_special_tokens=self.skip_special_tokens)
         rest = whole[self._released:]
         self._pending = ""
-        self._released = len(whole)
-        return rest
+        for stop in self.stop:
+            at = rest.find(stop)
+            if at >= 0:
+                return self._release(rest[: at + len(stop)] if self.include_stop else rest[:at], stopped=True)
+        return self._release(rest)
 
     def _release(self, text: str, stopped: bool = False) -> TextDelta:
         self._released += len(text)

@@ -48,8 +48,13 @@ def slot_request(prompt: list[int], fields: SamplingFields, max_tokens: int, log
 
 
 async def choice_deltas(client: SlotClient, tokenizer: Tokenizer, request: Request, fields: SamplingFields,
-                        index: int, metrics: Metrics) -> AsyncIterator[Delta]:
+                        index: int, metrics: Metrics, eos_token_ids: list[int],
+                        counts_prompt: bool = True) -> AsyncIterator[Delta]:
+    """Streams one choice. A token that stops the request (a stop id, or eos) keeps its id but, as in vLLM,
+    not its text unless include_stop_str_in_output; counts_prompt is False for a prompt's later choices."""
     detok = Detokenizer(tokenizer.raw, fields.stop, fields.include_stop_str_in_output, fields.skip_special_tokens)
+    silent_stops = set() if fields.include_stop_str_in_output else set(request.stop_token_ids) | (
+        set() if request.ignore_eos else set(eos_token_ids))
     stream = await client.submit(request)
     k = max(request.logprobs, 0)
     first_at = last_at = None
@@ -65,6 +70,8 @@ async def choice_deltas(client: SlotClient, tokenizer: Tokenizer, request: Reque
                 if request.logprobs >= 0:
                     top = list(zip(out.top_ids[i][:k], out.top_logprobs[i][:k], strict=True))
                     delta.logprobs.append(TokenLogprob(token, out.logprobs[i], top))
+                if out.finish == Finish.STOP and i == len(out.tokens) - 1 and token in silent_stops:
+                    break
                 piece = detok.push(token)
                 delta.text += piece.text
                 if piece.stopped:
@@ -78,16 +85,17 @@ async def choice_deltas(client: SlotClient, tokenizer: Tokenizer, request: Reque
                     metrics.itl.observe((now - last_at) / len(out.tokens))
                 last_at = now
             if delta.finish_reason is None and out.finish != Finish.NONE:
-                delta.text += detok.flush()
-                delta.finish_reason = FINISH_NAMES[out.finish]
-            finish_reason = delta.finish_reason
+                tail = detok.flush()
+                delta.text += tail.text
+                delta.finish_reason = "stop" if tail.stopped else FINISH_NAMES[out.finish]
+            finish_reason = delta.finish_reason or finish_reason
             if delta.text or delta.token_ids or delta.finish_reason:
                 yield delta
             if delta.finish_reason:
                 break
     finally:
         await outputs.aclose()  # cancels the slot's request when the choice ended early
-        metrics.finished(stream, generated, len(request.prompt))
+        metrics.finished(stream, generated, len(request.prompt) if counts_prompt else 0)
         log.info("choice finished", choice=index, slot=stream.slot, prompt_tokens=len(request.prompt),
                  generated=generated, finish_reason=finish_reason,
                  latency_s=round(time.monotonic() - stream.submitted_at, 4))

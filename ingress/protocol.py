@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
 
 MAX_STOP_STRINGS = 8
+INT32_MAX = 2**31 - 1  # the slot table stores these as int32
 
 
 class StreamOptions(BaseModel):
@@ -32,7 +33,7 @@ class SamplingFields(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     user: str | None = None
     # vLLM's extensions.
-    top_k: StrictInt = Field(0, ge=-1)
+    top_k: StrictInt = Field(0, ge=-1, le=INT32_MAX)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
     ignore_eos: StrictBool = False
@@ -54,8 +55,8 @@ class SamplingFields(BaseModel):
     @field_validator("stop_token_ids")
     @classmethod
     def _stop_ids(cls, v: list[int]) -> list[int]:
-        if any(t < 0 for t in v):
-            raise ValueError("stop_token_ids must be non-negative")
+        if any(not 0 <= t <= INT32_MAX for t in v):
+            raise ValueError("stop_token_ids must be token ids (non-negative, below 2**31)")
         return v
 
 

@@ -78,7 +78,7 @@ class SlotClient:
                 finished = out.finish != Finish.NONE
                 yield out
         finally:
-            if not finished:
+            if not finished and self._busy.get(stream.slot) is stream:  # the slot may already be someone else's
                 stream.abandoned = True
                 self.table.cancel(stream.slot)
 

@@ -31,6 +31,10 @@ class ZmqApi:
         self.state, self.endpoint = state, endpoint
         self._sock = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        # Never drop a reply for a slow reader (the default high-water mark would), and learn when a client is
+        # gone (ROUTER_MANDATORY raises instead of discarding), so its request is cancelled.
+        self._sock.setsockopt(zmq.SNDHWM, 0)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._tasks: set[asyncio.Task] = set()
 
     async def serve(self) -> None:
@@ -58,7 +62,7 @@ class ZmqApi:
             raw.setdefault("model", self.state.info.model)
             body = CompletionRequest.model_validate(raw)
             await self._generate(identity, request_id, body)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, UnicodeDecodeError):
             await self._error(identity, request_id, APIError(400, "the request is not valid JSON", code="invalid_json"))
         except ValidationError as e:
             first = e.errors()[0]
@@ -69,6 +73,11 @@ class ZmqApi:
                                                              code="overloaded"))
         except APIError as e:
             await self._error(identity, request_id, e)
+        except zmq.ZMQError:
+            log.info("zmq client gone", request_id=request_id)  # the choice's generator cancelled the request
+        except Exception:
+            log.exception("zmq request failed", request_id=request_id)
+            await self._error(identity, request_id, APIError(500, "internal error", "internal_error"))
 
     async def _error(self, identity: bytes, request_id, e: APIError) -> None:
         await self._send(identity, {"id": request_id, "error": {"message": e.message, "type": e.type,
@@ -87,7 +96,8 @@ class ZmqApi:
         request = slot_request(prompt, body, body.max_tokens or room, body.logprobs, seed)
         state.in_flight += 1
         try:
-            async for delta in choice_deltas(state.client, state.tokenizer, request, body, 0, state.metrics):
+            async for delta in choice_deltas(state.client, state.tokenizer, request, body, 0, state.metrics,
+                                             state.info.eos_token_ids):
                 await self._send(identity, {"id": request_id, "text": delta.text, "token_ids": delta.token_ids,
                                             "finish_reason": delta.finish_reason})
         finally:

@@ -78,7 +78,8 @@ def _serve(settings: Settings) -> int:
 
     env = os.environ | {f"BLINK_{k.upper()}": str(v) for k, v in settings.model_dump().items() if v is not None}
     blink = [sys.executable, "-m", "blink.services.cli"]
-    engine = subprocess.Popen([*blink, "engine"], env=env)
+    # Own sessions: a Ctrl-C or a group-wide SIGTERM reaches only this process, which stops them in order.
+    engine = subprocess.Popen([*blink, "engine"], env=env, start_new_session=True)
     stopping = False
 
     def stop(*_) -> None:
@@ -89,8 +90,8 @@ def _serve(settings: Settings) -> int:
     signal.signal(signal.SIGINT, stop)
     ingress = None
     try:
-        handshake(settings, timeout_s=600)
-        ingress = subprocess.Popen([*blink, "ingress"], env=env)
+        handshake(settings, timeout_s=600, alive=lambda: engine.poll() is None and not stopping)
+        ingress = subprocess.Popen([*blink, "ingress"], env=env, start_new_session=True)
         print(f"blink serving at http://{settings.host}:{settings.port}/v1 "
               f"(engine pid {engine.pid}, ingress pid {ingress.pid})", flush=True)
         while not stopping and engine.poll() is None and ingress.poll() is None:

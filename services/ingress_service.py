@@ -22,9 +22,12 @@ from blink.shared.tokenizer import Tokenizer
 log = structlog.get_logger()
 
 
-def handshake(settings: Settings, timeout_s: float) -> control.EngineInfo:
+def handshake(settings: Settings, timeout_s: float, alive=lambda: True) -> control.EngineInfo:
+    """Asks the engine for its info until it answers; gives up at the deadline or when `alive()` turns false."""
     deadline = time.monotonic() + timeout_s
     while True:
+        if not alive():
+            raise RuntimeError("the engine exited before it answered the handshake")
         try:
             reply = control.request(settings.control_endpoint, control.Hello(), timeout_s=1.0)
             if isinstance(reply, control.EngineInfo):

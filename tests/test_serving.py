@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -276,3 +277,69 @@ def test_sigterm_drains_in_flight_requests_and_refuses_new_ones(tmp_path):
 def _children(pid: int) -> list[tuple[int, str]]:
     out = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(pid)], capture_output=True, text=True).stdout
     return [(int(line.split(None, 1)[0]), line.split(None, 1)[1]) for line in out.strip().splitlines()]
+
+
+def test_a_non_streaming_client_that_leaves_cancels_its_request(server):
+    body = {"model": MODEL, "prompt": "Once", "max_tokens": 1500, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/completions", json=body, timeout=0.5)
+    deadline = time.monotonic() + 2.0
+    while control.request(server.control_endpoint, control.GetStatus()).running:
+        assert time.monotonic() < deadline, "the engine kept generating for a client that left"
+        time.sleep(0.05)
+
+
+def test_stop_token_text_is_dropped_and_prompt_tokens_count_once(server, offline):
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+    ids = offline.generate("Hello", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].token_ids
+    k = next(i for i, t in enumerate(ids) if i > 0 and t not in ids[:i])  # a token's first appearance
+    cut = client.completions.create(model=MODEL, prompt="Hello", max_tokens=8, temperature=0,
+                                    extra_body={"stop_token_ids": [ids[k]]})
+    assert cut.choices[0].finish_reason == "stop" and cut.choices[0].text == offline.tokenizer.decode(ids[:k])
+    three = client.completions.create(model=MODEL, prompt="Hello", max_tokens=2, n=3, temperature=0)
+    one = client.completions.create(model=MODEL, prompt="Hello", max_tokens=2, temperature=0)
+    assert three.usage.prompt_tokens == one.usage.prompt_tokens
+
+
+def test_zmq_api_answers_odd_frames(server):
+    import zmq
+
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(server.zmq_endpoint)
+    try:
+        for frame in (b"\xff\xfe not utf-8", b"[1, 2]", json.dumps({"prompt": "x", "top_k": 2**40}).encode()):
+            sock.send_multipart([b"", frame])
+            assert sock.poll(3000), f"no reply to {frame!r}"
+            assert json.loads(sock.recv_multipart()[-1])["error"]["type"] == "invalid_request_error"
+    finally:
+        sock.close()
+
+
+def test_a_late_cancel_never_touches_the_slot_s_next_owner():
+    import uuid
+
+    from blink.ingress.slots import SlotClient
+    from blink.shared.slot_table import Finish, Geometry, Request, SlotTable
+
+    async def run():
+        table = SlotTable.create(f"test-{uuid.uuid4().hex[:10]}", Geometry(1, 8, 4))
+        client = SlotClient(table, max_waiting=4)
+        client.start()
+        try:
+            first = await client.submit(Request([1], 4))
+            outputs = client.outputs(first)
+            table.admit(0)
+            table.emit(0, 5)
+            table.finish(0, Finish.STOP)
+            second = asyncio.ensure_future(client.submit(Request([2], 4)))  # waits for the slot
+            await asyncio.sleep(0.05)  # the poller reads the finish, frees the slot, hands it on
+            assert second.done() and table.slots[0]["state"] == 1
+            await outputs.aclose()  # the first consumer leaves without having read its finish
+            return int(table.slots[0]["cancel"])
+        finally:
+            await client.stop()
+            table.close()
+            table.unlink()
+
+    assert asyncio.run(run()) == 0
