@@ -168,6 +168,9 @@ async def _unless_disconnected(request: Request, awaitable):
 async def _respond(state: IngressState, request: Request, body: SamplingFields, jobs: list[tuple[list[int], int]],
                    max_tokens: int | None, logprobs: int | None, chat: bool):
     check_model(state, body.model)
+    capacity = state.client.table.geometry.num_slots + state.client.max_waiting
+    if len(jobs) > capacity:
+        raise APIError(400, f"{len(jobs)} choices can never fit: this server holds {capacity} at once", param="n")
     requests = []
     for prompt, index in jobs:
         room = context_room(state, prompt, max_tokens, "messages" if chat else "prompt")

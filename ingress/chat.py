@@ -25,9 +25,8 @@ def _raise(message: str) -> None:
 
 def render_chat(tokenizer: Tokenizer, messages: list[ChatMessage], add_generation_prompt: bool) -> str:
     template = _compile(tokenizer.chat_template)
-    special = {k: v for k, v in tokenizer.config.items() if k in ("bos_token", "eos_token") and isinstance(v, str)}
     try:
         return template.render(messages=[{"role": m.role, "content": m.text()} for m in messages],
-                               add_generation_prompt=add_generation_prompt, **special)
+                               add_generation_prompt=add_generation_prompt, **tokenizer.special_tokens)
     except TemplateError as e:
         raise APIError(400, f"the chat template rejected the messages: {str(e)[:200]}", param="messages") from e

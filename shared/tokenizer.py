@@ -12,6 +12,18 @@ class TokenizerError(ValueError):
     pass
 
 
+def _chat_template(model_dir: Path, config: dict) -> str | None:
+    """tokenizer_config.json's chat_template (a string, or a list of named ones: "default"), else
+    chat_template.jinja beside it, as transformers reads them."""
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default") or next(iter(named.values()), None)
+    if template is None and (model_dir / "chat_template.jinja").is_file():
+        template = (model_dir / "chat_template.jinja").read_text()
+    return template if isinstance(template, str) else None
+
+
 class Tokenizer:
     def __init__(self, model_dir: Path):
         path = Path(model_dir) / "tokenizer.json"
@@ -20,7 +32,10 @@ class Tokenizer:
         self._tok = _HFTokenizer.from_file(str(path))
         config_path = Path(model_dir) / "tokenizer_config.json"
         self.config: dict = json.loads(config_path.read_text()) if config_path.is_file() else {}
-        self.chat_template: str | None = self.config.get("chat_template")
+        self.chat_template = _chat_template(Path(model_dir), self.config)
+        # bos/eos may be stored as AddedToken objects ({"content": ...}); templates want the strings.
+        self.special_tokens = {k: v["content"] if isinstance(v, dict) else v for k, v in self.config.items()
+                               if k in ("bos_token", "eos_token") and isinstance(v, str | dict)}
 
     @property
     def raw(self) -> _HFTokenizer:
