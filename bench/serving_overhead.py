@@ -79,11 +79,11 @@ def main() -> None:
     requests = workload(args.num_requests, args.seed)
     source = blink_source()
     llm = LLM(str(model_dir), max_num_seqs=args.max_num_seqs)
-    offline(llm, requests[:4])  # warm-up
+    offline(llm, requests)  # warm-up: every shape the timed runs meet, in both paths
     runs = {"server": [], "offline": []}
     flags = ["--max-num-seqs", str(args.max_num_seqs), "--model", str(model_dir)]
     with tempfile.TemporaryDirectory() as tmp, running_server(Path(tmp), *flags) as server:
-        asyncio.run(through_http(server.url, model_dir.name, requests[:4]))  # warm-up
+        asyncio.run(through_http(server.url, model_dir.name, requests))
         for repeat in range(args.repeats):
             for name in ("server", "offline"):
                 if name == "server":

@@ -13,6 +13,7 @@ from enum import IntEnum
 import torch
 
 from blink.engine.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
+from blink.shared.slot_table import Finish as FinishReason  # one set of codes, engine and slot table
 
 
 class SlotStatus(IntEnum):
@@ -22,11 +23,6 @@ class SlotStatus(IntEnum):
     FINISHED = 3
 
 
-class FinishReason(IntEnum):
-    NONE = 0
-    STOP = 1
-    LENGTH = 2
-    ABORT = 3
 
 
 @dataclass
