@@ -13,9 +13,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import numpy as np
+import structlog
 
 from blink.shared.slot_table import Finish, Output, Request, SlotState, SlotTable
 
+log = structlog.get_logger()
 POLL_MIN_S, POLL_MAX_S = 0.0002, 0.002
 
 
@@ -107,6 +109,17 @@ class SlotClient:
         self._free.append(slot)
 
     async def _poll(self) -> None:
+        """Runs for the ingress's life: a failed pass is logged and the next one tries again."""
+        while True:
+            try:
+                await self._poll_forever()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("slot poller failed; restarting it")
+                await asyncio.sleep(POLL_MAX_S)
+
+    async def _poll_forever(self) -> None:
         # Field views, gathered per poll: indexing whole records would copy their prompts and windows.
         slots = self.table.slots
         state_of, produced, consumed = slots["state"], slots["produced"], slots["consumed"]
