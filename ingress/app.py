@@ -181,26 +181,21 @@ async def _respond(state: IngressState, request: Request, body: SamplingFields, 
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     shape = _Shape(rid, int(time.time()), state.info.model, chat, state.tokenizer)
     prompt_tokens = sum(len(p) for p, i in jobs if i % body.n == 0)  # each prompt once, whatever n
-    state.in_flight += 1
     deltas = merged(choices)
     try:
         first = await _unless_disconnected(request, anext(deltas, None))  # surfaces 429 before any byte is sent
     except _ClientGone:
-        state.in_flight -= 1
         await deltas.aclose()
         return Response(status_code=499)
     except Overloaded:
-        state.in_flight -= 1
         await deltas.aclose()
         raise APIError(429, "the server is at capacity; retry shortly", "rate_limit_error",
                        code="overloaded", headers={"Retry-After": "1"}) from None
-    except BaseException:
-        state.in_flight -= 1
-        raise
     if body.stream:
         usage = body.stream_options.include_usage if body.stream_options else False
-        return StreamingResponse(_sse(state, shape, first, deltas, prompt_tokens, usage),
+        return StreamingResponse(_sse(shape, first, deltas, prompt_tokens, usage),
                                  media_type="text/event-stream")
+
     async def rest() -> list[Delta]:
         return [d async for d in deltas]
 
@@ -210,7 +205,6 @@ async def _respond(state: IngressState, request: Request, body: SamplingFields, 
         return Response(status_code=499)
     finally:
         await deltas.aclose()
-        state.in_flight -= 1
 
 
 @dataclass
@@ -246,7 +240,7 @@ class _Shape:
                 "choices": [choice]}
 
 
-async def _sse(state: IngressState, shape: _Shape, first: Delta | None, deltas: AsyncIterator[Delta],
+async def _sse(shape: _Shape, first: Delta | None, deltas: AsyncIterator[Delta],
                prompt_tokens: int, include_usage: bool) -> AsyncIterator[str]:
     completion_tokens = 0
     try:
@@ -263,7 +257,6 @@ async def _sse(state: IngressState, shape: _Shape, first: Delta | None, deltas: 
         yield "data: [DONE]\n\n"
     finally:
         await deltas.aclose()
-        state.in_flight -= 1
 
 
 def _collect(shape: _Shape, first: Delta | None, rest: list[Delta], num_choices: int, prompt_tokens: int) -> dict:

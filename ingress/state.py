@@ -21,5 +21,9 @@ class IngressState:
     api_key: str | None = None
     engine_status: Callable[[], EngineStatus | None] = lambda: None
     draining: bool = False
-    in_flight: int = 0
     seeds: secrets.SystemRandom = field(default_factory=secrets.SystemRandom)
+
+    @property
+    def in_flight(self) -> int:
+        """Requests holding or waiting for a slot: what a drain waits for (uvicorn then flushes the responses)."""
+        return self.client.running + self.client.waiting
