@@ -17,7 +17,8 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-DEFAULT_MODEL_NAME = "blink-tiny-llama-v1"
+from blink.shared.model_cache import default_model_dir
+
 SPECIAL_TOKENS = ["<s>", "</s>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -26,12 +27,6 @@ CHAT_TEMPLATE = (
 ARCH = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=2048, rope_theta=10000.0, rms_norm_eps=1e-5)
 TOKENIZER_VOCAB = 2048
-
-
-def default_model_dir() -> Path:
-    cache = os.environ.get("BLINK_CACHE_DIR")
-    root = Path(cache) if cache else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "blink"
-    return root / "models" / DEFAULT_MODEL_NAME
 
 
 def ensure_default_model() -> Path:

@@ -49,6 +49,15 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--device", default="auto")
     gen.add_argument("--dtype", default="auto")
 
+    # Listed here; main() hands `blink bench ...` to blink.bench.cli before parsing, which imports only what
+    # the benchmark asked for needs.
+    commands.add_parser("bench", help="benchmarks: serve, plot, offline, overhead (`blink bench --help`)")
+
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:
+        from blink.bench.cli import main as bench_main
+
+        return bench_main(argv[1:])
     args = parser.parse_args(argv)
     if args.command == "model":
         return _model_init(args.dir)

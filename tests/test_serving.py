@@ -14,12 +14,12 @@ import httpx
 import openai
 import pytest
 
+from blink.bench.server import running_server
 from blink.engine import LLM, SamplingParams
 from blink.engine.default_model import ensure_default_model
 from blink.ingress.chat import render_chat
 from blink.ingress.protocol import ChatMessage
 from blink.shared import control
-from tests.serving import running_server
 
 MODEL = "blink-tiny-llama-v1"
 PROMPTS = ["Once upon a time", "The quick brown fox", "Question: What is two plus two?", "Dear team,"]

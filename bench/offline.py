@@ -17,8 +17,8 @@ with `save_pretrained`; the tokenizer is the engine's small trained BPE (prompts
 vocabulary being smaller than the model's does not matter). The script prints figures and writes a JSON
 file under bench/results/; it asserts nothing.
 
-    python bench/offline_throughput.py            # the default run: about 6 minutes on 2 CPU cores
-    python bench/offline_throughput.py --quick    # a smoke test
+    blink bench offline            # the default run: about 6 minutes on 2 CPU cores
+    blink bench offline --quick    # a smoke test
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ from pathlib import Path
 
 import torch
 import transformers
-from common import RESULTS_DIR, blink_source, machine, save
+
+from blink.bench.machine import blink_source, machine, save
 
 PROMPT_VOCAB = 1174  # prompt token ids are drawn below the engine tokenizer's vocabulary size
 MODEL_SHAPE = dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
@@ -61,8 +62,7 @@ class RunResult:
 # ---------------------------------------------------------------- setup
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--prompt-len", type=int, nargs=2, default=(16, 256), metavar=("MIN", "MAX"),
                    help="prompt lengths are uniform in [MIN, MAX]")
@@ -74,14 +74,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="Blink's token budget per step")
     p.add_argument("--model-dir", type=Path, default=None,
                    help="where to build (or reuse) the checkpoint; a temporary directory when not given")
-    p.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
+    p.add_argument("--result-dir", type=Path, default=Path("."))
     p.add_argument("--label", default=None, help="free text saved with the results")
     p.add_argument("--quick", action="store_true",
                    help="a small smoke-test run: 16 requests, short prompts and outputs, one repeat")
-    args = p.parse_args(argv)
-    if args.quick:
-        args.num_requests, args.prompt_len, args.output_len, args.repeats = 16, (8, 64), (4, 32), 1
-    return args
 
 
 def seed_everything(seed: int) -> None:
@@ -204,8 +200,8 @@ def print_report(summary: dict, ratio: float, runs: list[RunResult], info: dict)
     print(f"workload: {w['num_requests']} requests, prompt {w['prompt_len']} tokens, output {w['output_len']} "
           f"tokens, seed {w['seed']}, batch {w['batch_size']}, Blink token budget {w['max_num_batched_tokens']}")
     src = info["blink_source"]
-    state = {None: "", False: ", unmodified", True: ", with local changes"}[src["engine_modified"]]
-    print(f"blink engine: {src['engine_path']} (commit {src['git_commit'] or 'unknown'}{state})")
+    state = {None: "", False: ", unmodified", True: ", with local changes"}[src["modified"]]
+    print(f"blink: {src['path']} (commit {src['git_commit'] or 'unknown'}{state})")
     print(f"machine: {info['machine']['cpu_model']}, {info['machine']['torch_threads']} torch threads\n")
     for r in runs:
         flag = f"  ({r.wrong_lengths} outputs of the wrong length!)" if r.wrong_lengths else ""
@@ -247,7 +243,7 @@ def benchmark(args: argparse.Namespace, model_dir: Path) -> None:
     ratio = summary["blink"]["output_tokens_per_s"]["median"] / summary["transformers"]["output_tokens_per_s"]["median"]
     info = {
         "label": args.label,
-        "machine": machine() | {"transformers": transformers.__version__},
+        "machine": machine() | {"torch_threads": torch.get_num_threads()},
         "blink_source": source,
         "model": {**MODEL_SHAPE, "tie_word_embeddings": True, "dtype": "float32", "parameters": hf.num_parameters()},
         "workload": {"num_requests": args.num_requests, "prompt_len": list(args.prompt_len),
@@ -261,11 +257,12 @@ def benchmark(args: argparse.Namespace, model_dir: Path) -> None:
     print_report(summary, ratio, runs, info)
     result = {**info, "repeats": args.repeats, "runs": [asdict(r) for r in runs], "summary": summary,
               "ratio_output_tokens_per_s": ratio}
-    print(f"\nsaved {save('offline_throughput', result, args.results_dir)}")
+    print(f"\nsaved {save('offline_throughput', result, args.result_dir)}")
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+def run(args: argparse.Namespace) -> None:
+    if args.quick:
+        args.num_requests, args.prompt_len, args.output_len, args.repeats = 16, (8, 64), (4, 32), 1
     seed_everything(args.seed)
     if args.model_dir is not None:
         args.model_dir.mkdir(parents=True, exist_ok=True)
@@ -274,6 +271,3 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="blink-bench-") as tmp:
         benchmark(args, Path(tmp))
 
-
-if __name__ == "__main__":
-    main()

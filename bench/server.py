@@ -1,4 +1,4 @@
-"""A `blink serve` subprocess on a free port, for tests that talk to it as clients do."""
+"""A `blink serve` subprocess on a free port, for benchmarks and tests that talk to it as clients do."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ client receives until the last stream ends; the offline run hands the same reque
 ratio server/offline is the share of the engine's throughput the serving path keeps. Prints, saves JSON
 under bench/results/, asserts nothing.
 
-    python bench/serving_overhead.py [--num-requests 64] [--repeats 3]
+    blink bench overhead [--num-requests 64] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -16,16 +16,14 @@ import asyncio
 import json
 import random
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
-from common import blink_source, machine, save
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.serving import running_server
+from blink.bench.machine import blink_source, machine, save
+from blink.bench.server import running_server
 
 PROMPT_WORDS = ["the", "engine", "admits", "requests", "plans", "a", "batch", "and", "writes", "tokens", "back",
                 "into", "slots"]
@@ -63,15 +61,16 @@ def offline(llm, requests: list[tuple[str, int]]) -> tuple[float, int]:
     return time.perf_counter() - start, sum(len(o.token_ids) for o in outputs)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--max-num-seqs", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", type=Path, help="checkpoint directory (default: the built-in random model)")
-    args = parser.parse_args()
+    parser.add_argument("--result-dir", type=Path, default=Path("."))
 
+
+def run(args: argparse.Namespace) -> None:
     from blink.engine import LLM
     from blink.engine.default_model import ensure_default_model
 
@@ -104,8 +103,4 @@ def main() -> None:
               "workload": {"num_requests": args.num_requests, "prompt_words": [4, 120], "output_tokens": [16, 128],
                            "seed": args.seed, "max_num_seqs": args.max_num_seqs, "transport": "shm", "drive": "host"},
               "runs": runs, "summary": summary, "ratio_server_over_offline": ratio}
-    print(f"saved {save('serving_overhead', result)}")
-
-
-if __name__ == "__main__":
-    main()
+    print(f"saved {save('serving_overhead', result, args.result_dir)}")

@@ -1,0 +1,150 @@
+"""How one request is sent and timed: OpenAI completions or chat over HTTP (SSE), or Blink's ZeroMQ API.
+
+Every backend turns a SampleRequest into a RequestRecord: when it was sent, when each chunk of output arrived,
+when the stream ended, how many tokens came back, or why it failed. A request that fails is recorded, never
+dropped: a non-200 answer, an error event in the stream, a stream that ends without a finish reason, a timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import httpx
+
+from blink.bench.dataset import SampleRequest
+
+
+@dataclass
+class RequestRecord:
+    prompt_len: int
+    start: float = 0.0  # time.perf_counter() when the request was sent
+    chunk_times: list[float] = field(default_factory=list)  # one per chunk that carried output
+    end: float = 0.0
+    output_len: int = 0
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+@dataclass(frozen=True)
+class RequestOptions:
+    model: str
+    temperature: float = 0.0
+    ignore_eos: bool = False
+    timeout_s: float = 600.0
+
+
+class Backend(Protocol):
+    async def __call__(self, sample: SampleRequest) -> RequestRecord: ...
+
+    async def aclose(self) -> None: ...
+
+
+class OpenAIBackend:
+    """/v1/completions (`chat=False`) or /v1/chat/completions, streamed with usage in the last chunk."""
+
+    def __init__(self, base_url: str, options: RequestOptions, chat: bool, api_key: str | None = None):
+        self.url = f"{base_url.rstrip('/')}/v1/{'chat/completions' if chat else 'completions'}"
+        self.options, self.chat = options, chat
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.client = httpx.AsyncClient(timeout=options.timeout_s, headers=headers,
+                                        limits=httpx.Limits(max_connections=None, max_keepalive_connections=None))
+
+    def body(self, sample: SampleRequest) -> dict:
+        o = self.options
+        body = {"model": o.model, "max_tokens": sample.output_len, "temperature": o.temperature, "stream": True,
+                "stream_options": {"include_usage": True}}
+        if self.chat:
+            body["messages"] = [{"role": "user", "content": sample.prompt}]
+        else:
+            body["prompt"] = sample.prompt
+        if o.ignore_eos:  # vLLM's extension; OpenAI's own API would refuse the field
+            body["ignore_eos"] = True
+        return body
+
+    async def __call__(self, sample: SampleRequest) -> RequestRecord:
+        record = RequestRecord(sample.prompt_len, start=time.perf_counter())
+        try:
+            async with self.client.stream("POST", self.url, json=self.body(sample)) as response:
+                if response.status_code != 200:
+                    await response.aread()
+                    record.error = f"HTTP {response.status_code}: {_error_message(response.text)}"
+                else:
+                    record.error = await self._read_stream(response, record)
+        except (httpx.HTTPError, OSError) as e:
+            record.error = f"{type(e).__name__}: {e}"
+        record.end = time.perf_counter()
+        return record
+
+    async def _read_stream(self, response: httpx.Response, record: RequestRecord) -> str | None:
+        """Reads the SSE stream into `record`; returns why it failed, or None."""
+        finished = done = False
+        async for line in response.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                done = True
+                break
+            event = json.loads(data)
+            if "error" in event:
+                return f"error event: {_error_message(json.dumps(event))}"
+            if choices := event.get("choices"):
+                record.chunk_times.append(time.perf_counter())
+                finished = finished or choices[0].get("finish_reason") is not None
+            if usage := event.get("usage"):
+                record.output_len = usage["completion_tokens"]
+                record.prompt_len = usage.get("prompt_tokens", record.prompt_len)
+        if not (finished and done):
+            return "stream ended before its finish reason and [DONE]"
+        if record.output_len == 0:  # a server that sends no usage: one token per chunk, as such servers stream
+            record.output_len = len(record.chunk_times)
+        return None
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+
+class ZmqBackend:
+    """Blink's ZeroMQ API; one DEALER socket per request, as the client requires."""
+
+    def __init__(self, endpoint: str, options: RequestOptions):
+        from blink.ingress.zmq_client import AsyncClient, BlinkError
+
+        self.endpoint, self.options = endpoint, options
+        self._client_class, self._error_class = AsyncClient, BlinkError
+
+    async def __call__(self, sample: SampleRequest) -> RequestRecord:
+        record = RequestRecord(sample.prompt_len, start=time.perf_counter())
+        client = self._client_class(self.endpoint)
+        params = {"max_tokens": sample.output_len, "temperature": self.options.temperature,
+                  "ignore_eos": self.options.ignore_eos}
+        try:
+            async with asyncio.timeout(self.options.timeout_s):
+                async for chunk in client.stream(sample.prompt, **params):
+                    record.chunk_times.append(time.perf_counter())
+                    record.output_len += len(chunk.token_ids)
+        except self._error_class as e:
+            record.error = f"{e.error.get('type', 'error')}: {e}"
+        except TimeoutError:
+            record.error = f"no finish within {self.options.timeout_s} s"
+        finally:
+            client.close()
+        record.end = time.perf_counter()
+        return record
+
+    async def aclose(self) -> None:
+        pass
+
+
+def _error_message(text: str) -> str:
+    try:
+        return json.loads(text)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return text[:200]

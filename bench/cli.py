@@ -1,0 +1,31 @@
+"""`blink bench serve|plot|offline|overhead`: each subcommand's module declares its flags and runs it.
+
+Only the module of the command asked for is imported: `offline` needs torch and transformers, `serve` does not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+COMMANDS = {
+    "serve": ("blink.bench.serve", "load a server at request rates, print vLLM's figures, save JSON"),
+    "plot": ("blink.bench.plot", "P99 TTFT and TPOT against request rate, a line per result set, as PNGs"),
+    "offline": ("blink.bench.offline", "the engine's offline throughput against transformers' generate"),
+    "overhead": ("blink.bench.overhead", "HTTP streaming through `blink serve` against the offline engine"),
+}
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="blink bench", description="Blink's benchmarks")
+    commands = parser.add_subparsers(dest="bench_command", required=True)
+    for name, (module, text) in COMMANDS.items():
+        sub = commands.add_parser(name, help=text, description=text)
+        if argv[:1] == [name]:
+            try:
+                importlib.import_module(module).add_arguments(sub)
+            except ModuleNotFoundError as e:
+                raise SystemExit(f"blink bench {name} needs {e.name}: pip install 'blink-serve[test]'") from None
+    args = parser.parse_args(argv)
+    importlib.import_module(COMMANDS[args.bench_command][0]).run(args)
+    return 0

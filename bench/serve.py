@@ -1,0 +1,188 @@
+"""`blink bench serve`: a rate sweep against a server, with its figures printed as vLLM prints them and saved.
+
+One JSON file per invocation: the configuration, the machine, the server's drive mode and transport (as its
+/ready reports them), what interference ran, and one entry per request rate with every figure, the energy
+where NVML can measure it, and each request's lengths, latencies and error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import signal
+from contextlib import nullcontext
+from datetime import UTC, datetime
+from pathlib import Path
+
+import httpx
+
+from blink.bench.backends import Backend, OpenAIBackend, RequestOptions, RequestRecord, ZmqBackend
+from blink.bench.dataset import LengthLimits, SampleRequest, load_tokenizer, sharegpt, synthetic
+from blink.bench.energy import EnergyMeter
+from blink.bench.figures import RequestTimes, compute, report
+from blink.bench.interference import Interference
+from blink.bench.loadgen import run_load
+from blink.bench.machine import blink_source, machine, save
+
+BACKENDS = ("openai", "openai-chat", "blink-zmq")
+SLO_NAMES = ("ttft", "tpot", "e2el")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", choices=BACKENDS, default="openai",
+                   help="openai: /v1/completions; openai-chat: /v1/chat/completions; blink-zmq: Blink's ZeroMQ API")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (also read for its model and "
+                   "/ready with --backend blink-zmq)")
+    p.add_argument("--zmq-endpoint", default="ipc:///tmp/blink-default-api", help="for --backend blink-zmq")
+    p.add_argument("--model", help="the model to request (default: the server's first in /v1/models)")
+    p.add_argument("--tokenizer", help="tokenizer.json or checkpoint dir for prompt lengths (default: the served "
+                   "model's, when it is a directory or Blink's default model)")
+    p.add_argument("--api-key")
+    p.add_argument("--dataset", type=Path, help="a ShareGPT-format JSON file (default: synthetic, ShareGPT-like)")
+    p.add_argument("--num-prompts", type=int, default=200)
+    p.add_argument("--input-len", type=int, help="fixed prompt length (synthetic only)")
+    p.add_argument("--output-len", type=int, help="fixed output length, instead of the dataset's")
+    p.add_argument("--max-prompt-len", type=int, default=1024)
+    p.add_argument("--max-total-len", type=int, default=2048, help="also capped by the server's max_model_len")
+    p.add_argument("--request-rate", type=_rates, default=[math.inf],
+                   help="requests/s, or a sweep: 1,2,4,8,inf (default inf: all at once)")
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the arrival gaps; 1 is Poisson")
+    p.add_argument("--max-concurrency", type=int)
+    p.add_argument("--ignore-eos", action="store_true", help="every request generates exactly its output length")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request counts as failed")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--goodput", nargs="+", default=[], metavar="NAME:MS", help="SLOs, e.g. ttft:500 tpot:50")
+    p.add_argument("--interference", type=int, default=0, metavar="N", help="CPU interference processes")
+    p.add_argument("--interference-cpus", type=_cpus, help="pin them: 0,1 or 0-3")
+    p.add_argument("--energy", action=argparse.BooleanOptionalAction, default=True, help="NVML energy per token")
+    p.add_argument("--label", help="names this result set in plots (default: drive mode, transport, interference)")
+    p.add_argument("--result-dir", type=Path, default=Path("."))
+    p.add_argument("--disable-tqdm", action="store_true")
+
+
+def run(args: argparse.Namespace) -> Path:
+    """SIGTERM stops a run as ^C does: the interference processes are stopped before the process exits."""
+    goodput = parse_goodput(args.goodput)
+    signal.signal(signal.SIGTERM, _interrupt)
+    load = Interference(args.interference, args.interference_cpus) if args.interference else nullcontext()
+    with load:
+        return asyncio.run(sweep(args, goodput, load if args.interference else None))
+
+
+async def sweep(args: argparse.Namespace, goodput: dict[str, float], load: Interference | None) -> Path:
+    server = await server_info(args.base_url, args.api_key)
+    model = args.model or server.get("model")
+    if model is None:
+        raise SystemExit(f"{args.base_url}: no model in /v1/models ({server.get('error')}); pass --model")
+    tokenizer = load_tokenizer(args.tokenizer, model)
+    limits = LengthLimits(args.max_prompt_len, min(args.max_total_len, server.get("max_model_len") or math.inf))
+    if args.dataset:
+        samples = sharegpt(args.dataset, tokenizer, args.num_prompts, limits, args.seed, args.output_len)
+    else:
+        samples = synthetic(tokenizer, args.num_prompts, limits, args.seed, args.input_len, args.output_len)
+    options = RequestOptions(model, args.temperature, args.ignore_eos, args.request_timeout)
+    backend: Backend = (ZmqBackend(args.zmq_endpoint, options) if args.backend == "blink-zmq" else
+                        OpenAIBackend(args.base_url, options, args.backend == "openai-chat", args.api_key))
+    try:
+        await check_server(backend, samples[0])
+        runs = [await one_rate(args, backend, samples, rate, goodput) for rate in args.request_rate]
+    finally:
+        await backend.aclose()
+    interference = load.describe() if load else None
+    result = {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"), "label": args.label or default_label(server, load),
+        "backend": args.backend, "base_url": args.base_url,
+        "zmq_endpoint": args.zmq_endpoint if args.backend == "blink-zmq" else None, "model_id": model,
+        "dataset": str(args.dataset) if args.dataset else "synthetic-sharegpt", "num_prompts": len(samples),
+        "input_len": args.input_len, "output_len": args.output_len, "ignore_eos": args.ignore_eos,
+        "burstiness": args.burstiness, "max_concurrency": args.max_concurrency, "seed": args.seed,
+        "goodput_slos_ms": goodput or None, "server": server, "interference": interference,
+        "machine": machine(), "blink": blink_source(), "runs": runs}
+    path = save("serve", result, args.result_dir)
+    print(f"saved {path}")
+    return path
+
+
+async def one_rate(args: argparse.Namespace, backend: Backend, samples: list[SampleRequest], rate: float,
+                   goodput: dict[str, float]) -> dict[str, object]:
+    meter = EnergyMeter() if args.energy else None
+    with meter or nullcontext():
+        records, duration = await run_load(backend, samples, rate, args.burstiness, args.seed, args.max_concurrency,
+                                           progress=not args.disable_tqdm)
+    figures = compute(records, duration, goodput)
+    energy = meter.result(int(figures["total_output_tokens"])) if meter else {"available": False,
+                                                                            "reason": "--no-energy"}
+    extra = {"Energy per output token (J/tok)": energy["joules_per_output_token"]} if energy["available"] else {}
+    print(report(figures, rate, args.max_concurrency, extra), flush=True)
+    return {"request_rate": rate if math.isfinite(rate) else "inf", **figures, "energy": energy,
+            "requests": [request_row(r) for r in records]}
+
+
+def request_row(r: RequestRecord) -> dict[str, object]:
+    times = RequestTimes.of(r) if r.ok else None
+    return {"prompt_len": r.prompt_len, "output_len": r.output_len, "error": r.error,
+            "ttft_ms": times.ttft * 1000 if times else None, "e2el_ms": times.e2el * 1000 if times else None,
+            "chunks": len(r.chunk_times)}
+
+
+async def check_server(backend: Backend, sample: SampleRequest) -> None:
+    """One request before the run, so that a misconfigured run stops with the server's reason, not 200 failures."""
+    record = await backend(SampleRequest(sample.prompt, sample.prompt_len, min(sample.output_len, 4)))
+    if not record.ok:
+        raise SystemExit(f"the first test request failed: {record.error}")
+
+
+async def server_info(base_url: str, api_key: str | None) -> dict[str, object]:
+    """The model and limits from /v1/models; drive mode and transport from /ready, where the server is Blink."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    info: dict[str, object] = {}
+    async with httpx.AsyncClient(base_url=base_url, timeout=10, headers=headers) as client:
+        try:
+            models = (await client.get("/v1/models")).json()["data"]
+            info |= {"model": models[0]["id"], "max_model_len": models[0].get("max_model_len")}
+            ready = await client.get("/ready")
+            if "application/json" in ready.headers.get("content-type", ""):
+                body = ready.json()
+                info |= {k: body.get(k) for k in ("drive", "transport", "degraded")}
+        except (httpx.HTTPError, ValueError, KeyError, IndexError) as e:
+            info["error"] = f"{type(e).__name__}: {e}"
+    return info
+
+
+def default_label(server: dict[str, object], load: Interference | None) -> str:
+    label = f"{server.get('drive') or 'unknown drive'}/{server.get('transport') or 'unknown transport'}"
+    return label + (f" +{load.processes} interference" if load else "")
+
+
+def parse_goodput(items: list[str]) -> dict[str, float]:
+    slos = {}
+    for item in items:
+        name, _, value = item.partition(":")
+        if name not in SLO_NAMES or not value:
+            raise SystemExit(f"--goodput {item!r}: want NAME:MS with NAME one of {', '.join(SLO_NAMES)}")
+        try:
+            slos[name] = float(value)
+        except ValueError:
+            raise SystemExit(f"--goodput {item!r}: {value!r} is not a number of milliseconds") from None
+    return slos
+
+
+def _rates(text: str) -> list[float]:
+    rates = [float(part) for part in text.split(",")]  # float() reads "inf"
+    if any(r <= 0 for r in rates):
+        raise argparse.ArgumentTypeError("request rates must be positive")
+    return rates
+
+
+def _cpus(text: str) -> list[int]:
+    cpus = []
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        cpus.extend(range(int(first), int(last or first) + 1))
+    return cpus
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
