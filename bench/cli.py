@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import sys
 
 COMMANDS = {
     "serve": ("blink.bench.serve", "load a server at request rates, print vLLM's figures, save JSON"),
@@ -27,5 +28,9 @@ def main(argv: list[str]) -> int:
             except ModuleNotFoundError as e:
                 raise SystemExit(f"blink bench {name} needs {e.name}: pip install 'blink-serve[test]'") from None
     args = parser.parse_args(argv)
-    importlib.import_module(COMMANDS[args.bench_command][0]).run(args)
+    try:
+        importlib.import_module(COMMANDS[args.bench_command][0]).run(args)
+    except KeyboardInterrupt:
+        print(f"blink bench {args.bench_command}: interrupted; nothing saved", file=sys.stderr)
+        return 130
     return 0

@@ -84,7 +84,9 @@ def synthetic(tokenizer: Tokenizer, num: int, limits: LengthLimits, seed: int, i
         wanted = output_len or _lognormal(rng, SHAREGPT_MEAN_OUTPUT, OUTPUT_SIGMA)
         if limits.admit(prompt_len, wanted):
             prompt = random_text(tokenizer, vocab, prompt_len, rng)
-            samples.append(SampleRequest(prompt, len(tokenizer.encode(prompt, add_special_tokens=False).ids), wanted))
+            actual = len(tokenizer.encode(prompt, add_special_tokens=False).ids)
+            if limits.admit(actual, wanted):  # re-encoding can land a token or two off the length drawn
+                samples.append(SampleRequest(prompt, actual, wanted))
     return samples
 
 

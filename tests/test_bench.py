@@ -1,0 +1,217 @@
+"""`blink bench`: its figures against timestamps taken elsewhere, failures counted, interference cleaned up,
+every figure saved, plots that are PNGs; against a scripted server and against `blink serve`."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from blink.bench import cli as bench_cli
+from blink.bench.backends import RequestRecord
+from blink.bench.dataset import LengthLimits, load_tokenizer, sharegpt, synthetic
+from blink.bench.energy import integrate
+from blink.bench.figures import compute, report
+from blink.bench.loadgen import arrival_times
+from blink.bench.server import running_server
+from tests.scripted_openai import Script, scripted_server
+
+BENCH = [sys.executable, "-m", "blink.services.cli", "bench"]
+NORMAL = [f"normal request number {i} about the weather today" for i in range(8)]
+FAILING = ["http-400 refuse this prompt please", "error-event break the stream now please",
+           "cut this stream short after two tokens"]
+FIGURES = ["completed", "failed", "duration", "total_input_tokens", "total_output_tokens", "request_throughput",
+           "request_goodput", "output_throughput", "total_token_throughput", "max_output_tokens_per_s",
+           "max_concurrent_requests"] + [f"{stat}_{name}_ms" for name in ("ttft", "tpot", "itl", "e2el")
+                                         for stat in ("mean", "median", "std", "p90", "p99")]
+
+
+def write_sharegpt(path: Path, prompts: list[str]) -> Path:
+    conversations = [{"id": str(i), "conversations": [{"from": "human", "value": p},
+                                                      {"from": "gpt", "value": "a reference answer of some words"}]}
+                     for i, p in enumerate(prompts)]
+    conversations.append({"id": "lonely", "conversations": [{"from": "human", "value": "no answer to this one"}]})
+    path.write_text(json.dumps(conversations))
+    return path
+
+
+def only_result(result_dir: Path) -> dict:
+    (path,) = result_dir.glob("serve-*.json")
+    return json.loads(path.read_text())
+
+
+def test_figures_from_known_records():
+    records = [RequestRecord(10, start=0.0, chunk_times=[0.1, 0.2, 0.4], end=0.4, output_len=3),
+               RequestRecord(20, start=0.5, chunk_times=[0.8], end=0.8, output_len=1),
+               RequestRecord(5, start=0.2, end=0.3, error="HTTP 500: boom")]
+    f = compute(records, duration_s=2.0, goodput_slos_ms={"ttft": 200})
+    assert (f["completed"], f["failed"], f["total_input_tokens"], f["total_output_tokens"]) == (2, 1, 30, 4)
+    assert f["request_throughput"] == 1.0 and f["output_throughput"] == 2.0 and f["total_token_throughput"] == 17
+    assert f["request_goodput"] == 0.5  # only the first request's TTFT (100 ms) is within 200 ms
+    assert f["mean_ttft_ms"] == pytest.approx(200) and f["median_ttft_ms"] == pytest.approx(200)
+    assert f["mean_tpot_ms"] == pytest.approx(150)  # (400 - 100) / 2; the one-token request has no TPOT
+    assert f["mean_itl_ms"] == pytest.approx(150) and f["p99_itl_ms"] == pytest.approx(199)
+    assert f["mean_e2el_ms"] == pytest.approx(350)
+    assert f["max_concurrent_requests"] == 2 and f["max_output_tokens_per_s"] == 4
+    assert f["errors"] == {"HTTP 500: boom": 1}
+    text = report(f, rate=4.0, max_concurrency=8)
+    for label in ("Successful requests:", "Failed requests:", "Maximum request concurrency:",
+                  "Request goodput (req/s):", "Peak output token throughput (tok/s):", "Mean TTFT (ms):",
+                  "P90 TPOT (ms):", "Median ITL (ms):", "P99 E2EL (ms):"):
+        assert label in text
+    assert text.splitlines()[0] == "============ Serving Benchmark Result ============"
+
+
+def test_arrivals_follow_the_gamma_process():
+    for burstiness, cv in ((1.0, 1.0), (4.0, 0.5), (0.25, 2.0)):
+        gaps = np.diff(arrival_times(20000, rate=4.0, burstiness=burstiness, seed=1))
+        assert gaps.mean() == pytest.approx(0.25, rel=0.05)
+        assert gaps.std() / gaps.mean() == pytest.approx(cv, rel=0.08)
+    assert arrival_times(5, float("inf"), 1.0, 0) == [0.0] * 5
+    assert arrival_times(50, 2.0, 1.0, 7) == arrival_times(50, 2.0, 1.0, 7)
+
+
+def test_datasets_respect_lengths(tmp_path, tokenizer_dir):
+    tokenizer = load_tokenizer(str(tokenizer_dir), "any")
+    limits = LengthLimits(max_prompt_len=300, max_total_len=400)
+    samples = synthetic(tokenizer, 200, limits, seed=3)
+    assert all(limits.admit(s.prompt_len, s.output_len) for s in samples)
+    assert statistics.median(s.output_len for s in samples) > statistics.median(s.prompt_len for s in samples)
+    fixed = synthetic(tokenizer, 20, limits, seed=3, input_len=64, output_len=32)
+    assert all(abs(s.prompt_len - 64) <= 2 and s.output_len == 32 for s in fixed)
+    data = write_sharegpt(tmp_path / "sg.json", [*NORMAL, "hi"])
+    loaded = sharegpt(data, tokenizer, 8, LengthLimits(), seed=0)
+    assert sorted(s.prompt for s in loaded) == sorted(NORMAL)  # "hi" is too short; a one-turn conversation skipped
+    with pytest.raises(SystemExit, match="only 8 of 9"):
+        sharegpt(data, tokenizer, 9, LengthLimits(), seed=0)
+
+
+def test_energy_integrates_power():
+    assert integrate([(0.0, 100.0), (1.0, 200.0), (3.0, 200.0)]) == pytest.approx(550.0)
+    assert integrate([(0.0, 100.0)]) == 0.0
+
+
+def test_figures_match_the_servers_own_timestamps(tmp_path, tokenizer_dir):
+    """TTFT, TPOT, ITL and E2EL against the send times the scripted server recorded on the same clock; failed
+    requests counted with their reasons; tokens from the server's usage."""
+    data = write_sharegpt(tmp_path / "sg.json", NORMAL + FAILING)
+    tokenizer = load_tokenizer(str(tokenizer_dir), "scripted")
+    seed = next(s for s in range(50) if sharegpt(data, tokenizer, 11, LengthLimits(), s)[0].prompt in NORMAL)
+    script = Script(ttft_s=0.2, gap_s=0.05)
+    with scripted_server(script) as url:
+        assert bench_cli.main(["serve", "--base-url", url, "--dataset", str(data), "--tokenizer", str(tokenizer_dir),
+                               "--num-prompts", "11", "--output-len", "6", "--seed", str(seed), "--no-energy",
+                               "--goodput", "ttft:1000", "tpot:1000", "--result-dir", str(tmp_path),
+                               "--disable-tqdm"]) == 0
+    run = only_result(tmp_path)["runs"][0]
+    assert all(run[key] is not None for key in FIGURES)
+    assert (run["completed"], run["failed"]) == (8, 3)
+    assert run["errors"] == {"HTTP 400: scripted refusal": 1, "error event: scripted failure": 1,
+                             "stream ended before its finish reason and [DONE]": 1}
+    assert (run["total_input_tokens"], run["total_output_tokens"]) == (8 * 7, 8 * 6)
+    assert run["request_goodput"] == pytest.approx(8 / run["duration"])
+
+    served = [s for s in script.served[1:] if s.prompt in NORMAL]  # served[0] is the check before the run
+    server_ttfts = sorted(s.sent[0] - s.received for s in served)
+    client = [r for r in run["requests"] if r["error"] is None]
+    client_ttfts = sorted(r["ttft_ms"] / 1000 for r in client)
+    for theirs, ours in zip(server_ttfts, client_ttfts, strict=True):
+        assert theirs <= ours < theirs + 0.1  # ours also counts the request's way there and the token's way back
+    gaps = [b - a for s in served for a, b in zip(s.sent, s.sent[1:], strict=False)]
+    assert run["median_itl_ms"] == pytest.approx(statistics.median(gaps) * 1000, abs=15)
+    tpots = [(s.sent[-1] - s.sent[0]) / 5 for s in served]
+    assert run["mean_tpot_ms"] == pytest.approx(statistics.mean(tpots) * 1000, abs=15)
+    assert run["mean_ttft_ms"] == pytest.approx(statistics.mean(client_ttfts) * 1000)
+    assert run["mean_e2el_ms"] == pytest.approx(statistics.mean(r["e2el_ms"] for r in client))
+    assert run["max_concurrent_requests"] >= 8
+
+
+def interference_workers(parent: int) -> list[int]:
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(fields[1]) == parent and b"blink.bench.interference" in cmdline:
+            pids.append(int(stat.parent.name))
+    return pids
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
+def test_interference_stops_when_the_run_is_interrupted(tmp_path, tokenizer_dir, sig):
+    script = Script(ttft_s=0.2, gap_s=0.5)  # each request streams for about 20 s
+    with scripted_server(script) as url:
+        bench = subprocess.Popen([*BENCH, "serve", "--base-url", url, "--tokenizer", str(tokenizer_dir),
+                                  "--num-prompts", "4", "--output-len", "40", "--interference", "2",
+                                  "--result-dir", str(tmp_path), "--disable-tqdm"],
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while len(workers := interference_workers(bench.pid)) < 2 or len(script.served) < 2:
+            assert bench.poll() is None, bench.stdout.read().decode()
+            assert time.monotonic() < deadline, "the interference processes never started"
+            time.sleep(0.1)
+        os.kill(bench.pid, sig)
+        bench.wait(30)
+        deadline = time.monotonic() + 10
+        while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    assert not any(alive(pid) for pid in workers)
+    assert not list(tmp_path.glob("serve-*.json"))  # an interrupted run saves no figures
+
+
+def test_against_blink_serve_every_backend_and_plots(tmp_path):
+    """A rate sweep with interference over HTTP, then the chat and ZeroMQ backends, then the plots."""
+    with running_server(tmp_path, "--max-num-seqs", "8") as server:
+        common = ["--base-url", server.url, "--num-prompts", "8", "--output-len", "8", "--ignore-eos",
+                  "--disable-tqdm"]
+        runs = [(["--request-rate", "8,inf", "--interference", "1", "--interference-cpus", "0"], "sweep"),
+                (["--backend", "openai-chat"], "chat"),
+                (["--backend", "blink-zmq", "--zmq-endpoint", server.zmq_endpoint, "--label", "zmq"], "zmq")]
+        results = {}
+        for flags, name in runs:
+            out = tmp_path / name
+            done = subprocess.run([*BENCH, "serve", *common, *flags, "--result-dir", str(out)], capture_output=True,
+                                  text=True, timeout=300)
+            assert done.returncode == 0, done.stdout + done.stderr
+            assert "============ Serving Benchmark Result ============" in done.stdout
+            results[name] = only_result(out)
+    sweep = results["sweep"]
+    assert (sweep["server"]["drive"], sweep["server"]["transport"]) == ("host", "shm")
+    assert sweep["label"] == "host/shm +1 interference" and sweep["interference"]["cpus"] == [0]
+    assert not any(alive(pid) for pid in sweep["interference"]["pids"])
+    assert [r["request_rate"] for r in sweep["runs"]] == [8.0, "inf"]
+    for result in results.values():
+        assert {"machine", "server", "blink", "date"} <= result.keys()
+        for run in result["runs"]:
+            assert all(run[key] is not None for key in FIGURES if key != "request_goodput")
+            assert (run["completed"], run["failed"], run["total_output_tokens"]) == (8, 0, 64)
+
+    plots = tmp_path / "plots"
+    files = [next((tmp_path / name).glob("serve-*.json")) for name in ("sweep", "zmq")]
+    done = subprocess.run([*BENCH, "plot", *map(str, files), "--output-dir", str(plots)], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    import matplotlib.image
+
+    for name in ("serve-p99_ttft.png", "serve-p99_tpot.png"):
+        png = (plots / name).read_bytes()
+        assert png[:8] == b"\x89PNG\r\n\x1a\n"
+        height, width, _ = matplotlib.image.imread(plots / name).shape
+        assert width > 400 and height > 300
