@@ -11,6 +11,7 @@ import asyncio
 import json
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
 import httpx
@@ -77,7 +78,7 @@ class OpenAIBackend:
                     record.error = f"HTTP {response.status_code}: {_error_message(response.text)}"
                 else:
                     record.error = await self._read_stream(response, record)
-        except (httpx.HTTPError, OSError) as e:
+        except (httpx.HTTPError, OSError, ValueError) as e:  # ValueError: an event that is not JSON
             record.error = f"{type(e).__name__}: {e}"
         record.end = time.perf_counter()
         return record
@@ -112,11 +113,14 @@ class OpenAIBackend:
 
 
 class ZmqBackend:
-    """Blink's ZeroMQ API; one DEALER socket per request, as the client requires."""
+    """Blink's ZeroMQ API; one DEALER socket per request, as the client requires. The API reports no usage, so
+    prompt lengths are the client tokenizer's (without the BOS token the server adds)."""
 
     def __init__(self, endpoint: str, options: RequestOptions):
         from blink.ingress.zmq_client import AsyncClient, BlinkError
 
+        if endpoint.startswith("ipc://") and not Path(endpoint.removeprefix("ipc://")).exists():
+            raise SystemExit(f"{endpoint}: no such socket; is the ingress running with this deployment name?")
         self.endpoint, self.options = endpoint, options
         self._client_class, self._error_class = AsyncClient, BlinkError
 

@@ -1,7 +1,7 @@
 """`blink bench plot RESULTS...`: P99 TTFT and P99 TPOT against request rate, a line per result set.
 
 Each `blink bench serve` JSON file is one result set (its label names the line; files with the same label are
-merged). An infinite rate ("all at once") is drawn at the right edge, past the highest finite rate.
+merged). Rates are on a log scale; an infinite rate ("all at once") is drawn one doubling past the highest.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only: no display needed
 import matplotlib.pyplot as plt
+from matplotlib.ticker import LogFormatter
 
 PANELS = {"p99_ttft_ms": "P99 time to first token (ms)", "p99_tpot_ms": "P99 time per output token (ms)"}
 
@@ -47,7 +48,7 @@ def load_series(paths: list[Path]) -> dict[str, list[tuple[float, dict]]]:
 def plot(paths: list[Path], output_dir: Path, prefix: str = "serve", title: str | None = None) -> list[Path]:
     series = load_series(paths)
     finite = [rate for points in series.values() for rate, _ in points if math.isfinite(rate)]
-    inf_at = max(finite, default=1.0) * 1.5  # where "inf" is drawn
+    inf_at = max(finite, default=1.0) * 2  # where "inf" is drawn: one doubling past the highest rate
     output_dir.mkdir(parents=True, exist_ok=True)
     written = []
     for key, ylabel in PANELS.items():
@@ -59,10 +60,13 @@ def plot(paths: list[Path], output_dir: Path, prefix: str = "serve", title: str 
         ticks = sorted(set(finite))
         if any(not math.isfinite(rate) for points in series.values() for rate, _ in points):
             ticks.append(inf_at)
+        ax.set_xscale("log", base=2)  # sweeps double the rate: equal steps
         ax.set_xticks(ticks, [f"{t:g}" if t != inf_at or inf_at in finite else "inf" for t in ticks])
         ax.set_xlabel("request rate (requests/s)")
         ax.set_ylabel(ylabel)
         ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(LogFormatter())  # plain numbers (20, 300), not 2×10¹
+        ax.yaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False))
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
         ax.set_title(f"{title}: {ylabel}" if title else ylabel)
