@@ -1,7 +1,8 @@
 """How one request is sent and timed: OpenAI completions or chat over HTTP (SSE), or Blink's ZeroMQ API.
 
 Every backend turns a SampleRequest into a RequestRecord: when it was sent, when each chunk of output arrived,
-when the stream ended, how many tokens came back, or why it failed. A request that fails is recorded, never
+when the stream ended, how many tokens came back, or why it failed. Prompt lengths are the client tokenizer's,
+as in vLLM's benchmark, so that every backend counts them alike. A request that fails is recorded, never
 dropped: a non-200 answer, an error event in the stream, a stream that ends without a finish reason, a timeout.
 """
 
@@ -15,6 +16,8 @@ from pathlib import Path
 from typing import Protocol
 
 import httpx
+import zmq
+import zmq.asyncio
 
 from blink.bench.dataset import SampleRequest
 
@@ -72,13 +75,16 @@ class OpenAIBackend:
     async def __call__(self, sample: SampleRequest) -> RequestRecord:
         record = RequestRecord(sample.prompt_len, start=time.perf_counter())
         try:
-            async with self.client.stream("POST", self.url, json=self.body(sample)) as response:
-                if response.status_code != 200:
-                    await response.aread()
-                    record.error = f"HTTP {response.status_code}: {_error_message(response.text)}"
-                else:
-                    record.error = await self._read_stream(response, record)
-        except (httpx.HTTPError, OSError, ValueError) as e:  # ValueError: an event that is not JSON
+            async with asyncio.timeout(self.options.timeout_s):  # httpx's own timeout is per read, not total
+                async with self.client.stream("POST", self.url, json=self.body(sample)) as response:
+                    if response.status_code != 200:
+                        await response.aread()
+                        record.error = f"HTTP {response.status_code}: {_error_message(response.text)}"
+                    else:
+                        record.error = await self._read_stream(response, record)
+        except TimeoutError:
+            record.error = f"no finish within {self.options.timeout_s} s"
+        except Exception as e:  # a malformed stream, a refused connection: this request failed, not the run
             record.error = f"{type(e).__name__}: {e}"
         record.end = time.perf_counter()
         return record
@@ -100,8 +106,7 @@ class OpenAIBackend:
                 record.chunk_times.append(time.perf_counter())
                 finished = finished or choices[0].get("finish_reason") is not None
             if usage := event.get("usage"):
-                record.output_len = usage["completion_tokens"]
-                record.prompt_len = usage.get("prompt_tokens", record.prompt_len)
+                record.output_len = usage.get("completion_tokens") or 0
         if not (finished and done):
             return "stream ended before its finish reason and [DONE]"
         if record.output_len == 0:  # a server that sends no usage: one token per chunk, as such servers stream
@@ -113,8 +118,7 @@ class OpenAIBackend:
 
 
 class ZmqBackend:
-    """Blink's ZeroMQ API; one DEALER socket per request, as the client requires. The API reports no usage, so
-    prompt lengths are the client tokenizer's (without the BOS token the server adds)."""
+    """Blink's ZeroMQ API; one DEALER socket per request, as the client requires."""
 
     def __init__(self, endpoint: str, options: RequestOptions):
         from blink.ingress.zmq_client import AsyncClient, BlinkError
@@ -123,13 +127,15 @@ class ZmqBackend:
             raise SystemExit(f"{endpoint}: no such socket; is the ingress running with this deployment name?")
         self.endpoint, self.options = endpoint, options
         self._client_class, self._error_class = AsyncClient, BlinkError
+        zmq.asyncio.Context.instance().set(zmq.MAX_SOCKETS, 1 << 16)  # a socket per request in flight
 
     async def __call__(self, sample: SampleRequest) -> RequestRecord:
         record = RequestRecord(sample.prompt_len, start=time.perf_counter())
-        client = self._client_class(self.endpoint)
         params = {"max_tokens": sample.output_len, "temperature": self.options.temperature,
                   "ignore_eos": self.options.ignore_eos}
+        client = None
         try:
+            client = self._client_class(self.endpoint)
             async with asyncio.timeout(self.options.timeout_s):
                 async for chunk in client.stream(sample.prompt, **params):
                     record.chunk_times.append(time.perf_counter())
@@ -138,8 +144,11 @@ class ZmqBackend:
             record.error = f"{e.error.get('type', 'error')}: {e}"
         except TimeoutError:
             record.error = f"no finish within {self.options.timeout_s} s"
+        except Exception as e:  # out of sockets or descriptors: this request failed, not the run
+            record.error = f"{type(e).__name__}: {e}"
         finally:
-            client.close()
+            if client is not None:
+                client.close()
         record.end = time.perf_counter()
         return record
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 
 COMMANDS = {
@@ -30,7 +31,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     try:
         importlib.import_module(COMMANDS[args.bench_command][0]).run(args)
-    except KeyboardInterrupt:
-        print(f"blink bench {args.bench_command}: interrupted; nothing saved", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:  # ^C, or SIGTERM (blink bench serve raises it with the signal number)
+        print(f"blink bench {args.bench_command}: interrupted", file=sys.stderr)
+        return 128 + (e.args[0] if e.args and isinstance(e.args[0], int) else signal.SIGINT)
     return 0

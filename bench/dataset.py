@@ -35,8 +35,8 @@ class LengthLimits:
     max_prompt_len: int = 1024
     max_total_len: int = 2048
 
-    def admit(self, prompt_len: int, output_len: int) -> bool:
-        return (prompt_len >= MIN_LEN and output_len >= MIN_LEN and prompt_len <= self.max_prompt_len
+    def admit(self, prompt_len: int, output_len: int, min_output_len: int = MIN_LEN) -> bool:
+        return (prompt_len >= MIN_LEN and output_len >= min_output_len and prompt_len <= self.max_prompt_len
                 and prompt_len + output_len <= self.max_total_len)
 
 
@@ -55,15 +55,20 @@ def load_tokenizer(path: str | None, served_model: str) -> Tokenizer:
 
 def sharegpt(path: Path, tokenizer: Tokenizer, num: int, limits: LengthLimits, seed: int,
              output_len: int | None = None) -> list[SampleRequest]:
-    conversations = [c["conversations"] for c in json.loads(Path(path).read_text())
-                     if len(c.get("conversations", [])) >= 2]
+    try:
+        conversations = [[turn["value"] for turn in c["conversations"][:2]] for c in json.loads(Path(path).read_text())
+                         if len(c.get("conversations") or []) >= 2]
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
+        raise SystemExit(f"{path}: not a ShareGPT file (a list of {{\"conversations\": [{{\"value\": ...}}]}}): "
+                         f"{type(e).__name__}: {e}") from None
     random.Random(seed).shuffle(conversations)
     samples = []
-    for turns in conversations:
-        prompt = turns[0]["value"]
+    for prompt, reference in conversations:
+        if not isinstance(prompt, str) or not isinstance(reference, str):
+            continue
         prompt_len = len(tokenizer.encode(prompt, add_special_tokens=False).ids)
-        wanted = output_len or len(tokenizer.encode(turns[1]["value"], add_special_tokens=False).ids)
-        if limits.admit(prompt_len, wanted):
+        wanted = output_len or len(tokenizer.encode(reference, add_special_tokens=False).ids)
+        if limits.admit(prompt_len, wanted, 1 if output_len else MIN_LEN):
             samples.append(SampleRequest(prompt, prompt_len, wanted))
             if len(samples) == num:
                 return samples
@@ -76,18 +81,22 @@ def synthetic(tokenizer: Tokenizer, num: int, limits: LengthLimits, seed: int, i
     rng = random.Random(seed)
     special = set(tokenizer.get_added_tokens_decoder())
     vocab = [i for i in range(tokenizer.get_vocab_size()) if i not in special]
-    if input_len is not None and output_len is not None and not limits.admit(input_len, output_len):
-        raise SystemExit(f"--input-len {input_len} and --output-len {output_len} exceed the length limits {limits}")
+    min_output = 1 if output_len else MIN_LEN  # a fixed output length is the user's choice, even 1 (TTFT only)
+    if not limits.admit(input_len or MIN_LEN, output_len or MIN_LEN, min_output):
+        raise SystemExit(f"--input-len {input_len} / --output-len {output_len} cannot fit {limits} (prompts need "
+                         f"at least {MIN_LEN} tokens)")
     samples = []
-    while len(samples) < num:
+    for _ in range(1000 * num):
         prompt_len = input_len or _lognormal(rng, SHAREGPT_MEAN_PROMPT, PROMPT_SIGMA)
         wanted = output_len or _lognormal(rng, SHAREGPT_MEAN_OUTPUT, OUTPUT_SIGMA)
-        if limits.admit(prompt_len, wanted):
+        if limits.admit(prompt_len, wanted, min_output):
             prompt = random_text(tokenizer, vocab, prompt_len, rng)
             actual = len(tokenizer.encode(prompt, add_special_tokens=False).ids)
-            if limits.admit(actual, wanted):  # re-encoding can land a token or two off the length drawn
+            if limits.admit(actual, wanted, min_output):  # re-encoding can land a token or two off the length drawn
                 samples.append(SampleRequest(prompt, actual, wanted))
-    return samples
+                if len(samples) == num:
+                    return samples
+    raise SystemExit(f"could draw only {len(samples)} of {num} requests within {limits}")
 
 
 def random_text(tokenizer: Tokenizer, vocab: list[int], length: int, rng: random.Random) -> str:

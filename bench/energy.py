@@ -1,8 +1,8 @@
 """GPU energy over a run, from NVML: power sampled on a thread and integrated, for every GPU this host has.
 
 Where the driver keeps a total-energy counter (Volta and later), its difference over the run is reported too;
-it is the more exact of the two. Energy is that of this host's GPUs, so it means something when the server
-under test runs here.
+it is the more exact of the two. Energy is that of every GPU on this host (CUDA_VISIBLE_DEVICES does not narrow
+NVML), so it means something when the server under test runs here and has the GPUs to itself.
 """
 
 from __future__ import annotations
@@ -61,12 +61,15 @@ class EnergyMeter:
             self._nvml.nvmlShutdown()
 
     def _sample(self) -> None:
-        while True:
-            now = time.perf_counter()
-            for samples, handle in zip(self.samples, self._handles, strict=True):
-                samples.append((now, self._nvml.nvmlDeviceGetPowerUsage(handle) / 1000))
-            if self._stop.wait(self.interval_s):
-                return
+        try:
+            while True:
+                now = time.perf_counter()
+                for samples, handle in zip(self.samples, self._handles, strict=True):
+                    samples.append((now, self._nvml.nvmlDeviceGetPowerUsage(handle) / 1000))
+                if self._stop.wait(self.interval_s):
+                    return
+        except self._nvml.NVMLError as e:  # the figure would cover part of the run: report none
+            self.reason = f"power sampling failed: {e}"
 
     def _energy_mj(self, handle) -> int | None:
         try:
@@ -75,7 +78,7 @@ class EnergyMeter:
             return None
 
     def result(self, output_tokens: int) -> dict[str, object]:
-        if not self.available:
+        if not self.available or self.reason:
             return {"available": False, "reason": self.reason}
         sampled = sum(integrate(s) for s in self.samples)
         counters = [(b - a) / 1000 for a, b in zip(self._counters_start, self._counters_end, strict=True)

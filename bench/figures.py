@@ -2,7 +2,7 @@
 
 TTFT: from sending to the first chunk of output. TPOT: the rest of the request's time over its other output
 tokens, (E2EL - TTFT) / (output tokens - 1), for requests with more than one. ITL: the gap between one chunk
-and the next, pooled over all requests. E2EL: from sending to the end of the stream. Peak output throughput:
+and the next, pooled over all requests. E2EL: from sending to the last chunk of output. Peak output throughput:
 the most output tokens that arrived within one second of the run; peak concurrency: the most requests in
 flight at one instant. Goodput: requests per second that met every SLO given.
 """
@@ -32,8 +32,9 @@ class RequestTimes:
 
     @classmethod
     def of(cls, r: RequestRecord) -> RequestTimes:
+        last = r.chunk_times[-1] if r.chunk_times else r.end  # vLLM's end: the last chunk of output
         ttft = (r.chunk_times[0] if r.chunk_times else r.end) - r.start
-        e2el = r.end - r.start
+        e2el = last - r.start
         tpot = (e2el - ttft) / (r.output_len - 1) if r.output_len > 1 else None
         return cls(ttft, tpot, np.diff(r.chunk_times).tolist(), e2el)
 
@@ -66,7 +67,7 @@ def compute(records: list[RequestRecord], duration_s: float,
         figures[f"std_{name}_ms"] = float(ms.std()) if ms.size else None
         for p in PERCENTILES:
             figures[f"p{p}_{name}_ms"] = float(np.percentile(ms, p)) if ms.size else None
-    figures["errors"] = dict(Counter(r.error for r in records if not r.ok))
+    figures["error_counts"] = dict(Counter(r.error for r in records if not r.ok))
     return figures
 
 
@@ -106,7 +107,8 @@ def report(figures: dict[str, object], rate: float, max_concurrency: int | None,
     row("Failed requests:", figures["failed"])
     if max_concurrency:
         row("Maximum request concurrency:", max_concurrency)
-    row("Request rate configured (RPS):", float(rate))
+    if rate != float("inf"):
+        row("Request rate configured (RPS):", float(rate))
     row("Benchmark duration (s):", figures["duration"])
     row("Total input tokens:", figures["total_input_tokens"])
     row("Total generated tokens:", figures["total_output_tokens"])

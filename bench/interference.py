@@ -52,10 +52,8 @@ class Interference:
         try:
             for _ in range(self.processes):
                 cmd = [sys.executable, "-m", "blink.bench.interference", str(self.buffer_bytes), str(os.getpid())]
-                worker = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
-                self.workers.append(worker)
-                if self.cpus:
-                    os.sched_setaffinity(worker.pid, self.cpus)
+                pin = (lambda: os.sched_setaffinity(0, self.cpus)) if self.cpus else None  # before it runs
+                self.workers.append(subprocess.Popen(cmd, stdin=subprocess.DEVNULL, preexec_fn=pin))
         except BaseException:
             self.stop()
             raise

@@ -48,9 +48,16 @@ def blink_source() -> dict[str, object]:
     return {"path": str(path), "git_commit": commit, "modified": bool(changes) if commit else None}
 
 
-def save(name: str, result: dict, results_dir: Path) -> Path:
-    results_dir.mkdir(parents=True, exist_ok=True)
-    path = results_dir / f"{name}-{datetime.now(UTC).strftime('%Y%m%dT%H%M%SZ')}.json"
+def save(name: str, result: dict, results_dir: Path, path: Path | None = None) -> Path:
+    """Writes NAME-TIMESTAMP.json (NAME-TIMESTAMP-2.json... when that exists), or rewrites `path`."""
+    if path is None:
+        results_dir.mkdir(parents=True, exist_ok=True)
+        stem = f"{name}-{datetime.now(UTC).strftime('%Y%m%dT%H%M%SZ')}"
+        path = results_dir / f"{stem}.json"
+        n = 1
+        while path.exists():
+            n += 1
+            path = results_dir / f"{stem}-{n}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     return path
 

@@ -40,8 +40,11 @@ def load_series(paths: list[Path]) -> dict[str, list[tuple[float, dict]]]:
         result = json.loads(Path(path).read_text())
         if "runs" not in result:
             raise SystemExit(f"{path}: not a `blink bench serve` result (no runs)")
+        label = result["label"]
+        if label in series:  # another file with the same label: its own line, not a zig-zag through both
+            label = f"{label} ({Path(path).stem})"
         for run in result["runs"]:
-            series[result["label"]].append((float(run["request_rate"]), run))
+            series[label].append((float(run["request_rate"]), run))
     return {label: sorted(points, key=lambda p: p[0]) for label, points in series.items()}
 
 
@@ -64,9 +67,10 @@ def plot(paths: list[Path], output_dir: Path, prefix: str = "serve", title: str 
         ax.set_xticks(ticks, [f"{t:g}" if t != inf_at or inf_at in finite else "inf" for t in ticks])
         ax.set_xlabel("request rate (requests/s)")
         ax.set_ylabel(ylabel)
-        ax.set_yscale("log")
-        ax.yaxis.set_major_formatter(LogFormatter())  # plain numbers (20, 300), not 2×10¹
-        ax.yaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False))
+        if any(len(line.get_ydata()) for line in ax.lines):  # else an empty plot (all failed), not a crash
+            ax.set_yscale("log")
+            ax.yaxis.set_major_formatter(LogFormatter())  # plain numbers (20, 300), not 2×10¹
+            ax.yaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False))
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
         ax.set_title(f"{title}: {ylabel}" if title else ylabel)

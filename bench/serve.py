@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
+import os
 import signal
 from contextlib import nullcontext
 from datetime import UTC, datetime
@@ -26,6 +27,8 @@ from blink.bench.loadgen import run_load
 from blink.bench.machine import blink_source, machine, save
 
 BACKENDS = ("openai", "openai-chat", "blink-zmq")
+CHECK_TIMEOUT_S = 120.0
+SPECIAL_TOKEN_ROOM = 8  # tokens a server may add to a prompt (BOS, a chat template's markers)
 SLO_NAMES = ("ttft", "tpot", "e2el")
 
 
@@ -40,21 +43,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "model's, when it is a directory or Blink's default model)")
     p.add_argument("--api-key")
     p.add_argument("--dataset", type=Path, help="a ShareGPT-format JSON file (default: synthetic, ShareGPT-like)")
-    p.add_argument("--num-prompts", type=int, default=200)
-    p.add_argument("--input-len", type=int, help="fixed prompt length (synthetic only)")
-    p.add_argument("--output-len", type=int, help="fixed output length, instead of the dataset's")
+    p.add_argument("--num-prompts", type=_positive(int), default=200)
+    p.add_argument("--input-len", type=_positive(int), help="fixed prompt length (synthetic only)")
+    p.add_argument("--output-len", type=_positive(int), help="fixed output length, instead of the dataset's")
     p.add_argument("--max-prompt-len", type=int, default=1024)
     p.add_argument("--max-total-len", type=int, default=2048, help="also capped by the server's max_model_len")
     p.add_argument("--request-rate", type=_rates, default=[math.inf],
                    help="requests/s, or a sweep: 1,2,4,8,inf (default inf: all at once)")
-    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the arrival gaps; 1 is Poisson")
-    p.add_argument("--max-concurrency", type=int)
+    p.add_argument("--burstiness", type=_positive(float), default=1.0,
+                   help="gamma shape of the arrival gaps; 1 is Poisson")
+    p.add_argument("--max-concurrency", type=_positive(int))
     p.add_argument("--ignore-eos", action="store_true", help="every request generates exactly its output length")
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request counts as failed")
+    p.add_argument("--request-timeout", type=_positive(float), default=600.0,
+                   help="seconds before a request counts as failed")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--goodput", nargs="+", default=[], metavar="NAME:MS", help="SLOs, e.g. ttft:500 tpot:50")
-    p.add_argument("--interference", type=int, default=0, metavar="N", help="CPU interference processes")
+    p.add_argument("--interference", type=_positive(int), metavar="N", help="CPU interference processes")
     p.add_argument("--interference-cpus", type=_cpus, help="pin them: 0,1 or 0-3")
     p.add_argument("--energy", action=argparse.BooleanOptionalAction, default=True, help="NVML energy per token")
     p.add_argument("--label", help="names this result set in plots (default: drive mode, transport, interference)")
@@ -64,6 +69,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> Path:
     """SIGTERM stops a run as ^C does: the interference processes are stopped before the process exits."""
+    if args.dataset and args.input_len:
+        raise SystemExit("--input-len applies to synthetic prompts; a --dataset brings its own")
     goodput = parse_goodput(args.goodput)
     signal.signal(signal.SIGTERM, _interrupt)
     load = Interference(args.interference, args.interference_cpus) if args.interference else nullcontext()
@@ -77,7 +84,9 @@ async def sweep(args: argparse.Namespace, goodput: dict[str, float], load: Inter
     if model is None:
         raise SystemExit(f"{args.base_url}: no model in /v1/models ({server.get('error')}); pass --model")
     tokenizer = load_tokenizer(args.tokenizer, model)
-    limits = LengthLimits(args.max_prompt_len, min(args.max_total_len, server.get("max_model_len") or math.inf))
+    # The server adds special tokens (BOS, a chat template) to what the client counts: leave them room.
+    limits = LengthLimits(args.max_prompt_len, min(args.max_total_len,
+                                                   (server.get("max_model_len") or math.inf) - SPECIAL_TOKEN_ROOM))
     if args.dataset:
         samples = sharegpt(args.dataset, tokenizer, args.num_prompts, limits, args.seed, args.output_len)
     else:
@@ -85,22 +94,25 @@ async def sweep(args: argparse.Namespace, goodput: dict[str, float], load: Inter
     options = RequestOptions(model, args.temperature, args.ignore_eos, args.request_timeout)
     backend: Backend = (ZmqBackend(args.zmq_endpoint, options) if args.backend == "blink-zmq" else
                         OpenAIBackend(args.base_url, options, args.backend == "openai-chat", args.api_key))
-    try:
-        await check_server(backend, samples[0])
-        runs = [await one_rate(args, backend, samples, rate, goodput) for rate in args.request_rate]
-    finally:
-        await backend.aclose()
-    interference = load.describe() if load else None
     result = {
-        "date": datetime.now(UTC).isoformat(timespec="seconds"), "label": args.label or default_label(server, load),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "label": args.label or default_label(server, model, args.base_url, load),
         "backend": args.backend, "base_url": args.base_url,
         "zmq_endpoint": args.zmq_endpoint if args.backend == "blink-zmq" else None, "model_id": model,
         "dataset": str(args.dataset) if args.dataset else "synthetic-sharegpt", "num_prompts": len(samples),
         "input_len": args.input_len, "output_len": args.output_len, "ignore_eos": args.ignore_eos,
         "burstiness": args.burstiness, "max_concurrency": args.max_concurrency, "seed": args.seed,
-        "goodput_slos_ms": goodput or None, "server": server, "interference": interference,
-        "machine": machine(), "blink": blink_source(), "runs": runs}
-    path = save("serve", result, args.result_dir)
+        "goodput_slos_ms": goodput or None, "server": server, "interference": load.describe() if load else None,
+        "machine": machine(), "blink": blink_source(), "runs": [], "complete": False}
+    path = None
+    try:
+        await check_server(backend, samples[0])
+        for rate in args.request_rate:
+            result["runs"].append(await one_rate(args, backend, samples, rate, goodput))
+            result["complete"] = len(result["runs"]) == len(args.request_rate)
+            path = save("serve", result, args.result_dir, path)  # after every rate: an interrupted sweep keeps some
+    finally:
+        await backend.aclose()
     print(f"saved {path}")
     return path
 
@@ -129,9 +141,14 @@ def request_row(r: RequestRecord) -> dict[str, object]:
 
 async def check_server(backend: Backend, sample: SampleRequest) -> None:
     """One request before the run, so that a misconfigured run stops with the server's reason, not 200 failures."""
-    record = await backend(SampleRequest(sample.prompt, sample.prompt_len, min(sample.output_len, 4)))
+    print("checking the server with one request...", flush=True)
+    try:
+        async with asyncio.timeout(CHECK_TIMEOUT_S):
+            record = await backend(SampleRequest(sample.prompt, sample.prompt_len, min(sample.output_len, 4)))
+    except TimeoutError:
+        raise SystemExit(f"the server did not answer a test request within {CHECK_TIMEOUT_S} s") from None
     if not record.ok:
-        raise SystemExit(f"the first test request failed: {record.error}")
+        raise SystemExit(f"the test request failed: {record.error}")
 
 
 async def server_info(base_url: str, api_key: str | None) -> dict[str, object]:
@@ -151,8 +168,9 @@ async def server_info(base_url: str, api_key: str | None) -> dict[str, object]:
     return info
 
 
-def default_label(server: dict[str, object], load: Interference | None) -> str:
-    label = f"{server.get('drive') or 'unknown drive'}/{server.get('transport') or 'unknown transport'}"
+def default_label(server: dict[str, object], model: str, base_url: str, load: Interference | None) -> str:
+    """Blink's drive mode and transport; for another server, its model and address."""
+    label = f"{server['drive']}/{server['transport']}" if server.get("drive") else f"{model} at {base_url}"
     return label + (f" +{load.processes} interference" if load else "")
 
 
@@ -171,8 +189,8 @@ def parse_goodput(items: list[str]) -> dict[str, float]:
 
 def _rates(text: str) -> list[float]:
     rates = [float(part) for part in text.split(",")]  # float() reads "inf"
-    if any(r <= 0 for r in rates):
-        raise argparse.ArgumentTypeError("request rates must be positive")
+    if not all(r > 0 for r in rates):  # also refuses nan
+        raise argparse.ArgumentTypeError("request rates must be positive numbers or inf")
     return rates
 
 
@@ -181,8 +199,22 @@ def _cpus(text: str) -> list[int]:
     for part in text.split(","):
         first, _, last = part.partition("-")
         cpus.extend(range(int(first), int(last or first) + 1))
+    if unusable := set(cpus) - os.sched_getaffinity(0):
+        raise argparse.ArgumentTypeError(f"CPUs {sorted(unusable)} are not among this process's "
+                                         f"{sorted(os.sched_getaffinity(0))}")
     return cpus
 
 
+def _positive(kind: type):
+    def parse(text: str):
+        value = kind(text)
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"{text}: must be positive")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its errors
+    return parse
+
+
 def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
+    raise KeyboardInterrupt(signum)

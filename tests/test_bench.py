@@ -61,7 +61,7 @@ def test_figures_from_known_records():
     assert f["mean_itl_ms"] == pytest.approx(150) and f["p99_itl_ms"] == pytest.approx(199)
     assert f["mean_e2el_ms"] == pytest.approx(350)
     assert f["max_concurrent_requests"] == 2 and f["max_output_tokens_per_s"] == 4
-    assert f["errors"] == {"HTTP 500: boom": 1}
+    assert f["error_counts"] == {"HTTP 500: boom": 1}
     text = report(f, rate=4.0, max_concurrency=8)
     for label in ("Successful requests:", "Failed requests:", "Maximum request concurrency:",
                   "Request goodput (req/s):", "Peak output token throughput (tok/s):", "Mean TTFT (ms):",
@@ -92,6 +92,13 @@ def test_datasets_respect_lengths(tmp_path, tokenizer_dir):
     assert sorted(s.prompt for s in loaded) == sorted(NORMAL)  # "hi" is too short; a one-turn conversation skipped
     with pytest.raises(SystemExit, match="only 8 of 9"):
         sharegpt(data, tokenizer, 9, LengthLimits(), seed=0)
+    assert {s.output_len for s in synthetic(tokenizer, 5, limits, seed=3, output_len=1)} == {1}  # TTFT-only runs
+    for impossible in ({"input_len": 2}, {"input_len": 301}, {"output_len": 397}):  # each would never draw
+        with pytest.raises(SystemExit, match="cannot fit"):
+            synthetic(tokenizer, 5, limits, seed=3, **impossible)
+    (tmp_path / "bad.json").write_text('{"conversations": []}')
+    with pytest.raises(SystemExit, match="not a ShareGPT file"):
+        sharegpt(tmp_path / "bad.json", tokenizer, 1, LengthLimits(), seed=0)
 
 
 def test_energy_integrates_power():
@@ -114,9 +121,11 @@ def test_figures_match_the_servers_own_timestamps(tmp_path, tokenizer_dir):
     run = only_result(tmp_path)["runs"][0]
     assert all(run[key] is not None for key in FIGURES)
     assert (run["completed"], run["failed"]) == (8, 3)
-    assert run["errors"] == {"HTTP 400: scripted refusal": 1, "error event: scripted failure": 1,
-                             "stream ended before its finish reason and [DONE]": 1}
-    assert (run["total_input_tokens"], run["total_output_tokens"]) == (8 * 7, 8 * 6)
+    assert run["error_counts"] == {"HTTP 400: scripted refusal": 1, "error event: scripted failure": 1,
+                                   "stream ended before its finish reason and [DONE]": 1}
+    assert run["total_output_tokens"] == 8 * 6  # the server's usage
+    expected_input = sum(len(tokenizer.encode(p, add_special_tokens=False).ids) for p in NORMAL)
+    assert run["total_input_tokens"] == expected_input  # the client's count, as vLLM's
     assert run["request_goodput"] == pytest.approx(8 / run["duration"])
 
     served = [s for s in script.served[1:] if s.prompt in NORMAL]  # served[0] is the check before the run
