@@ -11,6 +11,7 @@ import time
 import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 
@@ -21,6 +22,11 @@ class Server:
     process: subprocess.Popen
     zmq_endpoint: str
     control_endpoint: str
+    deployment: str
+    runtime_dir: Path
+
+    def endpoint(self, name: str) -> str:
+        return f"ipc://{self.runtime_dir}/blink-{self.deployment}-{name}"
 
 
 def free_port() -> int:
@@ -50,7 +56,7 @@ def running_server(tmp_path, *flags: str, timeout_s: float = 120):
             assert time.monotonic() < deadline, "server did not become ready"
             time.sleep(0.2)
         yield Server(url, proc, f"ipc://{tmp_path}/blink-{deployment}-api",
-                     f"ipc://{tmp_path}/blink-{deployment}-control")
+                     f"ipc://{tmp_path}/blink-{deployment}-control", deployment, Path(tmp_path))
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)

@@ -19,18 +19,27 @@ from blink.shared.slot_table import FLAG_IGNORE_EOS, Finish, SlotTable
 _FINISH = {"stop": Finish.STOP, "length": Finish.LENGTH, "abort": Finish.ABORT}
 
 
+class Fenced(RuntimeError):
+    """The table moved to a newer epoch: a watchdog declared this engine dead and another took over."""
+
+
 class TableDriver:
     def __init__(self, engine: Engine, table: SlotTable):
         if table.geometry.num_slots != engine.state.num_slots:
             raise ValueError("the slot table and the engine must have as many slots")
         self.engine, self.table = engine, table
+        self.epoch = int(table.header["epoch"])
         self.loop = HostLoop(engine)
         self.resident: dict[int, SamplingParams] = {}
         self.max_running: int | None = None  # admission limit set over the control plane
         self._arrivals = 0
 
     def step(self) -> bool:
-        """Admits, steps once and publishes; returns whether a step ran (False: idle, or every sequence paused)."""
+        """Admits, steps once and publishes; returns whether a step ran (False: idle, or every sequence paused).
+
+        Checks the epoch before touching any slot: an engine that was stopped (SIGSTOP) and declared dead must
+        not write into slots the ingress has since given to other requests."""
+        self.check_epoch()
         self._admit()
         if not self.resident:
             return False
@@ -42,10 +51,17 @@ class TableDriver:
         index = torch.from_numpy(slots).to(state.cancel.device)
         state.cancel[index] = torch.from_numpy(cancel).to(state.cancel.device)
         state.paused[index] = torch.from_numpy(full).to(state.paused.device)
-        for slot, event in self.loop.step(self.resident).items():
+        events = self.loop.step(self.resident)
+        self.check_epoch()
+        for slot, event in events.items():
             self._publish(slot, event)
         self.table.heartbeat()
         return self.loop.ran
+
+    def check_epoch(self) -> None:
+        if int(self.table.header["epoch"]) != self.epoch:
+            raise Fenced(f"the slot table is in epoch {int(self.table.header['epoch'])}, this engine's was "
+                         f"{self.epoch}")
 
     def _admit(self) -> None:
         for slot in self.table.submitted().tolist():

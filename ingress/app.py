@@ -63,7 +63,9 @@ def create_app(state: IngressState) -> FastAPI:
         idle_s = (time.monotonic_ns() - int(header["last_step_ns"])) / 1e9
         ok = not state.draining and engine_state == EngineState.READY and idle_s < READY_HEARTBEAT_S
         body = {"ready": ok, "engine": engine_state.name.lower(), "heartbeat_age_s": round(idle_s, 3),
-                "draining": state.draining, "drive": state.info.drive, "transport": "shm", "degraded": False}
+                "draining": state.draining, "drive": state.info.drive, "transport": state.transport,
+                "degraded": state.degraded, "device": state.info.device, "epoch": int(header["epoch"]),
+                "failovers": int(header["failovers"])}
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics")
@@ -71,7 +73,8 @@ def create_app(state: IngressState) -> FastAPI:
         status = await asyncio.to_thread(state.engine_status)
         used, total, preempt = (status.kv_pages_used, status.kv_pages_total, status.preemptions) if status else (
             None, None, None)
-        return Response(state.metrics.render(state.client, used, total, preempt), media_type="text/plain")
+        return Response(state.metrics.render(state.client, used, total, preempt, state.degraded),
+                        media_type="text/plain")
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -245,10 +248,16 @@ async def _sse(shape: _Shape, first: Delta | None, deltas: AsyncIterator[Delta],
     completion_tokens = 0
     try:
         delta = first
-        while delta is not None:
-            completion_tokens += len(delta.token_ids)
-            yield f"data: {json.dumps(shape.chunk(delta))}\n\n"
-            delta = await anext(deltas, None)
+        try:
+            while delta is not None:
+                completion_tokens += len(delta.token_ids)
+                yield f"data: {json.dumps(shape.chunk(delta))}\n\n"
+                delta = await anext(deltas, None)
+        except APIError as e:  # after the headers went out: an error event, as vLLM sends, then the end
+            error = {"message": e.message, "type": e.type, "param": e.param, "code": e.code}
+            yield f"data: {json.dumps({'error': error})}\n\n"
+            yield "data: [DONE]\n\n"
+            return
         if include_usage:
             usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                      "total_tokens": prompt_tokens + completion_tokens}

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import structlog
 
 from blink.ingress.detokenize import Detokenizer
+from blink.ingress.errors import APIError
 from blink.ingress.metrics import Metrics
 from blink.ingress.protocol import SamplingFields
 from blink.ingress.slots import SlotClient
@@ -45,6 +46,11 @@ def slot_request(prompt: list[int], fields: SamplingFields, max_tokens: int, log
         logprobs=-1 if logprobs is None else logprobs, seed=seed, priority=fields.priority,
         ignore_eos=fields.ignore_eos, stop_token_ids=tuple(fields.stop_token_ids),
     )
+
+
+def engine_failed() -> APIError:
+    return APIError(503, "the engine serving this request failed before finishing it; retry it",
+                    "service_unavailable", code="engine_failure")
 
 
 async def choice_deltas(client: SlotClient, tokenizer: Tokenizer, request: Request, fields: SamplingFields,
@@ -84,6 +90,11 @@ async def choice_deltas(client: SlotClient, tokenizer: Tokenizer, request: Reque
                 elif last_at is not None:
                     metrics.itl.observe((now - last_at) / len(out.tokens))
                 last_at = now
+            if out.finish == Finish.FAILED:
+                if delta.text or delta.token_ids:
+                    yield delta
+                finish_reason = "engine_failure"
+                raise engine_failed()
             if delta.finish_reason is None and out.finish != Finish.NONE:
                 tail = detok.flush()
                 delta.text += tail.text

@@ -35,6 +35,13 @@ class Metrics:
                                          registry=r).labels(**labels)
         Gauge("blink:engine_info", "The engine's drive mode and transport", ["drive", "transport", *labels],
               registry=r).labels(drive=drive, transport=transport, **labels).set(1)
+        self.degraded = Gauge("blink:degraded", "1 while the deployment runs a fallback transport or device",
+                              list(labels), registry=r)
+        self.failovers = Gauge("blink:engine_failovers_total", "Engines the watchdog declared dead",
+                               list(labels), registry=r)
+        self.failed_requests = Gauge("blink:num_requests_failed_over_total",
+                                     "Requests ended with an error because their engine died", list(labels),
+                                     registry=r)
 
     def finished(self, stream: Stream, generated: int, prompt_tokens: int) -> None:
         now = time.monotonic()
@@ -44,9 +51,13 @@ class Metrics:
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(generated)
 
-    def render(self, client: SlotClient, kv_used: int | None, kv_total: int | None, preemptions: int | None) -> bytes:
+    def render(self, client: SlotClient, kv_used: int | None, kv_total: int | None, preemptions: int | None,
+               degraded: bool) -> bytes:
+        self.degraded.labels(**self._labels).set(int(degraded))
         self.running.labels(**self._labels).set(client.running)
         self.waiting.labels(**self._labels).set(client.waiting)
+        self.failovers.labels(**self._labels).set(int(client.table.header["failovers"]))
+        self.failed_requests.labels(**self._labels).set(client.failed_over)
         if kv_total:
             self.kv_usage.labels(**self._labels).set(kv_used / kv_total)
         if preemptions is not None:

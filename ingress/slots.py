@@ -2,6 +2,10 @@
 
 One poller task reads every busy slot's output window and hands the records to that request's queue; a
 request whose reader falls behind is not read further, so its window fills and the engine pauses it.
+
+Failover: when the table's epoch moves on (a watchdog declared the engine dead, or a new engine took the table
+over), a request no engine admitted yet is resubmitted to the new epoch, and one the dead engine held ends with
+Finish.FAILED after the tokens it did produce. Slots a dead ingress left behind are cancelled and reclaimed.
 """
 
 from __future__ import annotations
@@ -38,9 +42,17 @@ class SlotClient:
     def __init__(self, table: SlotTable, max_waiting: int):
         self.table = table
         self.max_waiting = max_waiting
-        self._free = deque(i for i in range(table.geometry.num_slots) if table.slots[i]["state"] == SlotState.FREE)
         self._waiters: deque[asyncio.Future[int]] = deque()
         self._busy: dict[int, Stream] = {}
+        self._free: deque[int] = deque()
+        self._orphans: set[int] = set()  # slots a previous ingress left busy: cancelled, freed once ended
+        for slot in range(table.geometry.num_slots):
+            if table.slots[slot]["state"] == SlotState.FREE:
+                self._free.append(slot)
+            else:
+                self._orphans.add(slot)
+                table.cancel(slot)
+        self.failed_over = 0  # requests ended because their engine died
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
 
@@ -126,9 +138,13 @@ class SlotClient:
         finished, submitted = int(SlotState.FINISHED), int(SlotState.SUBMITTED)  # plain ints: enums are slow here
         pause = POLL_MIN_S
         while True:
-            if not self._busy:
+            if self._orphans:
+                self._reclaim_orphans()
+            if not self._busy and not self._orphans:
                 self._wake.clear()
                 await self._wake.wait()
+            if self._busy and bool((self.table.slots["epoch"][list(self._busy)] != self.table.header["epoch"]).any()):
+                self._fail_over()
             busy = np.fromiter(self._busy, dtype=np.int64)
             states = state_of[busy]
             news = (produced[busy] != consumed[busy]) | (states == finished)
@@ -149,3 +165,31 @@ class SlotClient:
                     self.table.free(slot)
                     self._release(slot)
             await asyncio.sleep(pause)
+
+    def _fail_over(self) -> None:
+        """Resubmits what the dead engine never admitted; ends what it held, after the tokens it produced."""
+        for slot, stream in list(self._busy.items()):
+            if not self.table.orphaned(slot):
+                continue
+            if self.table.slots[slot]["state"] == SlotState.SUBMITTED:
+                self.table.resubmit(slot)
+                continue
+            out = self.table.read(slot)
+            stream.queue.put_nowait(Output(out.tokens, out.logprobs, out.top_ids, out.top_logprobs, Finish.FAILED))
+            del self._busy[slot]
+            self.table.reclaim(slot)
+            self._release(slot)
+            self.failed_over += 1
+            log.warning("request failed with its engine", slot=slot, epoch=int(self.table.header["epoch"]))
+
+    def _reclaim_orphans(self) -> None:
+        for slot in list(self._orphans):
+            state = self.table.slots[slot]["state"]
+            if state == SlotState.FINISHED:
+                self.table.free(slot)
+            elif self.table.orphaned(slot):
+                self.table.reclaim(slot)
+            elif state != SlotState.FREE:
+                continue
+            self._orphans.discard(slot)
+            self._release(slot)

@@ -18,10 +18,16 @@ class IngressState:
     tokenizer: Tokenizer
     client: SlotClient
     metrics: Metrics
+    transport: str = "shm"
     api_key: str | None = None
     engine_status: Callable[[], EngineStatus | None] = lambda: None
     draining: bool = False
     seeds: secrets.SystemRandom = field(default_factory=secrets.SystemRandom)
+
+    @property
+    def degraded(self) -> bool:
+        """Running a fallback: the engine on the CPU (no GPU), or requests relayed over ZeroMQ (no NIC path)."""
+        return self.info.device.startswith("cpu") or self.transport == "zmq"
 
     @property
     def in_flight(self) -> int:

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
-import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -29,8 +28,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="blink", description="Blink: LLM serving off the host's per-token path")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    for name, text in (("serve", "run the engine and the ingress (the OpenAI API) together"),
-                       ("engine", "run the engine service alone"), ("ingress", "run the ingress service alone")):
+    for name, text in (("serve", "run the engine and the ingress (the OpenAI API), watched by the watchdog"),
+                       ("engine", "run the engine service alone"), ("ingress", "run the ingress service alone"),
+                       ("watchdog", "watch an engine and an ingress started elsewhere (compose)")):
         _add_settings_flags(commands.add_parser(name, help=text))
 
     model = commands.add_parser("model", help="manage checkpoints").add_subparsers(dest="model_command",
@@ -72,6 +72,10 @@ def main(argv: list[str] | None = None) -> int:
         from blink.services.engine_service import run_engine
 
         run_engine(settings)
+    elif args.command == "watchdog":
+        from blink.services.watchdog import run_watchdog
+
+        run_watchdog(settings)
     elif args.command == "ingress":
         from blink.services.ingress_service import run_ingress
 
@@ -82,38 +86,27 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _serve(settings: Settings) -> int:
-    """Starts the engine, waits for its handshake, starts the ingress; SIGTERM drains both in order."""
+    """Starts the engine, waits for its handshake, starts the ingress, then watches both (restarting what fails)
+    until SIGTERM or ^C; then stops, in order, the watchdog, the ingress (which drains) and the engine."""
     from blink.services.ingress_service import handshake
+    from blink.services.watchdog import ENGINE, INGRESS, ProcessSupervisor, Watchdog
 
-    env = os.environ | {f"BLINK_{k.upper()}": str(v) for k, v in settings.model_dump().items() if v is not None}
-    blink = [sys.executable, "-m", "blink.services.cli"]
-    # Own sessions: a Ctrl-C or a group-wide SIGTERM reaches only this process, which stops them in order.
-    engine = subprocess.Popen([*blink, "engine"], env=env, start_new_session=True)
-    stopping = False
-
-    def stop(*_) -> None:
-        nonlocal stopping
-        stopping = True
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-    ingress = None
+    supervisor = ProcessSupervisor(settings)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    engine = supervisor.start(ENGINE)
     try:
-        handshake(settings, timeout_s=600, alive=lambda: engine.poll() is None and not stopping)
-        ingress = subprocess.Popen([*blink, "ingress"], env=env, start_new_session=True)
-        print(f"blink serving at http://{settings.host}:{settings.port}/v1 "
-              f"(engine pid {engine.pid}, ingress pid {ingress.pid})", flush=True)
-        while not stopping and engine.poll() is None and ingress.poll() is None:
-            time.sleep(0.2)
+        handshake(settings, timeout_s=settings.engine_start_timeout,
+                  alive=lambda: engine.poll() is None and not stop.is_set())
+        ingress = supervisor.start(INGRESS)
+        print(f"blink serving at http://{settings.host}:{settings.port}/v1 (engine pid {engine.pid}, ingress pid "
+              f"{ingress.pid}, watchdog deadline {settings.watchdog_deadline} s)", flush=True)
+        Watchdog(settings, supervisor).run(stop)
     finally:
-        for proc, grace in ((ingress, settings.shutdown_timeout + 5), (engine, 30)):
-            if proc is not None and proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(grace)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-    return 0 if stopping else 1
+        supervisor.stop(INGRESS, settings.shutdown_timeout + 5)
+        supervisor.stop(ENGINE, 30)
+    return 0
 
 
 def _model_init(target: Path | None) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
@@ -10,7 +11,7 @@ import structlog
 import zmq
 
 from blink.engine.engine import Engine, EngineConfig
-from blink.engine.table_drive import TableDriver
+from blink.engine.table_drive import Fenced, TableDriver
 from blink.shared import control
 from blink.shared.settings import Settings
 from blink.shared.slot_table import EngineState, Geometry, SlotTable
@@ -21,17 +22,23 @@ STALE_AFTER_S = 5.0  # a table whose engine has not stepped for this long belong
 
 
 def open_table(name: str, geometry: Geometry) -> SlotTable:
-    """Creates the deployment's slot table, replacing one a dead engine left behind (with a new epoch)."""
-    epoch = 1
-    if SlotTable.path_for(name).exists():
-        old = SlotTable.attach(name)
-        idle_s = (time.monotonic_ns() - int(old.header["last_step_ns"])) / 1e9
-        alive = old.header["engine_state"] not in (EngineState.STOPPED,) and idle_s < STALE_AFTER_S
-        epoch = int(old.header["epoch"]) + 1
+    """The deployment's slot table, in a new epoch. A table a dead engine left behind is taken over when its
+    geometry matches, so an ingress still attached to it carries on (requests of the old epoch end there);
+    otherwise it is replaced."""
+    if not SlotTable.path_for(name).exists():
+        return SlotTable.create(name, geometry)
+    old = SlotTable.attach(name)
+    idle_s = (time.monotonic_ns() - int(old.header["last_step_ns"])) / 1e9
+    if old.header["engine_state"] != EngineState.STOPPED and idle_s < STALE_AFTER_S:
         old.close()
-        if alive:
-            raise RuntimeError(f"deployment {name!r} already has a live engine (slot table {old.path})")
-        old.unlink()
+        raise RuntimeError(f"deployment {name!r} already has a live engine (slot table {old.path})")
+    if old.geometry == geometry:
+        old.header["engine_state"] = EngineState.STARTING
+        old.header["epoch"] = int(old.header["epoch"]) + 1
+        return old
+    epoch = int(old.header["epoch"]) + 1
+    old.close()
+    old.unlink()
     return SlotTable.create(name, geometry, epoch=epoch)
 
 
@@ -54,6 +61,7 @@ class EngineService:
             max_model_len=self.engine.max_model_len,
             vocab_size=self.engine.model_config.vocab_size,
             eos_token_ids=list(self.engine.generation.eos_token_ids), device=str(self.engine.device), drive="host",
+            pid=os.getpid(),
         )
 
     def run(self) -> None:
@@ -69,14 +77,19 @@ class EngineService:
                 if self.driver.step():
                     idle_s = 0.0
                     continue
+                self.driver.check_epoch()
                 self.table.heartbeat()  # idle is alive too
                 idle_s = min(0.005, idle_s * 2 or 0.0002)  # back off, but wake within ~5 ms
                 time.sleep(idle_s)
-        finally:
+        except Fenced as e:
+            log.error("engine fenced off: exiting without touching the table", reason=str(e))
+            raise SystemExit(3) from None
+        else:
             self.table.header["engine_state"] = EngineState.STOPPED
-            self.table.close()
             self.table.unlink()
             log.info("engine stopped")
+        finally:
+            self.table.close()
 
     def _serve_control(self) -> None:
         ctx = zmq.Context.instance()

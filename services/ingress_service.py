@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 
 import structlog
 import uvicorn
 import uvloop
+import zmq
+import zmq.asyncio
 
 from blink.ingress.app import create_app
 from blink.ingress.metrics import Metrics
@@ -74,17 +77,43 @@ async def serve(settings: Settings, info: control.EngineInfo) -> None:
         return reply if isinstance(reply, control.EngineStatus) else None
 
     state = IngressState(info=info, tokenizer=Tokenizer(info.model_dir), client=client,
-                         metrics=Metrics(info.model, info.drive, "shm"), api_key=settings.api_key,
-                         engine_status=engine_status)
+                         metrics=Metrics(info.model, info.drive, "shm"),
+                         api_key=settings.api_key, engine_status=engine_status)
     config = uvicorn.Config(create_app(state), host=settings.host, port=settings.port, loop="none",
                             log_config=None, access_log=False, timeout_graceful_shutdown=settings.shutdown_timeout)
     server = DrainingServer(config, state, settings.shutdown_timeout)
     zmq_api = asyncio.create_task(ZmqApi(state, settings.zmq_endpoint).serve())
+    pings = asyncio.create_task(answer_pings(state, settings.ingress_control_endpoint))
     try:
         await server.serve()
     finally:
         zmq_api.cancel()
+        pings.cancel()
         await client.stop()
+
+
+async def answer_pings(state: IngressState, endpoint: str) -> None:
+    """The watchdog's probe: answered from the event loop, so a blocked or stopped loop goes unanswered."""
+    sock = zmq.asyncio.Context.instance().socket(zmq.REP)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind(endpoint)
+    try:
+        while True:
+            frame = await sock.recv()
+            try:
+                message = control.decode(frame)
+            except ValueError as e:
+                message = None
+                reply: control.Message = control.Failure(message=str(e)[:200])
+            if isinstance(message, control.Ping):
+                client = state.client
+                reply = control.IngressStatus(pid=os.getpid(), running=client.running, waiting=client.waiting,
+                                              failovers=client.failed_over, draining=state.draining)
+            elif message is not None:
+                reply = control.Failure(message=f"unexpected message {message.type!r}")
+            await sock.send(control.encode(reply))
+    finally:
+        sock.close()
 
 
 def run_ingress(settings: Settings, engine_timeout_s: float = 600.0) -> None:

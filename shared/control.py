@@ -30,6 +30,21 @@ class Stop(BaseModel):
     type: Literal["stop"] = "stop"
 
 
+class Ping(BaseModel):
+    """The watchdog's liveness probe of the ingress: an answer means its event loop is turning."""
+
+    type: Literal["ping"] = "ping"
+
+
+class IngressStatus(BaseModel):
+    type: Literal["ingress_status"] = "ingress_status"
+    pid: int
+    running: int
+    waiting: int
+    failovers: int
+    draining: bool
+
+
 class EngineInfo(BaseModel):
     type: Literal["engine_info"] = "engine_info"
     slot_table: str
@@ -41,6 +56,7 @@ class EngineInfo(BaseModel):
     eos_token_ids: list[int]
     device: str
     drive: str
+    pid: int
 
 
 class EngineStatus(BaseModel):
@@ -63,8 +79,8 @@ class Failure(BaseModel):
     message: str
 
 
-Message = Annotated[Hello | GetStatus | SetLimits | Drain | Stop | EngineInfo | EngineStatus | Ack | Failure,
-                    Field(discriminator="type")]
+Message = Annotated[Hello | GetStatus | SetLimits | Drain | Stop | Ping | IngressStatus | EngineInfo | EngineStatus
+                    | Ack | Failure, Field(discriminator="type")]
 _adapter: TypeAdapter[Message] = TypeAdapter(Message)
 
 

@@ -26,10 +26,22 @@ class Settings(BaseSettings):
     shutdown_timeout: float = Field(30.0, ge=0)
     runtime_dir: str = "/tmp"
     zmq_port: int | None = Field(None, ge=1, le=65535, description="TCP port of the ZeroMQ API (default: ipc)")
+    watchdog_deadline: float = Field(2.0, gt=0, description="seconds without a heartbeat or an answer before "
+                                     "the watchdog declares a service stalled")
+    engine_start_timeout: float = Field(600.0, gt=0, description="seconds an engine may take to load and answer")
 
     @property
     def control_endpoint(self) -> str:
         return f"ipc://{self.runtime_dir}/blink-{self.deployment}-control"
+
+    @property
+    def ingress_control_endpoint(self) -> str:
+        return f"ipc://{self.runtime_dir}/blink-{self.deployment}-ingress"
+
+    @property
+    def events_endpoint(self) -> str:
+        """The watchdog's PUB socket: one JSON event per frame."""
+        return f"ipc://{self.runtime_dir}/blink-{self.deployment}-events"
 
     @property
     def zmq_endpoint(self) -> str:

@@ -49,6 +49,7 @@ class Finish(IntEnum):
     STOP = 1
     LENGTH = 2
     ABORT = 3
+    FAILED = 4  # the engine holding the request died: the ingress says so; no engine ever writes it
 
 
 FLAG_IGNORE_EOS = 1
@@ -65,7 +66,7 @@ class Geometry:
 
 HEADER = np.dtype([
     ("magic", "<u8"), ("version", "<u4"), ("num_slots", "<u4"), ("max_prompt_tokens", "<u4"), ("window", "<u4"),
-    ("top_logprobs", "<u4"), ("max_stop_ids", "<u4"), ("engine_state", "<u4"), ("_pad", "<u4"),
+    ("top_logprobs", "<u4"), ("max_stop_ids", "<u4"), ("engine_state", "<u4"), ("failovers", "<u4"),
     ("epoch", "<u8"), ("steps", "<u8"), ("last_step_ns", "<u8"),
 ], align=True)
 HEADER_BYTES = 256
@@ -228,6 +229,33 @@ class SlotTable:
         if s["state"] != SlotState.FINISHED:
             raise RuntimeError(f"slot {slot} has not finished")
         s["state"] = SlotState.FREE
+
+    def orphaned(self, slot: int) -> bool:
+        """Whether no engine will ever finish this slot: published or admitted under an older epoch."""
+        s = self.slots[slot]
+        return s["state"] in (SlotState.SUBMITTED, SlotState.ADMITTED) and s["epoch"] != self.header["epoch"]
+
+    def reclaim(self, slot: int) -> None:
+        """Frees an orphaned slot: its engine is gone, so nobody else writes it."""
+        if not self.orphaned(slot):
+            raise RuntimeError(f"slot {slot} still belongs to a live engine")
+        self.slots[slot]["state"] = SlotState.FREE
+
+    def resubmit(self, slot: int) -> None:
+        """Moves a request that no engine admitted to the current epoch, for the engine that took over."""
+        s = self.slots[slot]
+        if s["state"] != SlotState.SUBMITTED:
+            raise RuntimeError(f"slot {slot} is not waiting for admission")
+        s["epoch"] = self.header["epoch"]
+
+    # -- the watchdog's side -----------------------------------------------------------------------------
+
+    def fail_over(self) -> int:
+        """Declares the current engine gone: a new epoch, which no slot of the old one belongs to."""
+        self.header["engine_state"] = EngineState.STOPPED
+        self.header["failovers"] = int(self.header["failovers"]) + 1
+        self.header["epoch"] = int(self.header["epoch"]) + 1
+        return int(self.header["epoch"])
 
     # -- the engine's side -------------------------------------------------------------------------------
 

@@ -1,0 +1,287 @@
+"""The watchdog: notices a dead or stalled engine or ingress within a deadline, and fails over.
+
+The engine is watched through the slot table's header (its loop stamps a heartbeat every pass, busy or idle);
+the ingress through pings on its control socket, answered from its event loop. On a failure the watchdog kills
+what is left of the service, and for the engine declares its epoch over in the table (the ingress then ends
+the requests that engine held with an error event and resubmits those it never admitted), then has the
+service restarted. Every decision is a JSON log line and an event on a ZeroMQ PUB socket.
+
+Restarting is the supervisor's job: `blink serve` owns the processes and starts new ones; a standalone
+`blink watchdog` (compose) kills by pid and leaves the restart to the orchestrator's restart policy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+import structlog
+import zmq
+
+from blink.shared import control
+from blink.shared.settings import Settings
+from blink.shared.slot_table import EngineState, SlotTable
+
+log = structlog.get_logger()
+
+ENGINE, INGRESS = "engine", "ingress"
+INGRESS_START_S = 120.0  # an ingress may take this long to import, handshake and answer its first ping
+
+
+class Supervisor(Protocol):
+    def alive(self, service: str) -> bool: ...
+
+    def kill(self, service: str) -> None: ...
+
+    def restart(self, service: str) -> None: ...
+
+
+class ProcessSupervisor:
+    """Owns the engine and ingress processes of `blink serve`: each in its own session, so a terminal's ^C
+    reaches only `blink serve`, which stops them in order."""
+
+    def __init__(self, settings: Settings):
+        self.env = os.environ | {f"BLINK_{k.upper()}": str(v) for k, v in settings.model_dump().items()
+                                 if v is not None}
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def start(self, service: str) -> subprocess.Popen:
+        proc = subprocess.Popen([sys.executable, "-m", "blink.services.cli", service], env=self.env,
+                                start_new_session=True)
+        self.procs[service] = proc
+        return proc
+
+    def alive(self, service: str) -> bool:
+        proc = self.procs.get(service)
+        return proc is not None and proc.poll() is None
+
+    def kill(self, service: str) -> None:
+        proc = self.procs.get(service)
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+    def restart(self, service: str) -> None:
+        self.kill(service)
+        self.start(service)
+
+    def stop(self, service: str, grace_s: float) -> None:
+        """SIGTERM (which drains), then SIGKILL after the grace period."""
+        proc = self.procs.get(service)
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+class PidSupervisor:
+    """For a watchdog that did not start the services (compose): pids come from their handshakes, kills need a
+    shared pid namespace, restarts come from the orchestrator's restart policy."""
+
+    def __init__(self) -> None:
+        self.pids: dict[str, int] = {}
+
+    def alive(self, service: str) -> bool:
+        pid = self.pids.get(service)
+        if pid is None:
+            return True  # not yet known: judged by its heartbeat or pings alone
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+    def kill(self, service: str) -> None:
+        pid = self.pids.pop(service, None)
+        if pid is not None:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError) as e:
+                log.warning("could not kill", service=service, pid=pid, error=str(e))
+
+    def restart(self, service: str) -> None:
+        self.kill(service)
+        log.info("left to the orchestrator to restart", service=service)
+
+
+@dataclass
+class Watch:
+    """What the watchdog knows of one service."""
+
+    starting_since: float | None  # monotonic time of its (re)start; None once it proved alive
+    failures: int = 0
+
+
+class Watchdog:
+    def __init__(self, settings: Settings, supervisor: Supervisor, now: float | None = None):
+        self.settings, self.supervisor = settings, supervisor
+        self.deadline_s = settings.watchdog_deadline
+        start = time.monotonic() if now is None else now
+        self.watch = {ENGINE: Watch(start), INGRESS: Watch(start)}
+        self.table: SlotTable | None = None
+        self._table_inode: int | None = None
+        self.events = zmq.Context.instance().socket(zmq.PUB)
+        self.events.setsockopt(zmq.LINGER, 0)
+        self.events.bind(settings.events_endpoint)
+        self._ping: zmq.Socket | None = None
+        self._ping_sent = 0.0
+        self._last_answer = 0.0
+
+    # -- the loop ------------------------------------------------------------------------------------------
+
+    def run(self, stop: threading.Event) -> None:
+        tick = min(0.1, self.deadline_s / 10)
+        self.publish("watchdog_started", deadline_s=self.deadline_s)
+        try:
+            while not stop.wait(tick):
+                self.check()
+        finally:
+            self.close()
+
+    def check(self) -> None:
+        now = time.monotonic()
+        if (reason := self.engine_failure(now)) is not None:
+            self.fail_engine(reason)
+        if (reason := self.ingress_failure(now)) is not None:
+            self.fail_ingress(reason)
+
+    # -- the engine ----------------------------------------------------------------------------------------
+
+    def engine_failure(self, now: float) -> str | None:
+        watch = self.watch[ENGINE]
+        if not self.supervisor.alive(ENGINE):
+            return "exited"
+        header = self._header()
+        if watch.starting_since is not None:
+            if header is not None and int(header["engine_state"]) == EngineState.READY:
+                self._engine_ready()
+                return None
+            if now - watch.starting_since > self.settings.engine_start_timeout:
+                return f"not ready within {self.settings.engine_start_timeout} s of its start"
+            return None
+        if header is None or int(header["engine_state"]) not in (EngineState.READY, EngineState.DRAINING):
+            return None
+        age_s = (time.monotonic_ns() - int(header["last_step_ns"])) / 1e9
+        return f"stalled: no heartbeat for {age_s:.1f} s" if age_s > self.deadline_s else None
+
+    def _engine_ready(self) -> None:
+        watch = self.watch[ENGINE]
+        watch.starting_since = None
+        try:
+            info = control.request(self.settings.control_endpoint, control.Hello(), timeout_s=self.deadline_s)
+        except TimeoutError:
+            info = None
+        if isinstance(info, control.EngineInfo) and isinstance(self.supervisor, PidSupervisor):
+            self.supervisor.pids[ENGINE] = info.pid
+        epoch = int(self.table.header["epoch"]) if self.table is not None else None
+        self.publish("engine_ready", epoch=epoch, restarts=watch.failures)
+
+    def fail_engine(self, reason: str) -> None:
+        """Kill first, then end the epoch: a stopped engine that resumed must find its epoch over."""
+        watch = self.watch[ENGINE]
+        watch.failures += 1
+        self.supervisor.kill(ENGINE)
+        epoch = self.table.fail_over() if self._header() is not None else None
+        self.publish("engine_failed", reason=reason, new_epoch=epoch, failures=watch.failures)
+        self.supervisor.restart(ENGINE)
+        watch.starting_since = time.monotonic()
+
+    def _header(self):
+        """The slot table's header, (re)attached when the engine created a new table file."""
+        try:
+            inode = SlotTable.path_for(self.settings.deployment).stat().st_ino
+        except FileNotFoundError:
+            inode = None
+        if self.table is not None and inode != self._table_inode:
+            self.table.close()
+            self.table = None
+        if self.table is None and inode is not None:
+            try:
+                self.table, self._table_inode = SlotTable.attach(self.settings.deployment), inode
+            except (FileNotFoundError, ValueError):
+                return None
+        return self.table.header if self.table is not None else None
+
+    # -- the ingress ---------------------------------------------------------------------------------------
+
+    def ingress_failure(self, now: float) -> str | None:
+        watch = self.watch[INGRESS]
+        if not self.supervisor.alive(INGRESS):
+            return "exited"
+        answered = self._poll_ping(now)
+        if answered is not None and watch.starting_since is not None:
+            watch.starting_since = None
+            if isinstance(self.supervisor, PidSupervisor):
+                self.supervisor.pids[INGRESS] = answered.pid
+            self.publish("ingress_ready", restarts=watch.failures)
+        if watch.starting_since is not None:
+            late = now - watch.starting_since > INGRESS_START_S
+            return f"no answer within {INGRESS_START_S} s of its start" if late else None
+        if now - self._last_answer > self.deadline_s:
+            return f"stalled: no answer to pings for {now - self._last_answer:.1f} s"
+        return None
+
+    def _poll_ping(self, now: float) -> control.IngressStatus | None:
+        """Keeps one ping in flight; returns the answer when one came in."""
+        if self._ping is not None and self._ping.poll(0):
+            reply = control.decode(self._ping.recv())
+            self._ping.close()
+            self._ping = None
+            if isinstance(reply, control.IngressStatus):
+                self._last_answer = now
+                return reply
+        if self._ping is None or now - self._ping_sent > self.deadline_s:
+            if self._ping is not None:
+                self._ping.close()  # a REQ socket with a lost request cannot send again
+            self._ping = zmq.Context.instance().socket(zmq.REQ)
+            self._ping.setsockopt(zmq.LINGER, 0)
+            self._ping.connect(self.settings.ingress_control_endpoint)
+            self._ping.send(control.encode(control.Ping()))
+            self._ping_sent = now
+        return None
+
+    def fail_ingress(self, reason: str) -> None:
+        watch = self.watch[INGRESS]
+        watch.failures += 1
+        self.publish("ingress_failed", reason=reason, failures=watch.failures)
+        if self._ping is not None:
+            self._ping.close()
+            self._ping = None
+        self.supervisor.restart(INGRESS)
+        watch.starting_since = time.monotonic()
+
+    # -- reporting -----------------------------------------------------------------------------------------
+
+    def publish(self, event: str, **fields: object) -> None:
+        (log.warning if event.endswith("failed") else log.info)(event, **fields)
+        body = {"event": event, "deployment": self.settings.deployment, "time": time.time(), **fields}
+        self.events.send(json.dumps(body).encode())
+
+    def close(self) -> None:
+        if self._ping is not None:
+            self._ping.close()
+        self.events.close()
+        if self.table is not None:
+            self.table.close()
+
+
+
+def run_watchdog(settings: Settings) -> None:
+    """`blink watchdog`: watches services it did not start, until SIGTERM."""
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    Watchdog(settings, PidSupervisor()).run(stop)

@@ -1,0 +1,207 @@
+"""Fault injection against `blink serve` and its watchdog: a killed or stopped engine, a killed ingress.
+
+Across all of it: every stream ends with exactly one terminal event (a finish reason or an error event) and
+never hangs, no slot leaks, and the deployment serves again without anyone restarting it by hand.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import httpx
+import pytest
+import zmq
+
+from blink.bench.server import running_server
+from blink.shared import control
+from blink.shared.slot_table import SlotState, SlotTable
+
+MODEL = "blink-tiny-llama-v1"
+DEADLINE_S = 2.0
+SLACK_S = 1.5  # the watchdog's tick, the ingress's poll, the client's read
+FLAGS = ("--watchdog-deadline", str(DEADLINE_S), "--max-num-seqs", "16", "--max-num-batched-tokens", "64")
+
+
+@dataclass
+class StreamResult:
+    tokens: int = 0
+    finish_reasons: list[str] = field(default_factory=list)
+    errors: list[dict] = field(default_factory=list)
+    done: bool = False  # saw data: [DONE]
+    ended_at: float = 0.0
+
+    @property
+    def terminal_events(self) -> int:
+        return len(self.finish_reasons) + len(self.errors)
+
+
+def stream(url: str, prompt: str | list[int], max_tokens: int) -> StreamResult:
+    result = StreamResult()
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
+        if response.status_code != 200:  # failed before its first token: the error is the whole answer
+            assert response.status_code == 503, response.read()
+            result.errors.append(json.loads(response.read())["error"])
+            result.done, result.ended_at = True, time.monotonic()
+            return result
+        for line in response.iter_lines():
+            if line == "data: [DONE]":
+                result.done = True
+            elif line.startswith("data: "):
+                event = json.loads(line[6:])
+                if "error" in event:
+                    result.errors.append(event["error"])
+                else:
+                    choice = event["choices"][0]
+                    result.tokens += 1
+                    if choice["finish_reason"]:
+                        result.finish_reasons.append(choice["finish_reason"])
+    result.ended_at = time.monotonic()
+    return result
+
+
+def engine_pid(server) -> int:
+    info = control.request(server.control_endpoint, control.Hello(), timeout_s=5)
+    assert isinstance(info, control.EngineInfo)
+    return info.pid
+
+
+def wait_until(condition, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def wait_ready_and_serving(server, timeout_s: float = 90) -> None:
+    def ready() -> bool:
+        try:
+            return httpx.get(f"{server.url}/ready", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    wait_until(ready, timeout_s, "/ready")
+    r = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": "hello", "max_tokens": 4},
+                   timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+
+
+def decoding(table: SlotTable, n: int):
+    """Whether n slots are admitted and have produced a few tokens (a freed slot keeps its old counts)."""
+    states, produced = table.slots["state"], table.slots["produced"]
+    return lambda *_: ((states == SlotState.ADMITTED) & (produced >= 3)).sum() == n
+
+
+def table_empty(table: SlotTable) -> bool:
+    return bool((table.slots["state"] == SlotState.FREE).all())
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with running_server(tmp_path_factory.mktemp("watchdog"), *FLAGS) as server:
+        yield server
+
+
+@pytest.fixture
+def table(server):
+    table = SlotTable.attach(server.deployment)
+    yield table
+    table.close()
+
+
+def run_and_kill(server, table, prompts, max_tokens: int, when, sig=signal.SIGKILL):
+    """Starts 16 streams, sends `sig` to the engine once `when(table)` holds, returns (results, kill time)."""
+    pid = engine_pid(server)
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        futures = [pool.submit(stream, server.url, p, max_tokens) for p in prompts]
+        wait_until(lambda: when(table), 60, "the phase to kill in")
+        killed_at = time.monotonic()
+        os.kill(pid, sig)
+        results = [f.result(timeout=60) for f in futures]
+    return results, killed_at, pid
+
+
+LONG_PROMPT = [5 + i % 1000 for i in range(1500)]  # 1,500 tokens: ~24 steps of prefill at 64 tokens a step
+
+
+@pytest.mark.parametrize("phase", ["queued", "prefilling", "decoding", "finishing"])
+def test_sigkill_the_engine(server, table, phase):
+    wait_ready_and_serving(server)
+    states, produced = table.slots["state"], table.slots["produced"]
+    if phase == "queued":  # the engine admits nothing: every request waits in its slot
+        assert isinstance(control.request(server.control_endpoint, control.SetLimits(max_running=0)), control.Ack)
+        prompts, max_tokens = ["a queued request"] * 16, 8
+        when = lambda t: (states == SlotState.SUBMITTED).sum() == 16  # noqa: E731
+    elif phase == "prefilling":
+        prompts, max_tokens = [LONG_PROMPT] * 16, 8
+        when = lambda t: ((states == SlotState.ADMITTED) & (produced == 0)).sum() == 16  # noqa: E731
+    elif phase == "decoding":
+        prompts, max_tokens = ["decode for a long time"] * 16, 1500
+        when = decoding(table, 16)
+    else:  # some have finished, the rest are about to
+        prompts, max_tokens = [f"finish soon {i}" for i in range(16)], 24
+        when = lambda t: ((states == SlotState.FINISHED).any()  # noqa: E731
+                          or ((states == SlotState.ADMITTED) & (produced >= 20)).any())
+
+    results, killed_at, pid = run_and_kill(server, table, prompts, max_tokens, when)
+
+    for r in results:
+        assert r.done and r.terminal_events == 1, r  # exactly one terminal event, and the stream closed
+    if phase == "queued":  # never admitted: resubmitted to the restarted engine, so they complete
+        assert all(r.finish_reasons == ["length"] and r.tokens == 8 for r in results)
+    else:
+        failed = [r for r in results if r.errors]
+        assert failed or phase == "finishing"
+        for r in failed:
+            assert r.errors[0]["code"] == "engine_failure"
+            assert r.ended_at - killed_at < DEADLINE_S + SLACK_S
+    wait_ready_and_serving(server)
+    assert engine_pid(server) != pid
+    wait_until(lambda: table_empty(table), 10, "every slot to be free again")
+
+
+def test_sigstop_the_engine_is_a_stall(server, table):
+    wait_ready_and_serving(server)
+    events = zmq.Context.instance().socket(zmq.SUB)
+    events.setsockopt(zmq.SUBSCRIBE, b"")
+    events.connect(server.endpoint("events"))
+    pid = engine_pid(server)
+    try:
+        results, stopped_at, _ = run_and_kill(server, table, ["stall"] * 16, 1500, decoding(table, 16),
+                                              signal.SIGSTOP)
+        assert all(r.errors and r.errors[0]["code"] == "engine_failure" and r.terminal_events == 1
+                   for r in results)
+        assert all(r.ended_at - stopped_at < DEADLINE_S + SLACK_S for r in results)
+        assert events.poll(5000)
+        event = json.loads(events.recv())
+        assert event["event"] == "engine_failed" and event["reason"].startswith("stalled")
+    finally:
+        events.close()
+        if os.path.exists(f"/proc/{pid}"):
+            os.kill(pid, signal.SIGCONT)  # the watchdog killed it; if not, do not leave it stopped
+    wait_ready_and_serving(server)
+    metrics = httpx.get(f"{server.url}/metrics").text
+    assert "blink:engine_failovers_total" in metrics and "blink:degraded" in metrics
+    wait_until(lambda: table_empty(table), 10, "every slot to be free again")
+
+
+def test_sigkill_the_ingress(server, table):
+    wait_ready_and_serving(server)
+    status = control.request(server.endpoint("ingress"), control.Ping(), timeout_s=5)
+    assert isinstance(status, control.IngressStatus)
+    with ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(stream, server.url, "orphan me", 1500) for _ in range(8)]
+        wait_until(decoding(table, 8), 60, "8 decoding requests")
+        os.kill(status.pid, signal.SIGKILL)
+        for f in futures:
+            with pytest.raises(httpx.HTTPError):  # their connections died with the ingress
+                f.result(timeout=30)
+    wait_ready_and_serving(server)
+    restarted = control.request(server.endpoint("ingress"), control.Ping(), timeout_s=5)
+    assert restarted.pid != status.pid
+    wait_until(lambda: table_empty(table), 10, "the engine to abort the orphans and the ingress to free them")
