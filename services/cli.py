@@ -33,6 +33,10 @@ def main(argv: list[str] | None = None) -> int:
                        ("watchdog", "watch an engine and an ingress started elsewhere (compose)")):
         _add_settings_flags(commands.add_parser(name, help=text))
 
+    probe = commands.add_parser("probe", help="exit 0 if the service answers its control socket (healthchecks)")
+    probe.add_argument("service", choices=["engine", "ingress"])
+    _add_settings_flags(probe)
+
     model = commands.add_parser("model", help="manage checkpoints").add_subparsers(dest="model_command",
                                                                                    required=True)
     init = model.add_parser("init", help="write the default random-weight model (to DIR or the cache)")
@@ -63,6 +67,9 @@ def main(argv: list[str] | None = None) -> int:
         return _model_init(args.dir)
     if args.command == "generate":
         return _generate(args)
+
+    if args.command == "probe":
+        return _probe(args.service, _settings(args))
 
     from blink.shared.logs import configure_logging
 
@@ -107,6 +114,22 @@ def _serve(settings: Settings) -> int:
         supervisor.stop(INGRESS, settings.shutdown_timeout + 5)
         supervisor.stop(ENGINE, 30)
     return 0
+
+
+def _probe(service: str, settings: Settings) -> int:
+    from blink.shared import control
+
+    endpoint, ask = ((settings.control_endpoint, control.GetStatus()) if service == "engine" else
+                     (settings.ingress_control_endpoint, control.Ping()))
+    try:
+        reply = control.request(endpoint, ask, timeout_s=settings.watchdog_deadline)
+    except TimeoutError as e:
+        print(e, file=sys.stderr)
+        return 1
+    print(reply.model_dump_json())
+    healthy = isinstance(reply, control.IngressStatus) or (
+        isinstance(reply, control.EngineStatus) and reply.state in ("ready", "draining"))
+    return 0 if healthy else 1
 
 
 def _model_init(target: Path | None) -> int:

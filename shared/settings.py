@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -29,6 +29,12 @@ class Settings(BaseSettings):
     watchdog_deadline: float = Field(2.0, gt=0, description="seconds without a heartbeat or an answer before "
                                      "the watchdog declares a service stalled")
     engine_start_timeout: float = Field(600.0, gt=0, description="seconds an engine may take to load and answer")
+
+    @field_validator("model", "served_model_name", "api_key", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, value: object) -> object:
+        """BLINK_MODEL= (as compose writes an unset ${BLINK_MODEL:-}) means the default, not a model named ''."""
+        return None if value == "" else value
 
     @property
     def control_endpoint(self) -> str:

@@ -1,0 +1,106 @@
+"""compose/: the files are valid against the compose specification's JSON schema, and every command, variable,
+port and path they use exists in Blink. (No Docker engine here: nothing is started.)"""
+
+from __future__ import annotations
+
+import json
+import re
+from importlib import resources
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+
+from blink.services.cli import main as blink_main
+from blink.shared.settings import Settings
+
+COMPOSE = Path(__file__).resolve().parents[1] / "compose"
+FILES = sorted(COMPOSE.glob("docker-compose*.yml"))
+EXTRA_VARIABLES = {"BLINK_CACHE_DIR"}  # read by blink.shared.model_cache, not a setting
+
+
+class ComposeLoader(yaml.SafeLoader):
+    """YAML with compose's merge tags (!reset, !override), which plain YAML does not know."""
+
+
+for tag in ("!reset", "!override"):
+    ComposeLoader.add_constructor(tag, lambda loader, node: loader.construct_sequence(node)
+                                  if isinstance(node, yaml.SequenceNode) else loader.construct_object(node))
+
+
+def load(path: Path) -> dict:
+    return yaml.load(path.read_text(), Loader=ComposeLoader)
+
+
+@pytest.fixture(scope="module")
+def validator():
+    text = resources.files("check_jsonschema.builtin_schemas.vendor").joinpath("compose-spec.json").read_text()
+    schema = json.loads(text)
+    return jsonschema.validators.validator_for(schema)(schema)
+
+
+def test_three_files():
+    assert [f.name for f in FILES] == ["docker-compose.cpu.yml", "docker-compose.cpuset.yml", "docker-compose.yml"]
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
+def test_valid_against_the_compose_schema(path, validator):
+    errors = sorted(validator.iter_errors(load(path)), key=lambda e: list(e.path))
+    assert not errors, "\n".join(f"{'/'.join(map(str, e.path))}: {e.message}" for e in errors)
+
+
+def test_the_stack():
+    stack = load(COMPOSE / "docker-compose.yml")
+    services = stack["services"]
+    assert set(services) == {"engine", "ingress", "watchdog"}
+    engine = services["engine"]
+    devices = engine["deploy"]["resources"]["reservations"]["devices"]
+    assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
+    assert engine["ipc"] == "shareable"
+    for name in ("ingress", "watchdog"):
+        assert services[name]["ipc"] == "service:engine" and services[name]["pid"] == "service:engine"
+    for name, service in services.items():
+        assert service["restart"] == "unless-stopped", name
+    ingress = services["ingress"]
+    assert ingress["ports"] == ["${BLINK_PORT:-8000}:8000"] and ingress["environment"]["BLINK_PORT"] == "8000"
+    assert "/health" in " ".join(ingress["healthcheck"]["test"])
+    for service in (engine, ingress):
+        assert int(service["healthcheck"]["start_period"].removesuffix("s")) >= 300
+    cpu = load(COMPOSE / "docker-compose.cpu.yml")["services"]["engine"]
+    assert cpu["deploy"]["resources"]["reservations"]["devices"] == [] and cpu["environment"]["BLINK_DEVICE"] == "cpu"
+    pinned = load(COMPOSE / "docker-compose.cpuset.yml")["services"]["engine"]
+    assert "cpuset" in pinned and "cpus" in pinned
+
+
+def test_every_command_and_variable_exists(capsys):
+    settings = {f"BLINK_{name.upper()}" for name in Settings.model_fields} | EXTRA_VARIABLES
+    for path in FILES:
+        text = path.read_text()
+        assert "~" not in text, f"{path.name}: use ${{HOME}}, not ~"
+        for name, service in load(path)["services"].items():
+            for variable in service.get("environment") or {}:
+                assert variable in settings, f"{path.name}: {name} sets {variable}, which Blink does not read"
+            command = service.get("command")
+            if command:
+                assert command[0] == "blink"
+                with pytest.raises(SystemExit) as exit_:  # each subcommand's --help exits 0
+                    blink_main([*command[1:], "--help"])
+                assert exit_.value.code == 0, f"{path.name}: {command}"
+            check = (service.get("healthcheck") or {}).get("test", [])
+            if check[1:3] == ["blink", "probe"]:
+                with pytest.raises(SystemExit) as exit_:
+                    blink_main([*check[2:], "--help"])
+                assert exit_.value.code == 0
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize("dockerfile", sorted(COMPOSE.glob("Dockerfile.*")), ids=lambda p: p.name)
+def test_dockerfiles(dockerfile):
+    root = COMPOSE.parent
+    text = dockerfile.read_text()
+    for source in re.findall(r"^COPY (\S+)", text, flags=re.MULTILINE):
+        assert (root / source).exists(), f"{dockerfile.name} copies {source}, which is not in the repository"
+    cmd = json.loads(re.search(r"^CMD (.+)$", text, flags=re.MULTILINE).group(1))
+    assert cmd == ["blink", "serve"]
+    assert '".[engine,ingress]"' in text
