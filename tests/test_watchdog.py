@@ -205,3 +205,77 @@ def test_sigkill_the_ingress(server, table):
     restarted = control.request(server.endpoint("ingress"), control.Ping(), timeout_s=5)
     assert restarted.pid != status.pid
     wait_until(lambda: table_empty(table), 10, "the engine to abort the orphans and the ingress to free them")
+
+
+def test_sigterm_to_serve_drains_then_stops_everything_in_order(tmp_path):
+    with running_server(tmp_path, "--shutdown-timeout", "20") as server:
+        engine = engine_pid(server)
+        ingress = control.request(server.endpoint("ingress"), control.Ping(), timeout_s=5).pid
+        segment = SlotTable.path_for(server.deployment)
+        assert segment.exists()
+        body = {"model": MODEL, "prompt": "drain me", "max_tokens": 200, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as response:
+            lines = response.iter_lines()
+            next(lines)
+            server.process.send_signal(signal.SIGTERM)
+            wait_until(lambda: httpx.get(f"{server.url}/ready").status_code == 503, 5, "/ready to answer 503")
+            refused = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": "x"})
+            assert refused.status_code == 503 and refused.json()["error"]["code"] == "draining"
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]" and '"finish_reason": "length"' in rest[-2]  # finished, not cut
+        assert server.process.wait(60) == 0
+        for pid in (engine, ingress):
+            assert not os.path.exists(f"/proc/{pid}"), "a service outlived blink serve"
+        assert not segment.exists(), "the shared-memory segment was left behind"
+
+
+def test_standalone_watchdog_kills_a_stalled_engine_for_the_orchestrator_to_restart(tmp_path):
+    """As under compose: the services run on their own and the watchdog did not start them."""
+    import subprocess
+    import sys
+    import uuid
+
+    from blink.bench.server import free_port
+
+    deployment, port = f"test-{uuid.uuid4().hex[:10]}", free_port()
+    flags = ["--deployment", deployment, "--runtime-dir", str(tmp_path), "--port", str(port),
+             "--watchdog-deadline", str(DEADLINE_S)]
+    log = open(tmp_path / "services.log", "w")  # noqa: SIM115 - closed below
+
+    def start(service: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "blink.services.cli", service, *flags], stdout=log,
+                                stderr=subprocess.STDOUT)
+
+    events = zmq.Context.instance().socket(zmq.SUB)
+    events.setsockopt(zmq.SUBSCRIBE, b"")
+    events.setsockopt(zmq.RCVTIMEO, 30_000)
+    procs = {name: start(name) for name in ("engine", "ingress", "watchdog")}
+    try:
+        events.connect(f"ipc://{tmp_path}/blink-{deployment}-events")
+        server = type("Deployment", (), {"url": f"http://127.0.0.1:{port}",
+                                         "control_endpoint": f"ipc://{tmp_path}/blink-{deployment}-control"})
+        wait_ready_and_serving(server)
+        seen = [json.loads(events.recv())["event"] for _ in range(2)]
+        assert sorted(seen) == ["engine_ready", "ingress_ready"]
+        table = SlotTable.attach(deployment)
+        try:
+            results, stopped_at, _ = run_and_kill(server, table, ["stall"] * 4, 1500, decoding(table, 4),
+                                                  signal.SIGSTOP)
+        finally:
+            table.close()
+        assert all(r.errors and r.errors[0]["code"] == "engine_failure" for r in results)
+        assert all(r.ended_at - stopped_at < DEADLINE_S + SLACK_S for r in results)
+        failed = json.loads(events.recv())
+        assert failed["event"] == "engine_failed" and failed["reason"].startswith("stalled")
+        assert procs["engine"].wait(10) == -signal.SIGKILL  # killed by the watchdog, by pid
+        procs["engine"] = start("engine")  # the orchestrator's restart policy
+        wait_ready_and_serving(server)
+        assert json.loads(events.recv())["event"] == "engine_ready"
+    finally:
+        events.close()
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGCONT)
+                proc.terminate()
+                proc.wait(30)
+        log.close()
