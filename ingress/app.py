@@ -36,7 +36,6 @@ from blink.ingress.protocol import (
 from blink.ingress.slots import Overloaded
 from blink.ingress.state import IngressState
 from blink.ingress.validation import check_model, check_token_ids, completion_prompts, context_room
-from blink.shared.slot_table import EngineState
 from blink.shared.tokenizer import Tokenizer
 
 log = structlog.get_logger()
@@ -58,14 +57,12 @@ def create_app(state: IngressState) -> FastAPI:
 
     @app.get("/ready")
     async def ready() -> JSONResponse:
-        header = state.client.table.header
-        engine_state = EngineState(int(header["engine_state"]))
-        idle_s = (time.monotonic_ns() - int(header["last_step_ns"])) / 1e9
-        ok = not state.draining and engine_state == EngineState.READY and idle_s < READY_HEARTBEAT_S
-        body = {"ready": ok, "engine": engine_state.name.lower(), "heartbeat_age_s": round(idle_s, 3),
+        health = state.client.health()
+        ok = not state.draining and health.state == "ready" and health.heartbeat_age_s < READY_HEARTBEAT_S
+        body = {"ready": ok, "engine": health.state, "heartbeat_age_s": round(health.heartbeat_age_s, 3),
                 "draining": state.draining, "drive": state.info.drive, "transport": state.transport,
-                "degraded": state.degraded, "device": state.info.device, "epoch": int(header["epoch"]),
-                "failovers": int(header["failovers"])}
+                "degraded": state.degraded, "device": state.info.device, "epoch": health.epoch,
+                "failovers": health.failovers}
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics")
@@ -171,7 +168,7 @@ async def _unless_disconnected(request: Request, awaitable):
 async def _respond(state: IngressState, request: Request, body: SamplingFields, jobs: list[tuple[list[int], int]],
                    max_tokens: int | None, logprobs: int | None, chat: bool):
     check_model(state, body.model)
-    capacity = state.client.table.geometry.num_slots + state.client.max_waiting
+    capacity = state.client.num_slots + state.client.max_waiting
     if len(jobs) > capacity:
         raise APIError(400, f"{len(jobs)} choices can never fit: this server holds {capacity} at once", param="n")
     requests = []

@@ -56,7 +56,7 @@ class Metrics:
         self.degraded.labels(**self._labels).set(int(degraded))
         self.running.labels(**self._labels).set(client.running)
         self.waiting.labels(**self._labels).set(client.waiting)
-        self.failovers.labels(**self._labels).set(int(client.table.header["failovers"]))
+        self.failovers.labels(**self._labels).set(client.health().failovers)
         self.failed_requests.labels(**self._labels).set(client.failed_over)
         if kv_total:
             self.kv_usage.labels(**self._labels).set(kv_used / kv_total)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import structlog
 
-from blink.shared.slot_table import Finish, Output, Request, SlotState, SlotTable
+from blink.shared.slot_table import Client, EngineState, Finish, Output, Request, SlotState, SlotTable
 
 log = structlog.get_logger()
 POLL_MIN_S, POLL_MAX_S = 0.0002, 0.002
@@ -36,12 +36,29 @@ class Stream:
     submitted_at: float = field(default_factory=time.monotonic)
     admitted_at: float | None = None
     abandoned: bool = False  # the consumer went away: outputs are dropped until the engine aborts it
+    request_id: str | None = None  # the zmq transport's name for it at the relay
+
+
+@dataclass(frozen=True)
+class EngineHealth:
+    """What /ready and /metrics say of the engine, whichever transport reaches it."""
+
+    state: str  # starting, ready, draining, stopped; unreachable when the transport lost it
+    heartbeat_age_s: float
+    epoch: int
+    failovers: int
 
 
 class SlotClient:
-    def __init__(self, table: SlotTable, max_waiting: int):
-        self.table = table
+    """The `shm` transport: this process maps the table and publishes into it."""
+
+    transport = "shm"
+
+    def __init__(self, table: SlotTable, max_waiting: int, client: Client = Client.INGRESS):
+        table.claim(client)
+        self.table, self._client = table, client
         self.max_waiting = max_waiting
+        self.num_slots = table.geometry.num_slots
         self._waiters: deque[asyncio.Future[int]] = deque()
         self._busy: dict[int, Stream] = {}
         self._free: deque[int] = deque()
@@ -64,12 +81,19 @@ class SlotClient:
     def waiting(self) -> int:
         return len(self._waiters)
 
+    def health(self) -> EngineHealth:
+        h = self.table.header
+        return EngineHealth(EngineState(int(h["engine_state"])).name.lower(),
+                            (time.monotonic_ns() - int(h["last_step_ns"])) / 1e9, int(h["epoch"]), int(h["failovers"]))
+
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._poll())
 
     async def stop(self) -> None:
         if self._task:
             self._task.cancel()
+        if int(self.table.header["client"]) == self._client:
+            self.table.header["client"] = Client.NONE  # another kind of publisher may take over now
 
     async def submit(self, request: Request) -> Stream:
         slot = await self._acquire()

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from blink.ingress.metrics import Metrics
+from blink.ingress.remote_slots import RemoteSlotClient
 from blink.ingress.slots import SlotClient
 from blink.shared.control import EngineInfo, EngineStatus
 from blink.shared.tokenizer import Tokenizer
@@ -16,9 +17,8 @@ from blink.shared.tokenizer import Tokenizer
 class IngressState:
     info: EngineInfo
     tokenizer: Tokenizer
-    client: SlotClient
+    client: SlotClient | RemoteSlotClient
     metrics: Metrics
-    transport: str = "shm"
     api_key: str | None = None
     engine_status: Callable[[], EngineStatus | None] = lambda: None
     draining: bool = False
@@ -28,6 +28,10 @@ class IngressState:
     def degraded(self) -> bool:
         """Running a fallback: the engine on the CPU (no GPU), or requests relayed over ZeroMQ (no NIC path)."""
         return self.info.device.startswith("cpu") or self.transport == "zmq"
+
+    @property
+    def transport(self) -> str:
+        return self.client.transport
 
     @property
     def in_flight(self) -> int:

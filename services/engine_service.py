@@ -12,6 +12,7 @@ import zmq
 
 from blink.engine.engine import Engine, EngineConfig
 from blink.engine.table_drive import Fenced, TableDriver
+from blink.services.relay import Relay
 from blink.shared import control
 from blink.shared.settings import Settings
 from blink.shared.slot_table import EngineState, Geometry, SlotTable
@@ -56,7 +57,7 @@ class EngineService:
         self.driver = TableDriver(self.engine, self.table)
         self._stop = threading.Event()
         self.info = control.EngineInfo(
-            slot_table=settings.deployment, epoch=int(self.table.header["epoch"]),
+            slot_table=settings.deployment, num_slots=geometry.num_slots, epoch=int(self.table.header["epoch"]),
             model=settings.served_model_name or self.engine.model_dir.name, model_dir=str(self.engine.model_dir),
             max_model_len=self.engine.max_model_len,
             vocab_size=self.engine.model_config.vocab_size,
@@ -69,6 +70,10 @@ class EngineService:
         signal.signal(signal.SIGINT, lambda *_: self._stop.set())
         control_thread = threading.Thread(target=self._serve_control, name="control", daemon=True)
         control_thread.start()
+        relay = None
+        if self.settings.transport != "shm":
+            relay = Relay(self.table, self.settings.relay_endpoint, self.settings.max_waiting)
+            relay.start()
         self.table.header["engine_state"] = EngineState.READY
         log.info("engine ready", **self.info.model_dump(exclude={"type"}), slots=self.table.geometry.num_slots)
         idle_s = 0.0
@@ -89,13 +94,15 @@ class EngineService:
             self.table.unlink()
             log.info("engine stopped")
         finally:
+            if relay is not None:
+                relay.stop()
             self.table.close()
 
     def _serve_control(self) -> None:
         ctx = zmq.Context.instance()
         sock = ctx.socket(zmq.REP)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.bind(self.settings.control_endpoint)
+        sock.bind(Settings.bind_address(self.settings.control_endpoint))
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         while not self._stop.is_set():

@@ -14,6 +14,7 @@ import zmq.asyncio
 
 from blink.ingress.app import create_app
 from blink.ingress.metrics import Metrics
+from blink.ingress.remote_slots import RemoteSlotClient
 from blink.ingress.slots import SlotClient
 from blink.ingress.state import IngressState
 from blink.ingress.zmq_api import ZmqApi
@@ -64,9 +65,21 @@ class DrainingServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
+def connect(settings: Settings, info: control.EngineInfo) -> SlotClient | RemoteSlotClient:
+    """The transport to the engine: the slot table in shared memory when it is on this host (and not fed by the
+    relay), otherwise the engine host's relay over ZeroMQ (degraded)."""
+    if settings.transport != "zmq":
+        try:
+            return SlotClient(SlotTable.attach(info.slot_table), settings.max_waiting)
+        except (FileNotFoundError, RuntimeError) as e:
+            if settings.transport == "shm":
+                raise
+            log.warning("no shared-memory path to the engine: degraded to the zmq transport", reason=str(e))
+    return RemoteSlotClient(settings.relay_endpoint, info.num_slots, settings.max_waiting, settings.watchdog_deadline)
+
+
 async def serve(settings: Settings, info: control.EngineInfo) -> None:
-    table = SlotTable.attach(info.slot_table)
-    client = SlotClient(table, settings.max_waiting)
+    client = connect(settings, info)
     client.start()
 
     def engine_status() -> control.EngineStatus | None:
@@ -76,9 +89,11 @@ async def serve(settings: Settings, info: control.EngineInfo) -> None:
             return None
         return reply if isinstance(reply, control.EngineStatus) else None
 
-    state = IngressState(info=info, tokenizer=Tokenizer(info.model_dir), client=client,
-                         metrics=Metrics(info.model, info.drive, "shm"),
+    # On another host the engine's model directory may not exist: --model names a local copy of the tokenizer.
+    state = IngressState(info=info, tokenizer=Tokenizer(settings.model or info.model_dir), client=client,
+                         metrics=Metrics(info.model, info.drive, client.transport),
                          api_key=settings.api_key, engine_status=engine_status)
+    log.info("ingress transport", transport=client.transport, degraded=state.degraded)
     config = uvicorn.Config(create_app(state), host=settings.host, port=settings.port, loop="none",
                             log_config=None, access_log=False, timeout_graceful_shutdown=settings.shutdown_timeout)
     server = DrainingServer(config, state, settings.shutdown_timeout)
@@ -118,5 +133,6 @@ async def answer_pings(state: IngressState, endpoint: str) -> None:
 
 def run_ingress(settings: Settings, engine_timeout_s: float = 600.0) -> None:
     info = handshake(settings, engine_timeout_s)
-    log.info("ingress starting", url=f"http://{settings.host}:{settings.port}", model=info.model, epoch=info.epoch)
+    log.info("ingress starting", url=f"http://{settings.host}:{settings.port}", model=info.model, epoch=info.epoch,
+             drive=info.drive, device=info.device)
     uvloop.run(serve(settings, info))

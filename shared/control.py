@@ -48,6 +48,7 @@ class IngressStatus(BaseModel):
 class EngineInfo(BaseModel):
     type: Literal["engine_info"] = "engine_info"
     slot_table: str
+    num_slots: int
     epoch: int
     model: str
     model_dir: str  # where the ingress finds the tokenizer and chat template

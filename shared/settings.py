@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -26,6 +28,14 @@ class Settings(BaseSettings):
     shutdown_timeout: float = Field(30.0, ge=0)
     runtime_dir: str = "/tmp"
     zmq_port: int | None = Field(None, ge=1, le=65535, description="TCP port of the ZeroMQ API (default: ipc)")
+    transport: Literal["auto", "shm", "zmq"] = Field("auto", description="how the ingress reaches the slot "
+                                                     "table: shm (same host), zmq (relayed by the engine host; "
+                                                     "degraded), auto (shm when the table is here)")
+    engine_host: str = Field("127.0.0.1", description="where the engine runs, for --control-port/--relay-port")
+    control_port: int | None = Field(None, ge=1, le=65535, description="TCP port of the engine's control socket "
+                                     "(default: ipc, same host only)")
+    relay_port: int | None = Field(None, ge=1, le=65535, description="TCP port of the engine host's relay for the "
+                                   "zmq transport (default: ipc)")
     watchdog_deadline: float = Field(2.0, gt=0, description="seconds without a heartbeat or an answer before "
                                      "the watchdog declares a service stalled")
     engine_start_timeout: float = Field(600.0, gt=0, description="seconds an engine may take to load and answer")
@@ -38,7 +48,20 @@ class Settings(BaseSettings):
 
     @property
     def control_endpoint(self) -> str:
+        if self.control_port:
+            return f"tcp://{self.engine_host}:{self.control_port}"
         return f"ipc://{self.runtime_dir}/blink-{self.deployment}-control"
+
+    @property
+    def relay_endpoint(self) -> str:
+        if self.relay_port:
+            return f"tcp://{self.engine_host}:{self.relay_port}"
+        return f"ipc://{self.runtime_dir}/blink-{self.deployment}-relay"
+
+    @staticmethod
+    def bind_address(endpoint: str) -> str:
+        """What the serving side binds for an endpoint others connect to: every interface, for TCP."""
+        return f"tcp://*:{endpoint.rsplit(':', 1)[1]}" if endpoint.startswith("tcp://") else endpoint
 
     @property
     def ingress_control_endpoint(self) -> str:

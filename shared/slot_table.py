@@ -26,8 +26,8 @@ from pathlib import Path
 import numpy as np
 
 MAGIC = 0x424C494E4B534C54  # "BLINKSLT"
-VERSION = 1
-SHM_DIR = Path("/dev/shm")
+VERSION = 2
+SHM_DIR = Path(os.environ.get("BLINK_SHM_DIR", "/dev/shm"))  # another directory stands for another host in tests
 
 
 class SlotState(IntEnum):
@@ -42,6 +42,14 @@ class EngineState(IntEnum):
     READY = 1
     DRAINING = 2
     STOPPED = 3
+
+
+class Client(IntEnum):
+    """Who publishes requests into the table: one kind at a time, since each owns every FREE slot."""
+
+    NONE = 0
+    INGRESS = 1  # an ingress on the engine's host, through shared memory (`shm`)
+    RELAY = 2  # the engine host's relay, for an ingress that sends over ZeroMQ (`zmq`)
 
 
 class Finish(IntEnum):
@@ -67,7 +75,7 @@ class Geometry:
 HEADER = np.dtype([
     ("magic", "<u8"), ("version", "<u4"), ("num_slots", "<u4"), ("max_prompt_tokens", "<u4"), ("window", "<u4"),
     ("top_logprobs", "<u4"), ("max_stop_ids", "<u4"), ("engine_state", "<u4"), ("failovers", "<u4"),
-    ("epoch", "<u8"), ("steps", "<u8"), ("last_step_ns", "<u8"),
+    ("epoch", "<u8"), ("steps", "<u8"), ("last_step_ns", "<u8"), ("client", "<u4"),
 ], align=True)
 HEADER_BYTES = 256
 
@@ -247,6 +255,15 @@ class SlotTable:
         if s["state"] != SlotState.SUBMITTED:
             raise RuntimeError(f"slot {slot} is not waiting for admission")
         s["epoch"] = self.header["epoch"]
+
+    def claim(self, client: Client) -> None:
+        """Makes `client` the table's publisher; another kind already publishing is an error. (A restarted
+        client of the same kind takes over: its predecessor's slots are orphans.)"""
+        current = Client(int(self.header["client"]))
+        if current not in (Client.NONE, client):
+            raise RuntimeError(f"slot table {self.path} is fed by the {current.name.lower()}, not the "
+                               f"{client.name.lower()}: one transport per deployment")
+        self.header["client"] = client
 
     # -- the watchdog's side -----------------------------------------------------------------------------
 

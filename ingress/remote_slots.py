@@ -1,0 +1,144 @@
+"""The `zmq` transport, the ingress's side: the same interface as SlotClient, over ZeroMQ to the engine host's
+relay, for an ingress that cannot map the slot table (another host, or no NIC path).
+
+The relay is probed for the engine's health every few hundred milliseconds; when it stays silent past the
+deadline, every request in flight ends with Finish.FAILED (the ingress turns that into an error event), as
+when an engine dies under `shm`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import structlog
+import zmq
+import zmq.asyncio
+
+from blink.ingress.slots import EngineHealth, Overloaded, Stream
+from blink.shared import relay_protocol as wire
+from blink.shared.slot_table import EngineState, Finish, Output, Request
+
+log = structlog.get_logger()
+PROBE_S = 0.2
+
+
+class RemoteSlotClient:
+    transport = "zmq"
+
+    def __init__(self, endpoint: str, num_slots: int, max_waiting: int, deadline_s: float):
+        self.endpoint, self.num_slots, self.max_waiting, self.deadline_s = endpoint, num_slots, max_waiting, deadline_s
+        self.sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+        self._streams: dict[str, Stream] = {}
+        self._accepted: dict[str, asyncio.Future[int]] = {}
+        self._health = EngineHealth("unreachable", math.inf, 0, 0)
+        self._heard_at = -math.inf
+        self._tasks: list[asyncio.Task] = []
+        self.failed_over = 0
+
+    @property
+    def running(self) -> int:
+        return len(self._streams) - len(self._accepted)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._accepted)
+
+    def health(self) -> EngineHealth:
+        if time.monotonic() - self._heard_at > self.deadline_s:
+            return EngineHealth("unreachable", math.inf, self._health.epoch, self._health.failovers)
+        return self._health
+
+    def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._receive()), loop.create_task(self._probe())]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        self.sock.close()
+
+    async def submit(self, request: Request) -> Stream:
+        if self.health().state == "unreachable":
+            raise Overloaded  # nothing to send to: the client is told to retry, as when full
+        if len(self._accepted) >= self.max_waiting + self.num_slots:
+            raise Overloaded
+        rid = uuid.uuid4().hex
+        stream = Stream(-1, asyncio.Queue(), request_id=rid)
+        self._streams[rid] = stream  # before sending: outputs may follow the acceptance at once
+        accepted = self._accepted[rid] = asyncio.get_running_loop().create_future()
+        try:
+            await self.sock.send(wire.encode({"op": "submit", "id": rid, "request": wire.request_to_wire(request)}))
+            stream.slot = await accepted
+        except BaseException:
+            self._streams.pop(rid, None)
+            if not accepted.done():
+                await self._send_cancel(rid)
+            raise
+        finally:
+            self._accepted.pop(rid, None)
+        return stream
+
+    async def outputs(self, stream: Stream) -> AsyncIterator[Output]:
+        finished = False
+        try:
+            while not finished:
+                out = await stream.queue.get()
+                finished = out.finish != Finish.NONE
+                yield out
+        finally:
+            if self._streams.pop(stream.request_id, None) is not None and not finished:
+                await self._send_cancel(stream.request_id)
+
+    async def _send_cancel(self, rid: str) -> None:
+        with contextlib.suppress(zmq.ZMQError):
+            await self.sock.send(wire.encode({"op": "cancel", "id": rid}))
+
+    async def _receive(self) -> None:
+        while True:
+            message = wire.decode(await self.sock.recv())
+            if "health" in message:
+                h = message["health"]
+                self._health = EngineHealth(EngineState(h["state"]).name.lower(), h["heartbeat_age_s"], h["epoch"],
+                                            h["failovers"])
+                self._heard_at = time.monotonic()
+                continue
+            rid = message.get("id")
+            if (accepted := self._accepted.get(rid)) is not None and not accepted.done():
+                if "error" in message:
+                    accepted.set_exception(Overloaded() if message["error"] == "overloaded" else
+                                           RuntimeError(message["error"]))
+                else:
+                    accepted.set_result(message["slot"])
+            if "out" in message and (stream := self._streams.get(rid)) is not None:
+                if stream.admitted_at is None:
+                    stream.admitted_at = time.monotonic()
+                out = wire.output_from_wire(message["out"])
+                stream.queue.put_nowait(out)
+                if out.finish != Finish.NONE:
+                    self._streams.pop(rid, None)
+
+    async def _probe(self) -> None:
+        """Asks for the engine's health; ends every request in flight once the relay went silent."""
+        while True:
+            with contextlib.suppress(zmq.ZMQError):
+                await self.sock.send(wire.encode({"op": "health"}))
+            await asyncio.sleep(PROBE_S)
+            if self._streams and time.monotonic() - self._heard_at > self.deadline_s:
+                self._fail_all()
+
+    def _fail_all(self) -> None:
+        log.warning("relay silent: failing the requests in flight", count=len(self._streams), endpoint=self.endpoint)
+        for rid, stream in list(self._streams.items()):
+            accepted = self._accepted.get(rid)
+            if accepted is not None and not accepted.done():
+                accepted.set_exception(Overloaded())
+            stream.queue.put_nowait(Output([], [], [], [], Finish.FAILED))
+            self.failed_over += 1
+        self._streams.clear()

@@ -1,0 +1,111 @@
+"""The engine host's relay for the `zmq` transport: an ingress without the slot table in its memory (another
+host, or no NIC path) sends requests here, and the relay publishes them into the table and streams the outputs
+back. It runs as a thread of the engine service with its own event loop and the same SlotClient an ingress
+uses, so admission, back-pressure and failover behave as with `shm`.
+
+It claims the table (as its one publisher) at the first request, not before, so that a local `shm` ingress
+keeps working when nobody uses the relay.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import structlog
+import zmq
+import zmq.asyncio
+
+from blink.ingress.slots import Overloaded, SlotClient
+from blink.shared import relay_protocol as wire
+from blink.shared.settings import Settings
+from blink.shared.slot_table import Client, SlotTable
+
+log = structlog.get_logger()
+
+
+class Relay:
+    def __init__(self, table: SlotTable, endpoint: str, max_waiting: int):
+        self.table, self.endpoint, self.max_waiting = table, endpoint, max_waiting
+        self.client: SlotClient | None = None
+        self._tasks: dict[tuple[bytes, str], asyncio.Task] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopped = threading.Event()
+
+    def start(self) -> None:
+        threading.Thread(target=lambda: asyncio.run(self._serve()), name="relay", daemon=True).start()
+
+    def stop(self) -> None:
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._stopped.set)
+
+    async def _serve(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self.sock = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply to a vanished ingress raises, not vanishes
+        self.sock.bind(Settings.bind_address(self.endpoint))
+        log.info("relay listening", endpoint=self.endpoint)
+        try:
+            while not self._stopped.is_set():
+                if not await self.sock.poll(100):
+                    continue
+                identity, frame = await self.sock.recv_multipart()
+                try:
+                    await self._handle(identity, wire.decode(frame))
+                except (ValueError, KeyError, TypeError) as e:
+                    log.warning("bad relay frame", error=str(e))
+        finally:
+            for task in self._tasks.values():
+                task.cancel()
+            if self.client is not None:
+                await self.client.stop()
+            self.sock.close()
+
+    async def _handle(self, identity: bytes, message: dict) -> None:
+        op = message["op"]
+        if op == "health":
+            h = self.table.header
+            age_s = (time.monotonic_ns() - int(h["last_step_ns"])) / 1e9
+            await self._send(identity, {"health": {"state": int(h["engine_state"]), "heartbeat_age_s": age_s,
+                                                   "epoch": int(h["epoch"]), "failovers": int(h["failovers"])}})
+        elif op == "submit":
+            key = (identity, str(message["id"]))
+            self._tasks[key] = asyncio.create_task(self._run(key, wire.request_from_wire(message["request"])))
+        elif op == "cancel":
+            task = self._tasks.pop((identity, str(message["id"])), None)
+            if task is not None:
+                task.cancel()
+        else:
+            raise ValueError(f"unknown op {op!r}")
+
+    async def _run(self, key: tuple[bytes, str], request) -> None:
+        identity, rid = key
+        try:
+            if self.client is None:
+                self.client = SlotClient(self.table, self.max_waiting, Client.RELAY)
+                self.client.start()
+            stream = await self.client.submit(request)
+        except Overloaded:
+            await self._send(identity, {"id": rid, "error": "overloaded"})
+            return
+        except (RuntimeError, ValueError) as e:
+            await self._send(identity, {"id": rid, "error": str(e)})
+            return
+        try:
+            if await self._send(identity, {"id": rid, "slot": stream.slot}):
+                async for out in self.client.outputs(stream):
+                    if not await self._send(identity, {"id": rid, "out": wire.output_to_wire(out)}):
+                        break  # leaving outputs() cancels the slot's request
+        finally:
+            self._tasks.pop(key, None)
+
+    async def _send(self, identity: bytes, message: dict) -> bool:
+        """False when the ingress is gone (ROUTER_MANDATORY refuses the frame)."""
+        try:
+            await self.sock.send_multipart([identity, wire.encode(message)])
+        except zmq.ZMQError:
+            log.info("relay client gone", request_id=message.get("id"))
+            return False
+        return True

@@ -1,0 +1,97 @@
+"""The `zmq` transport (degraded: the ingress cannot map the slot table, so the engine host's relay publishes
+for it): forced by flag, chosen by itself when the table is not on the ingress's host, the same outputs as the
+offline engine, cancellation, and engine failover through the relay."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import httpx
+import openai
+import pytest
+
+from blink.bench.server import free_port, running_server
+from blink.engine import LLM, SamplingParams
+from blink.engine.default_model import ensure_default_model
+from blink.shared import control
+from tests.test_watchdog import MODEL, engine_pid, stream, wait_ready_and_serving, wait_until
+
+PROMPTS = ["Once upon a time", "The engine admits", "Hello, my name is"]
+
+
+@pytest.fixture(scope="module")
+def zmq_server(tmp_path_factory):
+    ensure_default_model()
+    with running_server(tmp_path_factory.mktemp("zmq"), "--transport", "zmq", "--watchdog-deadline", "2") as s:
+        yield s
+
+
+def test_forced_zmq_serves_what_the_engine_computes(zmq_server):
+    ready = httpx.get(f"{zmq_server.url}/ready").json()
+    assert (ready["transport"], ready["degraded"]) == ("zmq", True)
+    metrics = httpx.get(f"{zmq_server.url}/metrics").text
+    assert 'transport="zmq"' in metrics and "blink:degraded{" in metrics and "} 1.0" in metrics
+    client = openai.OpenAI(base_url=f"{zmq_server.url}/v1", api_key="unused")
+    got = [client.completions.create(model=MODEL, prompt=p, max_tokens=12, temperature=0).choices[0].text
+           for p in PROMPTS]
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0, stream=True))
+    two = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=12, temperature=0, n=2)
+    llm = LLM(max_num_seqs=4)
+    expected = [o.text for o in llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12))]
+    assert got == expected and streamed == expected[0]
+    assert [c.text for c in two.choices] == [expected[1]] * 2
+
+
+def test_a_client_that_leaves_frees_its_slot_through_the_relay(zmq_server):
+    body = {"model": MODEL, "prompt": "leave early", "max_tokens": 1500, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{zmq_server.url}/v1/completions", json=body, timeout=0.5)
+    wait_until(lambda: control.request(zmq_server.control_endpoint, control.GetStatus()).running == 0, 3,
+               "the engine to drop the abandoned request")
+
+
+def test_engine_failover_reaches_zmq_clients(zmq_server):
+    wait_ready_and_serving(zmq_server)
+    pid = engine_pid(zmq_server)
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(stream, zmq_server.url, "decode a while", 1500) for _ in range(4)]
+        wait_until(lambda: control.request(zmq_server.control_endpoint, control.GetStatus()).running == 4, 30,
+                   "4 running requests")
+        time.sleep(0.3)
+        killed_at = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        results = [f.result(timeout=30) for f in futures]
+    for r in results:
+        assert r.done and r.terminal_events == 1 and r.errors[0]["code"] == "engine_failure"
+        assert r.ended_at - killed_at < 4.0
+    wait_ready_and_serving(zmq_server)
+
+
+def test_auto_picks_zmq_when_the_table_is_not_on_this_host(tmp_path):
+    """A separate shared-memory directory stands for another host: the ingress cannot map the table."""
+    deployment, port = f"test-{uuid.uuid4().hex[:10]}", free_port()
+    flags = ["--deployment", deployment, "--runtime-dir", str(tmp_path), "--port", str(port)]
+    elsewhere = tmp_path / "other-host-shm"
+    elsewhere.mkdir()
+    log = open(tmp_path / "services.log", "w")  # noqa: SIM115 - closed below
+    cmd = [sys.executable, "-m", "blink.services.cli"]
+    engine = subprocess.Popen([*cmd, "engine", *flags], stdout=log, stderr=subprocess.STDOUT)
+    ingress = subprocess.Popen([*cmd, "ingress", *flags], stdout=log, stderr=subprocess.STDOUT,
+                               env=os.environ | {"BLINK_SHM_DIR": str(elsewhere)})
+    try:
+        server = type("Deployment", (), {"url": f"http://127.0.0.1:{port}"})
+        wait_ready_and_serving(server)
+        assert httpx.get(f"{server.url}/ready").json()["transport"] == "zmq"
+    finally:
+        for proc in (ingress, engine):
+            proc.terminate()
+            proc.wait(30)
+        log.close()
