@@ -33,8 +33,10 @@ class Metrics:
                                      registry=r).labels(**labels)
         self.generation_tokens = Counter("blink:generation_tokens", "Tokens generated", list(labels),
                                          registry=r).labels(**labels)
-        Gauge("blink:engine_info", "The engine's drive mode and transport", ["drive", "transport", *labels],
-              registry=r).labels(drive=drive, transport=transport, **labels).set(1)
+        self.info = Gauge("blink:engine_info", "The engine's drive mode and transport",
+                          ["drive", "transport", *labels], registry=r)
+        self.drive = drive
+        self.set_transport(transport)
         self.degraded = Gauge("blink:degraded", "1 while the deployment runs a fallback transport or device",
                               list(labels), registry=r)
         self.failovers = Gauge("blink:engine_failovers_total", "Engines the watchdog declared dead",
@@ -42,6 +44,10 @@ class Metrics:
         self.failed_requests = Gauge("blink:num_requests_failed_over_total",
                                      "Requests ended with an error because their engine died", list(labels),
                                      registry=r)
+
+    def set_transport(self, transport: str) -> None:
+        self.info.clear()
+        self.info.labels(drive=self.drive, transport=transport, **self._labels).set(1)
 
     def finished(self, stream: Stream, generated: int, prompt_tokens: int) -> None:
         now = time.monotonic()

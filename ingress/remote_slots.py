@@ -19,7 +19,7 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from blink.ingress.slots import EngineHealth, Overloaded, Stream
+from blink.ingress.slots import EngineHealth, Overloaded, Stream, stream_outputs
 from blink.shared import relay_protocol as wire
 from blink.shared.slot_table import EngineState, Finish, Output, Request
 
@@ -70,7 +70,7 @@ class RemoteSlotClient:
         if len(self._accepted) >= self.max_waiting + self.num_slots:
             raise Overloaded
         rid = uuid.uuid4().hex
-        stream = Stream(-1, asyncio.Queue(), request_id=rid)
+        stream = Stream(-1, asyncio.Queue(), request_id=rid, owner=self)
         self._streams[rid] = stream  # before sending: outputs may follow the acceptance at once
         accepted = self._accepted[rid] = asyncio.get_running_loop().create_future()
         try:
@@ -85,16 +85,22 @@ class RemoteSlotClient:
             self._accepted.pop(rid, None)
         return stream
 
-    async def outputs(self, stream: Stream) -> AsyncIterator[Output]:
-        finished = False
-        try:
-            while not finished:
-                out = await stream.queue.get()
-                finished = out.finish != Finish.NONE
-                yield out
-        finally:
-            if self._streams.pop(stream.request_id, None) is not None and not finished:
-                await self._send_cancel(stream.request_id)
+    def outputs(self, stream: Stream) -> AsyncIterator[Output]:
+        return stream_outputs(stream)
+
+    async def abandon(self, stream: Stream) -> None:
+        if self._streams.pop(stream.request_id, None) is not None:
+            await self._send_cancel(stream.request_id)
+
+    async def adopt(self, streams: dict[int, Stream]) -> None:
+        """Takes over requests published through shared memory (a switch of transport): the relay reads their
+        slots on from what was consumed, and their outputs go on into the same queues."""
+        names = {}
+        for slot, stream in streams.items():
+            stream.request_id, stream.owner = uuid.uuid4().hex, self
+            self._streams[stream.request_id] = stream
+            names[stream.request_id] = slot
+        await self.sock.send(wire.encode({"op": "adopt", "streams": names}))
 
     async def _send_cancel(self, rid: str) -> None:
         with contextlib.suppress(zmq.ZMQError):

@@ -15,6 +15,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import structlog
@@ -37,6 +38,33 @@ class Stream:
     admitted_at: float | None = None
     abandoned: bool = False  # the consumer went away: outputs are dropped until the engine aborts it
     request_id: str | None = None  # the zmq transport's name for it at the relay
+    owner: Transport | None = None  # the transport that feeds its queue now (it changes on a switch)
+
+
+class Transport(Protocol):
+    async def abandon(self, stream: Stream) -> None: ...
+
+
+class Rerouted(Exception):
+    """The transport was switched while this request waited for a slot: submit it to `to`."""
+
+    def __init__(self, to):
+        super().__init__("rerouted")
+        self.to = to
+
+
+async def stream_outputs(stream: Stream) -> AsyncIterator[Output]:
+    """Yields the stream's records until its finish; a consumer that leaves first cancels the request, through
+    whichever transport feeds the stream by then."""
+    finished = False
+    try:
+        while not finished:
+            out = await stream.queue.get()
+            finished = out.finish != Finish.NONE
+            yield out
+    finally:
+        if not finished and stream.owner is not None:
+            await stream.owner.abandon(stream)
 
 
 @dataclass(frozen=True)
@@ -54,7 +82,8 @@ class SlotClient:
 
     transport = "shm"
 
-    def __init__(self, table: SlotTable, max_waiting: int, client: Client = Client.INGRESS):
+    def __init__(self, table: SlotTable, max_waiting: int, client: Client = Client.INGRESS,
+                 adopting: frozenset[int] = frozenset()):
         table.claim(client)
         self.table, self._client = table, client
         self.max_waiting = max_waiting
@@ -66,7 +95,7 @@ class SlotClient:
         for slot in range(table.geometry.num_slots):
             if table.slots[slot]["state"] == SlotState.FREE:
                 self._free.append(slot)
-            else:
+            elif slot not in adopting:  # adopted ones are registered by adopt()
                 self._orphans.add(slot)
                 table.cancel(slot)
         self.failed_over = 0  # requests ended because their engine died
@@ -96,29 +125,45 @@ class SlotClient:
             self.table.header["client"] = Client.NONE  # another kind of publisher may take over now
 
     async def submit(self, request: Request) -> Stream:
-        slot = await self._acquire()
+        try:
+            slot = await self._acquire()
+        except Rerouted as e:
+            return await e.to.submit(request)
         try:
             self.table.publish(slot, request)
         except Exception:
             self._release(slot)
             raise
-        stream = Stream(slot, asyncio.Queue())
+        stream = Stream(slot, asyncio.Queue(), owner=self)
         self._busy[slot] = stream
         self._wake.set()
         return stream
 
-    async def outputs(self, stream: Stream) -> AsyncIterator[Output]:
-        """Yields the stream's records until its finish; cancels the request if the consumer goes away."""
-        finished = False
-        try:
-            while not finished:
-                out = await stream.queue.get()
-                finished = out.finish != Finish.NONE
-                yield out
-        finally:
-            if not finished and self._busy.get(stream.slot) is stream:  # the slot may already be someone else's
-                stream.abandoned = True
-                self.table.cancel(stream.slot)
+    def outputs(self, stream: Stream) -> AsyncIterator[Output]:
+        return stream_outputs(stream)
+
+    async def abandon(self, stream: Stream) -> None:
+        if self._busy.get(stream.slot) is stream:  # the slot may already be someone else's
+            stream.abandoned = True
+            self.table.cancel(stream.slot)
+
+    def adopt(self, slot: int) -> Stream:
+        """Takes over a request another client published (a transport switch): its outputs from `consumed` on."""
+        stream = Stream(slot, asyncio.Queue(), owner=self)
+        self._busy[slot] = stream
+        self._wake.set()
+        return stream
+
+    async def hand_over(self, to: Transport) -> dict[int, Stream]:
+        """Stops this client for a switch of transport: returns the requests in flight by slot, sends the ones
+        waiting for a slot to `to`, and gives up the table's claim."""
+        await self.stop()
+        for waiter in self._waiters:
+            if not waiter.done():
+                waiter.set_exception(Rerouted(to))
+        self._waiters.clear()
+        busy, self._busy = self._busy, {}
+        return busy
 
     async def _acquire(self) -> int:
         if self._free:

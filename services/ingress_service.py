@@ -98,7 +98,7 @@ async def serve(settings: Settings, info: control.EngineInfo) -> None:
                             log_config=None, access_log=False, timeout_graceful_shutdown=settings.shutdown_timeout)
     server = DrainingServer(config, state, settings.shutdown_timeout)
     zmq_api = asyncio.create_task(ZmqApi(state, settings.zmq_endpoint).serve())
-    pings = asyncio.create_task(answer_pings(state, settings.ingress_control_endpoint))
+    pings = asyncio.create_task(answer_pings(state, settings))
     try:
         await server.serve()
     finally:
@@ -107,11 +107,34 @@ async def serve(settings: Settings, info: control.EngineInfo) -> None:
         await client.stop()
 
 
-async def answer_pings(state: IngressState, endpoint: str) -> None:
-    """The watchdog's probe: answered from the event loop, so a blocked or stopped loop goes unanswered."""
+async def switch_to_zmq(state: IngressState, settings: Settings) -> control.Message:
+    """Moves to the relay: once it answers, the shared-memory client stops, the relay adopts the requests in
+    flight (read on from what was consumed, into the same queues) and those waiting for a slot go to it."""
+    old = state.client
+    if old.transport == "zmq":
+        return control.Ack()
+    new = RemoteSlotClient(settings.relay_endpoint, old.num_slots, settings.max_waiting, settings.watchdog_deadline)
+    new.start()
+    deadline = time.monotonic() + settings.watchdog_deadline
+    while new.health().state == "unreachable":
+        if time.monotonic() > deadline:
+            await new.stop()
+            return control.Failure(message=f"the relay at {settings.relay_endpoint} did not answer")
+        await asyncio.sleep(0.02)
+    busy = await old.hand_over(new)
+    await new.adopt(busy)
+    state.client = new
+    state.metrics.set_transport(new.transport)
+    log.warning("transport switched to zmq", adopted=len(busy))
+    return control.Ack()
+
+
+async def answer_pings(state: IngressState, settings: Settings) -> None:
+    """The watchdog's probe (answered from the event loop, so a blocked or stopped loop goes unanswered), and its
+    orders."""
     sock = zmq.asyncio.Context.instance().socket(zmq.REP)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.bind(endpoint)
+    sock.bind(settings.ingress_control_endpoint)
     try:
         while True:
             frame = await sock.recv()
@@ -123,7 +146,10 @@ async def answer_pings(state: IngressState, endpoint: str) -> None:
             if isinstance(message, control.Ping):
                 client = state.client
                 reply = control.IngressStatus(pid=os.getpid(), running=client.running, waiting=client.waiting,
-                                              failovers=client.failed_over, draining=state.draining)
+                                              failovers=client.failed_over, draining=state.draining,
+                                              transport=client.transport)
+            elif isinstance(message, control.SwitchTransport):
+                reply = await switch_to_zmq(state, settings)
             elif message is not None:
                 reply = control.Failure(message=f"unexpected message {message.type!r}")
             await sock.send(control.encode(reply))

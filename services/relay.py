@@ -72,7 +72,18 @@ class Relay:
                                                    "epoch": int(h["epoch"]), "failovers": int(h["failovers"])}})
         elif op == "submit":
             key = (identity, str(message["id"]))
-            self._tasks[key] = asyncio.create_task(self._run(key, wire.request_from_wire(message["request"])))
+            self._track(key, self._run(key, wire.request_from_wire(message["request"])))
+        elif op == "adopt":
+            streams = {str(rid): int(slot) for rid, slot in message["streams"].items()}
+            if self.client is None:
+                self.client = SlotClient(self.table, self.max_waiting, Client.RELAY, frozenset(streams.values()))
+                self.client.start()
+            else:
+                self.table.claim(Client.RELAY)
+            for rid, slot in streams.items():
+                key = (identity, rid)
+                self._track(key, self._forward(key, self.client.adopt(slot)))
+            log.info("relay adopted requests", count=len(streams))
         elif op == "cancel":
             task = self._tasks.pop((identity, str(message["id"])), None)
             if task is not None:
@@ -93,13 +104,20 @@ class Relay:
         except (RuntimeError, ValueError) as e:
             await self._send(identity, {"id": rid, "error": str(e)})
             return
-        try:
-            if await self._send(identity, {"id": rid, "slot": stream.slot}):
-                async for out in self.client.outputs(stream):
-                    if not await self._send(identity, {"id": rid, "out": wire.output_to_wire(out)}):
-                        break  # leaving outputs() cancels the slot's request
-        finally:
-            self._tasks.pop(key, None)
+        if await self._send(identity, {"id": rid, "slot": stream.slot}):
+            await self._forward(key, stream)
+        else:
+            await self.client.abandon(stream)
+
+    async def _forward(self, key: tuple[bytes, str], stream) -> None:
+        identity, rid = key
+        async for out in self.client.outputs(stream):
+            if not await self._send(identity, {"id": rid, "out": wire.output_to_wire(out)}):
+                break  # leaving outputs() cancels the slot's request
+
+    def _track(self, key: tuple[bytes, str], work) -> None:
+        task = self._tasks[key] = asyncio.create_task(work)
+        task.add_done_callback(lambda _: self._tasks.pop(key, None) if self._tasks.get(key) is task else None)
 
     async def _send(self, identity: bytes, message: dict) -> bool:
         """False when the ingress is gone (ROUTER_MANDATORY refuses the frame)."""

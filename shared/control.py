@@ -36,6 +36,13 @@ class Ping(BaseModel):
     type: Literal["ping"] = "ping"
 
 
+class SwitchTransport(BaseModel):
+    """Moves the ingress to another transport without losing requests: those in flight are adopted by it."""
+
+    type: Literal["switch_transport"] = "switch_transport"
+    transport: Literal["zmq"]
+
+
 class IngressStatus(BaseModel):
     type: Literal["ingress_status"] = "ingress_status"
     pid: int
@@ -43,6 +50,7 @@ class IngressStatus(BaseModel):
     waiting: int
     failovers: int
     draining: bool
+    transport: str
 
 
 class EngineInfo(BaseModel):
@@ -80,8 +88,8 @@ class Failure(BaseModel):
     message: str
 
 
-Message = Annotated[Hello | GetStatus | SetLimits | Drain | Stop | Ping | IngressStatus | EngineInfo | EngineStatus
-                    | Ack | Failure, Field(discriminator="type")]
+Message = Annotated[Hello | GetStatus | SetLimits | Drain | Stop | Ping | SwitchTransport | IngressStatus | EngineInfo
+                    | EngineStatus | Ack | Failure, Field(discriminator="type")]
 _adapter: TypeAdapter[Message] = TypeAdapter(Message)
 
 

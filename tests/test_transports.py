@@ -95,3 +95,43 @@ def test_auto_picks_zmq_when_the_table_is_not_on_this_host(tmp_path):
             proc.terminate()
             proc.wait(30)
         log.close()
+
+
+def test_switching_to_zmq_mid_run_loses_nothing(tmp_path):
+    """What the watchdog does when a NIC path is lost: requests in flight move to the relay and finish with
+    exactly the tokens they would have had; new ones go through the relay."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from blink.shared.slot_table import SlotTable
+    from tests.test_watchdog import decoding, table_empty
+
+    prompts = [f"switch number {i}" for i in range(8)]
+    expected = [o.text for o in LLM(max_num_seqs=8).generate(prompts, SamplingParams(temperature=0, max_tokens=200,
+                                                                                      ignore_eos=True))]
+
+    def streamed(url: str, prompt: str) -> tuple[str, list]:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
+        chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=200, temperature=0,
+                                                extra_body={"ignore_eos": True}, stream=True))
+        return "".join(c.choices[0].text for c in chunks), [c.choices[0].finish_reason for c in chunks]
+
+    with running_server(tmp_path, "--max-num-seqs", "8") as server:
+        table = SlotTable.attach(server.deployment)
+        try:
+            assert httpx.get(f"{server.url}/ready").json()["transport"] == "shm"
+            with ThreadPoolExecutor(8) as pool:
+                futures = [pool.submit(streamed, server.url, p) for p in prompts]
+                wait_until(decoding(table, 8), 60, "8 decoding requests")
+                reply = control.request(server.endpoint("ingress"), control.SwitchTransport(transport="zmq"),
+                                        timeout_s=10)
+                assert isinstance(reply, control.Ack), reply
+                results = [f.result(timeout=120) for f in futures]
+            for (text, finishes), want in zip(results, expected, strict=True):
+                assert text == want and [f for f in finishes if f] == ["length"]
+            ready = httpx.get(f"{server.url}/ready").json()
+            assert (ready["transport"], ready["degraded"]) == ("zmq", True)
+            assert 'transport="zmq"' in httpx.get(f"{server.url}/metrics").text
+            assert streamed(server.url, prompts[0])[0] == expected[0]  # through the relay now
+            wait_until(lambda: table_empty(table), 10, "every slot to be free")
+        finally:
+            table.close()
