@@ -34,11 +34,16 @@ class RemoteSlotClient:
         self.endpoint, self.num_slots, self.max_waiting, self.deadline_s = endpoint, num_slots, max_waiting, deadline_s
         self.sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.ROUTING_ID, uuid.uuid4().bytes)  # the same name after a reconnect
         self.sock.connect(endpoint)
         self._streams: dict[str, Stream] = {}
         self._accepted: dict[str, asyncio.Future[int]] = {}
         self._health = EngineHealth("unreachable", math.inf, 0, 0)
         self._heard_at = -math.inf
+        self._relay: str | None = None  # the relay's life, from its health answers
+        self._relay_of: dict[str, str] = {}  # request id -> the relay life that accepted it
+        self._adopted = asyncio.Event()  # submissions wait until a pending adoption was sent (a switch)
+        self._adopted.set()
         self._tasks: list[asyncio.Task] = []
         self.failed_over = 0
 
@@ -69,6 +74,7 @@ class RemoteSlotClient:
             raise Overloaded  # nothing to send to: the client is told to retry, as when full
         if len(self._accepted) >= self.max_waiting + self.num_slots:
             raise Overloaded
+        await self._adopted.wait()  # the relay must adopt the switched requests before it claims the table
         rid = uuid.uuid4().hex
         stream = Stream(-1, asyncio.Queue(), request_id=rid, owner=self)
         self._streams[rid] = stream  # before sending: outputs may follow the acceptance at once
@@ -89,8 +95,12 @@ class RemoteSlotClient:
         return stream_outputs(stream)
 
     async def abandon(self, stream: Stream) -> None:
+        self._relay_of.pop(stream.request_id, None)
         if self._streams.pop(stream.request_id, None) is not None:
             await self._send_cancel(stream.request_id)
+
+    def expect_adoption(self) -> None:
+        self._adopted.clear()
 
     async def adopt(self, streams: dict[int, Stream]) -> None:
         """Takes over requests published through shared memory (a switch of transport): the relay reads their
@@ -99,12 +109,20 @@ class RemoteSlotClient:
         for slot, stream in streams.items():
             stream.request_id, stream.owner = uuid.uuid4().hex, self
             self._streams[stream.request_id] = stream
+            self._relay_of[stream.request_id] = self._relay
             names[stream.request_id] = slot
-        await self.sock.send(wire.encode({"op": "adopt", "streams": names}))
+        try:
+            await self.sock.send(wire.encode({"op": "adopt", "streams": names}))
+        finally:
+            self._adopted.set()
 
     async def _send_cancel(self, rid: str) -> None:
+        await self._send_or_drop({"op": "cancel", "id": rid})
+
+    async def _send_or_drop(self, message: dict) -> None:
+        """Never waits: with the relay away, a full queue must not stall the probe that notices it."""
         with contextlib.suppress(zmq.ZMQError):
-            await self.sock.send(wire.encode({"op": "cancel", "id": rid}))
+            await self.sock.send(wire.encode(message), flags=zmq.NOBLOCK)
 
     async def _receive(self) -> None:
         while True:
@@ -114,6 +132,9 @@ class RemoteSlotClient:
                 self._health = EngineHealth(EngineState(h["state"]).name.lower(), h["heartbeat_age_s"], h["epoch"],
                                             h["failovers"])
                 self._heard_at = time.monotonic()
+                if h["relay"] != self._relay:
+                    self._relay = h["relay"]
+                    await self._fail([rid for rid, life in self._relay_of.items() if life != self._relay])
                 continue
             rid = message.get("id")
             if (accepted := self._accepted.get(rid)) is not None and not accepted.done():
@@ -121,6 +142,7 @@ class RemoteSlotClient:
                     accepted.set_exception(Overloaded() if message["error"] == "overloaded" else
                                            RuntimeError(message["error"]))
                 else:
+                    self._relay_of[rid] = message["relay"]
                     accepted.set_result(message["slot"])
             if "out" in message and (stream := self._streams.get(rid)) is not None:
                 if stream.admitted_at is None:
@@ -129,22 +151,25 @@ class RemoteSlotClient:
                 stream.queue.put_nowait(out)
                 if out.finish != Finish.NONE:
                     self._streams.pop(rid, None)
+                    self._relay_of.pop(rid, None)
 
     async def _probe(self) -> None:
         """Asks for the engine's health; ends every request in flight once the relay went silent."""
         while True:
-            with contextlib.suppress(zmq.ZMQError):
-                await self.sock.send(wire.encode({"op": "health"}))
+            await self._send_or_drop({"op": "health"})
             await asyncio.sleep(PROBE_S)
             if self._streams and time.monotonic() - self._heard_at > self.deadline_s:
-                self._fail_all()
+                log.warning("relay silent: failing the requests in flight", count=len(self._streams))
+                await self._fail(list(self._streams))
 
-    def _fail_all(self) -> None:
-        log.warning("relay silent: failing the requests in flight", count=len(self._streams), endpoint=self.endpoint)
-        for rid, stream in list(self._streams.items()):
+    async def _fail(self, rids: list[str]) -> None:
+        """Ends these requests with Finish.FAILED: the relay (and engine) that held them is gone or silent."""
+        for rid in rids:
+            self._relay_of.pop(rid, None)
             accepted = self._accepted.get(rid)
             if accepted is not None and not accepted.done():
                 accepted.set_exception(Overloaded())
-            stream.queue.put_nowait(Output([], [], [], [], Finish.FAILED))
-            self.failed_over += 1
-        self._streams.clear()
+            if (stream := self._streams.pop(rid, None)) is not None:
+                stream.queue.put_nowait(Output([], [], [], [], Finish.FAILED))
+                self.failed_over += 1
+                await self._send_cancel(rid)  # a relay that was only slow would go on generating for nobody

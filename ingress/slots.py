@@ -99,6 +99,7 @@ class SlotClient:
                 self._orphans.add(slot)
                 table.cancel(slot)
         self.failed_over = 0  # requests ended because their engine died
+        self._handed_to: Transport | None = None  # set by a switch of transport
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
 
@@ -125,10 +126,14 @@ class SlotClient:
             self.table.header["client"] = Client.NONE  # another kind of publisher may take over now
 
     async def submit(self, request: Request) -> Stream:
+        if self._handed_to is not None:  # a handler that took this client before a switch
+            return await self._handed_to.submit(request)
         try:
             slot = await self._acquire()
         except Rerouted as e:
             return await e.to.submit(request)
+        if self._handed_to is not None:  # got a slot as the switch began: the table is the relay's now
+            return await self._handed_to.submit(request)
         try:
             self.table.publish(slot, request)
         except Exception:
@@ -157,6 +162,7 @@ class SlotClient:
     async def hand_over(self, to: Transport) -> dict[int, Stream]:
         """Stops this client for a switch of transport: returns the requests in flight by slot, sends the ones
         waiting for a slot to `to`, and gives up the table's claim."""
+        self._handed_to = to
         await self.stop()
         for waiter in self._waiters:
             if not waiter.done():

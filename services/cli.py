@@ -97,6 +97,7 @@ def _serve(settings: Settings) -> int:
     until SIGTERM or ^C; then stops, in order, the watchdog, the ingress (which drains) and the engine."""
     from blink.services.ingress_service import handshake
     from blink.services.watchdog import ENGINE, INGRESS, ProcessSupervisor, Watchdog
+    from blink.shared.slot_table import SlotTable
 
     supervisor = ProcessSupervisor(settings)
     stop = threading.Event()
@@ -113,6 +114,8 @@ def _serve(settings: Settings) -> int:
     finally:
         supervisor.stop(INGRESS, settings.shutdown_timeout + 5)
         supervisor.stop(ENGINE, 30)
+        # An engine stopped while it was still starting never installed its handlers to remove the segment.
+        SlotTable.path_for(settings.deployment).unlink(missing_ok=True)
     return 0
 
 

@@ -15,7 +15,7 @@ from blink.engine.table_drive import Fenced, TableDriver
 from blink.services.relay import Relay
 from blink.shared import control
 from blink.shared.settings import Settings
-from blink.shared.slot_table import EngineState, Geometry, SlotTable
+from blink.shared.slot_table import Client, EngineState, Geometry, SlotTable
 
 log = structlog.get_logger()
 
@@ -36,6 +36,7 @@ def open_table(name: str, geometry: Geometry) -> SlotTable:
     if old.geometry == geometry:
         old.header["engine_state"] = EngineState.STARTING
         old.header["epoch"] = int(old.header["epoch"]) + 1
+        old.heartbeat()
         return old
     epoch = int(old.header["epoch"]) + 1
     old.close()
@@ -74,6 +75,7 @@ class EngineService:
         if self.settings.transport != "shm":
             relay = Relay(self.table, self.settings.relay_endpoint, self.settings.max_waiting)
             relay.start()
+        self.table.heartbeat()  # the first one of this life: the header may still hold a dead engine's
         self.table.header["engine_state"] = EngineState.READY
         log.info("engine ready", **self.info.model_dump(exclude={"type"}), slots=self.table.geometry.num_slots)
         idle_s = 0.0
@@ -90,8 +92,9 @@ class EngineService:
             log.error("engine fenced off: exiting without touching the table", reason=str(e))
             raise SystemExit(3) from None
         else:
-            self.table.header["engine_state"] = EngineState.STOPPED
-            self.table.unlink()
+            self.table.fail_over(failed=False)  # requests still held end with an error event, not a hang
+            if int(self.table.header["client"]) == Client.NONE:
+                self.table.unlink()  # else an ingress still maps it: the next engine takes it over
             log.info("engine stopped")
         finally:
             if relay is not None:

@@ -115,15 +115,17 @@ async def switch_to_zmq(state: IngressState, settings: Settings) -> control.Mess
         return control.Ack()
     new = RemoteSlotClient(settings.relay_endpoint, old.num_slots, settings.max_waiting, settings.watchdog_deadline)
     new.start()
-    deadline = time.monotonic() + settings.watchdog_deadline
+    # Pings wait meanwhile: stay well inside the watchdog's deadline.
+    deadline = time.monotonic() + min(1.0, settings.watchdog_deadline / 2)
     while new.health().state == "unreachable":
         if time.monotonic() > deadline:
             await new.stop()
             return control.Failure(message=f"the relay at {settings.relay_endpoint} did not answer")
         await asyncio.sleep(0.02)
+    new.expect_adoption()  # new requests wait until the relay has adopted the ones in flight
+    state.client = new
     busy = await old.hand_over(new)
     await new.adopt(busy)
-    state.client = new
     state.metrics.set_transport(new.transport)
     log.warning("transport switched to zmq", adopted=len(busy))
     return control.Ack()

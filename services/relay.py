@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import uuid
 
 import structlog
 import zmq
@@ -29,6 +30,7 @@ class Relay:
     def __init__(self, table: SlotTable, endpoint: str, max_waiting: int):
         self.table, self.endpoint, self.max_waiting = table, endpoint, max_waiting
         self.client: SlotClient | None = None
+        self.instance = uuid.uuid4().hex  # a remote ingress fails what a previous relay (engine) accepted
         self._tasks: dict[tuple[bytes, str], asyncio.Task] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped = threading.Event()
@@ -54,8 +56,8 @@ class Relay:
                 identity, frame = await self.sock.recv_multipart()
                 try:
                     await self._handle(identity, wire.decode(frame))
-                except (ValueError, KeyError, TypeError) as e:
-                    log.warning("bad relay frame", error=str(e))
+                except Exception as e:  # one bad frame must not end the relay for every remote ingress
+                    log.warning("relay frame refused", error=f"{type(e).__name__}: {e}")
         finally:
             for task in self._tasks.values():
                 task.cancel()
@@ -69,7 +71,8 @@ class Relay:
             h = self.table.header
             age_s = (time.monotonic_ns() - int(h["last_step_ns"])) / 1e9
             await self._send(identity, {"health": {"state": int(h["engine_state"]), "heartbeat_age_s": age_s,
-                                                   "epoch": int(h["epoch"]), "failovers": int(h["failovers"])}})
+                                                   "epoch": int(h["epoch"]), "failovers": int(h["failovers"]),
+                                                   "relay": self.instance}})
         elif op == "submit":
             key = (identity, str(message["id"]))
             self._track(key, self._run(key, wire.request_from_wire(message["request"])))
@@ -104,7 +107,7 @@ class Relay:
         except (RuntimeError, ValueError) as e:
             await self._send(identity, {"id": rid, "error": str(e)})
             return
-        if await self._send(identity, {"id": rid, "slot": stream.slot}):
+        if await self._send(identity, {"id": rid, "slot": stream.slot, "relay": self.instance}):
             await self._forward(key, stream)
         else:
             await self.client.abandon(stream)

@@ -12,6 +12,7 @@ Restarting is the supervisor's job: `blink serve` owns the processes and starts 
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
@@ -32,7 +33,8 @@ from blink.shared.slot_table import EngineState, SlotTable
 log = structlog.get_logger()
 
 ENGINE, INGRESS = "engine", "ingress"
-INGRESS_START_S = 120.0  # an ingress may take this long to import, handshake and answer its first ping
+INGRESS_START_S = 120.0
+PR_SET_PDEATHSIG = 1  # an ingress may take this long to import, handshake and answer its first ping
 
 
 class Supervisor(Protocol):
@@ -54,7 +56,7 @@ class ProcessSupervisor:
 
     def start(self, service: str) -> subprocess.Popen:
         proc = subprocess.Popen([sys.executable, "-m", "blink.services.cli", service], env=self.env,
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=_stop_with_parent)
         self.procs[service] = proc
         return proc
 
@@ -83,6 +85,12 @@ class ProcessSupervisor:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def _stop_with_parent() -> None:
+    """In a child, before it runs: SIGTERM (a drain) when `blink serve` dies, even by SIGKILL (Linux only)."""
+    if sys.platform == "linux":
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class PidSupervisor:
@@ -133,6 +141,7 @@ class Watchdog:
         self.watch = {ENGINE: Watch(start), INGRESS: Watch(start)}
         self.table: SlotTable | None = None
         self._table_inode: int | None = None
+        self._engine_ready_at = -float("inf")
         self.events = zmq.Context.instance().socket(zmq.PUB)
         self.events.setsockopt(zmq.LINGER, 0)
         self.events.bind(settings.events_endpoint)
@@ -174,12 +183,13 @@ class Watchdog:
             return None
         if header is None or int(header["engine_state"]) not in (EngineState.READY, EngineState.DRAINING):
             return None
-        age_s = (time.monotonic_ns() - int(header["last_step_ns"])) / 1e9
+        age_s = min((time.monotonic_ns() - int(header["last_step_ns"])) / 1e9, now - self._engine_ready_at)
         return f"stalled: no heartbeat for {age_s:.1f} s" if age_s > self.deadline_s else None
 
     def _engine_ready(self) -> None:
         watch = self.watch[ENGINE]
         watch.starting_since = None
+        self._engine_ready_at = time.monotonic()
         try:
             info = control.request(self.settings.control_endpoint, control.Hello(), timeout_s=self.deadline_s)
         except TimeoutError:
@@ -194,7 +204,10 @@ class Watchdog:
         watch = self.watch[ENGINE]
         watch.failures += 1
         self.supervisor.kill(ENGINE)
-        epoch = self.table.fail_over() if self._header() is not None else None
+        if self.table is None:
+            self._header()
+        # The table this watchdog maps, even if the engine unlinked it: an ingress may still map that one too.
+        epoch = self.table.fail_over() if self.table is not None else None
         self.publish("engine_failed", reason=reason, new_epoch=epoch, failures=watch.failures)
         self.supervisor.restart(ENGINE)
         watch.starting_since = time.monotonic()
@@ -228,8 +241,10 @@ class Watchdog:
                 self.supervisor.pids[INGRESS] = answered.pid
             self.publish("ingress_ready", restarts=watch.failures)
         if watch.starting_since is not None:
-            late = now - watch.starting_since > INGRESS_START_S
-            return f"no answer within {INGRESS_START_S} s of its start" if late else None
+            # An ingress waits for the engine's handshake before it answers: give it the engine's time too.
+            limit_s = INGRESS_START_S + self.settings.engine_start_timeout
+            late = now - watch.starting_since > limit_s
+            return f"no answer within {limit_s:.0f} s of its start" if late else None
         if now - self._last_answer > self.deadline_s:
             return f"stalled: no answer to pings for {now - self._last_answer:.1f} s"
         return None

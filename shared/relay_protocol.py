@@ -1,8 +1,10 @@
 """The `zmq` transport's frames between a remote ingress (DEALER) and the engine host's relay (ROUTER).
 
 One JSON object per frame. Ingress to relay: {"op": "submit", "id", "request"}, {"op": "cancel", "id"},
-{"op": "health"}. Relay to ingress: {"id", "slot"} once published, {"id", "out"} per batch of outputs (the last
-one carries the finish), {"id", "error", "overloaded"} when refused, {"health"} answering a health probe.
+{"op": "health"}, {"op": "adopt", "streams": {id: slot}} (a switch of transport). Relay to ingress: {"id",
+"slot", "relay"} once published, {"id", "out"} per batch of outputs (the last one carries the finish), {"id",
+"error"} when refused ("overloaded", or why), {"health"} answering a probe. "relay" names the relay's life: a
+request accepted by an earlier one died with it.
 """
 
 from __future__ import annotations

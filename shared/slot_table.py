@@ -267,10 +267,11 @@ class SlotTable:
 
     # -- the watchdog's side -----------------------------------------------------------------------------
 
-    def fail_over(self) -> int:
-        """Declares the current engine gone: a new epoch, which no slot of the old one belongs to."""
+    def fail_over(self, failed: bool = True) -> int:
+        """Declares the current engine gone (`failed`: it died, rather than stopped when told): a new epoch, which
+        no slot of the old one belongs to."""
         self.header["engine_state"] = EngineState.STOPPED
-        self.header["failovers"] = int(self.header["failovers"]) + 1
+        self.header["failovers"] = int(self.header["failovers"]) + int(failed)
         self.header["epoch"] = int(self.header["epoch"]) + 1
         return int(self.header["epoch"])
 

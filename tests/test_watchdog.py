@@ -165,6 +165,21 @@ def test_sigkill_the_engine(server, table, phase):
     wait_until(lambda: table_empty(table), 10, "every slot to be free again")
 
 
+def test_an_engine_stopped_alone_hands_its_table_to_the_next(server, table):
+    """SIGTERM to the engine (not to blink serve): its requests end with errors, the ingress stays attached to
+    the same table, and the restarted engine takes that table over."""
+    wait_ready_and_serving(server)
+    inode = SlotTable.path_for(server.deployment).stat().st_ino
+    results, stopped_at, pid = run_and_kill(server, table, ["stop gracefully"] * 4, 1500, decoding(table, 4),
+                                            signal.SIGTERM)
+    for r in results:
+        assert r.done and r.terminal_events == 1 and r.errors[0]["code"] == "engine_failure"
+        assert r.ended_at - stopped_at < DEADLINE_S + SLACK_S
+    wait_ready_and_serving(server)
+    assert engine_pid(server) != pid and SlotTable.path_for(server.deployment).stat().st_ino == inode
+    wait_until(lambda: table_empty(table), 10, "every slot to be free again")
+
+
 def test_sigstop_the_engine_is_a_stall(server, table):
     wait_ready_and_serving(server)
     events = zmq.Context.instance().socket(zmq.SUB)
