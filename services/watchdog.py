@@ -190,12 +190,13 @@ class Watchdog:
         watch = self.watch[ENGINE]
         watch.starting_since = None
         self._engine_ready_at = time.monotonic()
-        try:
-            info = control.request(self.settings.control_endpoint, control.Hello(), timeout_s=self.deadline_s)
-        except TimeoutError:
-            info = None
-        if isinstance(info, control.EngineInfo) and isinstance(self.supervisor, PidSupervisor):
-            self.supervisor.pids[ENGINE] = info.pid
+        if isinstance(self.supervisor, PidSupervisor):  # it learns pids from the handshake
+            try:
+                info = control.request(self.settings.control_endpoint, control.Hello(), timeout_s=0.5)
+            except TimeoutError:
+                info = None
+            if isinstance(info, control.EngineInfo):
+                self.supervisor.pids[ENGINE] = info.pid
         epoch = int(self.table.header["epoch"]) if self.table is not None else None
         self.publish("engine_ready", epoch=epoch, restarts=watch.failures)
 
