@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 
@@ -20,7 +21,7 @@ from blink.ingress.state import IngressState
 from blink.ingress.zmq_api import ZmqApi
 from blink.shared import control
 from blink.shared.settings import Settings
-from blink.shared.slot_table import SlotTable
+from blink.shared.slot_table import Client, EngineState, SlotTable
 from blink.shared.tokenizer import Tokenizer
 
 log = structlog.get_logger()
@@ -56,6 +57,16 @@ class DrainingServer(uvicorn.Server):
         self.blink.draining = True
         log.info("draining", in_flight=self.blink.in_flight, timeout_s=self.timeout_s)
         asyncio.get_event_loop().call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain(sig, frame)))
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        """uvicorn re-raises the captured signal once it has served, which would kill the process before the
+        ingress releases the table; a drained ingress exits by returning instead."""
+        with super().capture_signals():
+            try:
+                yield
+            finally:
+                self._captured_signals.clear()
 
     async def _drain(self, sig, frame) -> None:
         deadline = time.monotonic() + self.timeout_s
@@ -104,7 +115,17 @@ async def serve(settings: Settings, info: control.EngineInfo) -> None:
     finally:
         zmq_api.cancel()
         pings.cancel()
-        await client.stop()
+        await state.client.stop()
+        if isinstance(state.client, SlotClient):
+            remove_if_last(state.client.table)
+
+
+def remove_if_last(table: SlotTable) -> None:
+    """The engine removes the segment when it stops with no client attached; when the engine stopped first (both
+    told to stop at once), the client leaving last removes it."""
+    header = table.header
+    if int(header["engine_state"]) == EngineState.STOPPED and int(header["client"]) == Client.NONE:
+        table.unlink()
 
 
 async def switch_to_zmq(state: IngressState, settings: Settings) -> control.Message:
