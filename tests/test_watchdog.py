@@ -97,6 +97,14 @@ def decoding(table: SlotTable, n: int):
     return lambda *_: ((states == SlotState.ADMITTED) & (produced >= 3)).sum() == n
 
 
+def gone(pid: int) -> bool:
+    """Exited; a zombie counts, since whoever reaps orphans here is not this test's business."""
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
 def table_empty(table: SlotTable) -> bool:
     return bool((table.slots["state"] == SlotState.FREE).all())
 
@@ -240,7 +248,7 @@ def test_sigterm_to_serve_drains_then_stops_everything_in_order(tmp_path):
         assert rest[-1] == "data: [DONE]" and '"finish_reason": "length"' in rest[-2]  # finished, not cut
         assert server.process.wait(60) == 0
         for pid in (engine, ingress):
-            assert not os.path.exists(f"/proc/{pid}"), "a service outlived blink serve"
+            assert gone(pid), "a service outlived blink serve"
         assert not segment.exists(), "the shared-memory segment was left behind"
 
 
@@ -294,3 +302,28 @@ def test_standalone_watchdog_kills_a_stalled_engine_for_the_orchestrator_to_rest
                 proc.terminate()
                 proc.wait(30)
         log.close()
+
+
+def test_sigstop_the_ingress_is_a_stall(server, table):
+    wait_ready_and_serving(server)
+    stopped = control.request(server.endpoint("ingress"), control.Ping(), timeout_s=5).pid
+    stopped_at = time.monotonic()
+    os.kill(stopped, signal.SIGSTOP)
+    try:
+        wait_until(lambda: gone(stopped), DEADLINE_S + SLACK_S + 2, "the watchdog to kill the stopped ingress")
+        # Not before the deadline, counted from the last answer (pings go out every 0.1 s).
+        assert time.monotonic() - stopped_at > DEADLINE_S - 0.2
+    finally:
+        if os.path.exists(f"/proc/{stopped}"):
+            os.kill(stopped, signal.SIGCONT)
+    wait_ready_and_serving(server)
+    wait_until(lambda: table_empty(table), 10, "every slot to be free again")
+
+
+def test_killing_blink_serve_leaves_nothing_behind(tmp_path):
+    with running_server(tmp_path) as server:
+        children = [engine_pid(server), control.request(server.endpoint("ingress"), control.Ping(), timeout_s=5).pid]
+        server.process.kill()
+        server.process.wait(10)
+        wait_until(lambda: all(map(gone, children)), 30, "the engine and the ingress to stop with their parent")
+        assert not SlotTable.path_for(server.deployment).exists()
