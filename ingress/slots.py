@@ -100,6 +100,7 @@ class SlotClient:
                 table.cancel(slot)
         self.failed_over = 0  # requests ended because their engine died
         self._handed_to: Transport | None = None  # set by a switch of transport
+        self._epoch_seen = int(table.header["epoch"])  # a change sends the poller through _fail_over
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
 
@@ -156,6 +157,7 @@ class SlotClient:
         """Takes over a request another client published (a transport switch): its outputs from `consumed` on."""
         stream = Stream(slot, asyncio.Queue(), owner=self)
         self._busy[slot] = stream
+        self._epoch_seen = -1  # it may come from an epoch that ended before this client saw it
         self._wake.set()
         return stream
 
@@ -218,8 +220,9 @@ class SlotClient:
             if not self._busy and not self._orphans:
                 self._wake.clear()
                 await self._wake.wait()
-            if self._busy and bool((self.table.slots["epoch"][list(self._busy)] != self.table.header["epoch"]).any()):
+            if (epoch := int(self.table.header["epoch"])) != self._epoch_seen:  # a scalar read per pass
                 self._fail_over()
+                self._epoch_seen = epoch
             busy = np.fromiter(self._busy, dtype=np.int64)
             states = state_of[busy]
             news = (produced[busy] != consumed[busy]) | (states == finished)
