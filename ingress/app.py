@@ -59,7 +59,8 @@ def create_app(state: IngressState) -> FastAPI:
     async def ready() -> JSONResponse:
         health = state.client.health()
         ok = not state.draining and health.state == "ready" and health.heartbeat_age_s < READY_HEARTBEAT_S
-        body = {"ready": ok, "engine": health.state, "heartbeat_age_s": round(health.heartbeat_age_s, 3),
+        age_s = health.heartbeat_age_s
+        body = {"ready": ok, "engine": health.state, "heartbeat_age_s": round(age_s, 3) if age_s < 1e9 else None,
                 "draining": state.draining, "drive": state.info.drive, "transport": state.transport,
                 "degraded": state.degraded, "device": state.info.device, "epoch": health.epoch,
                 "failovers": health.failovers}

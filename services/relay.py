@@ -32,18 +32,15 @@ class Relay:
         self.client: SlotClient | None = None
         self.instance = uuid.uuid4().hex  # a remote ingress fails what a previous relay (engine) accepted
         self._tasks: dict[tuple[bytes, str], asyncio.Task] = {}
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped = threading.Event()
 
     def start(self) -> None:
         threading.Thread(target=lambda: asyncio.run(self._serve()), name="relay", daemon=True).start()
 
     def stop(self) -> None:
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._stopped.set)
+        self._stopped.set()  # the loop looks at it every 100 ms
 
     async def _serve(self) -> None:
-        self._loop = asyncio.get_running_loop()
         self.sock = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply to a vanished ingress raises, not vanishes

@@ -135,3 +135,31 @@ def test_switching_to_zmq_mid_run_loses_nothing(tmp_path):
             wait_until(lambda: table_empty(table), 10, "every slot to be free")
         finally:
             table.close()
+
+
+def test_an_unreachable_relay_is_a_503_not_a_hang(tmp_path):
+    """An ingress forced to zmq beside an engine that runs no relay (--transport shm)."""
+    deployment, port = f"test-{uuid.uuid4().hex[:10]}", free_port()
+    flags = ["--deployment", deployment, "--runtime-dir", str(tmp_path), "--port", str(port)]
+    log = open(tmp_path / "services.log", "w")  # noqa: SIM115 - closed below
+    cmd = [sys.executable, "-m", "blink.services.cli"]
+    engine = subprocess.Popen([*cmd, "engine", *flags, "--transport", "shm"], stdout=log, stderr=subprocess.STDOUT)
+    ingress = subprocess.Popen([*cmd, "ingress", *flags, "--transport", "zmq"], stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        def answering() -> bool:
+            try:
+                return httpx.get(f"{url}/health", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_until(answering, 90, "the ingress")
+        ready = httpx.get(f"{url}/ready")
+        assert ready.status_code == 503 and ready.json()["engine"] == "unreachable"
+        r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 4}, timeout=10)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unreachable"
+    finally:
+        for proc in (ingress, engine):
+            proc.terminate()
+            proc.wait(30)
+        log.close()
