@@ -93,7 +93,7 @@ class EngineService:
             raise SystemExit(3) from None
         else:
             self.table.fail_over(failed=False)  # requests still held end with an error event, not a hang
-            if int(self.table.header["client"]) == Client.NONE:
+            if int(self.table.header["client"]) != Client.INGRESS:  # the relay is ours; a remote ingress maps nothing
                 self.table.unlink()  # else an ingress still maps it: the next engine takes it over
             log.info("engine stopped")
         finally:

@@ -141,7 +141,8 @@ def test_admission_limit_over_the_control_plane(server):
 
     async def run():
         aclient = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused")
-        pending = asyncio.ensure_future(aclient.completions.create(model=MODEL, prompt="x", max_tokens=3))
+        pending = asyncio.ensure_future(aclient.completions.create(model=MODEL, prompt="x", max_tokens=3,
+                                                                   extra_body={"ignore_eos": True}))
         await asyncio.sleep(0.5)
         held = not pending.done() and control.request(server.control_endpoint, control.GetStatus()).running == 0
         control.request(server.control_endpoint, control.SetLimits(max_running=None))

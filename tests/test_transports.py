@@ -19,6 +19,7 @@ from blink.bench.server import free_port, running_server
 from blink.engine import LLM, SamplingParams
 from blink.engine.default_model import ensure_default_model
 from blink.shared import control
+from blink.shared.slot_table import SlotTable
 from tests.test_watchdog import MODEL, engine_pid, stream, wait_ready_and_serving, wait_until
 
 PROMPTS = ["Once upon a time", "The engine admits", "Hello, my name is"]
@@ -95,6 +96,7 @@ def test_auto_picks_zmq_when_the_table_is_not_on_this_host(tmp_path):
             proc.terminate()
             proc.wait(30)
         log.close()
+    assert not SlotTable.path_for(deployment).exists()  # the engine's relay held the table: nobody else maps it
 
 
 def test_switching_to_zmq_mid_run_loses_nothing(tmp_path):
@@ -102,7 +104,6 @@ def test_switching_to_zmq_mid_run_loses_nothing(tmp_path):
     exactly the tokens they would have had; new ones go through the relay."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from blink.shared.slot_table import SlotTable
     from tests.test_watchdog import decoding, table_empty
 
     prompts = [f"switch number {i}" for i in range(8)]
