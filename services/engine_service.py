@@ -15,7 +15,7 @@ from blink.engine.table_drive import Fenced, TableDriver
 from blink.services.relay import Relay
 from blink.shared import control
 from blink.shared.settings import Settings
-from blink.shared.slot_table import Client, EngineState, Geometry, SlotTable
+from blink.shared.slot_table import EngineState, Geometry, SlotTable
 
 log = structlog.get_logger()
 
@@ -34,9 +34,7 @@ def open_table(name: str, geometry: Geometry) -> SlotTable:
         old.close()
         raise RuntimeError(f"deployment {name!r} already has a live engine (slot table {old.path})")
     if old.geometry == geometry:
-        old.header["engine_state"] = EngineState.STARTING
-        old.header["epoch"] = int(old.header["epoch"]) + 1
-        old.heartbeat()
+        old.take_over()
         return old
     epoch = int(old.header["epoch"]) + 1
     old.close()
@@ -84,8 +82,7 @@ class EngineService:
                 if self.driver.step():
                     idle_s = 0.0
                     continue
-                self.driver.check_epoch()
-                self.table.heartbeat()  # idle is alive too
+                self.table.heartbeat()  # idle is alive too (step() checked the epoch)
                 idle_s = min(0.005, idle_s * 2 or 0.0002)  # back off, but wake within ~5 ms
                 time.sleep(idle_s)
         except Fenced as e:
@@ -93,8 +90,7 @@ class EngineService:
             raise SystemExit(3) from None
         else:
             self.table.fail_over(failed=False)  # requests still held end with an error event, not a hang
-            if int(self.table.header["client"]) != Client.INGRESS:  # the relay is ours; a remote ingress maps nothing
-                self.table.unlink()  # else an ingress still maps it: the next engine takes it over
+            self.table.remove_if_abandoned()  # else an ingress still maps it, for the next engine to take over
             log.info("engine stopped")
         finally:
             if relay is not None:

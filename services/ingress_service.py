@@ -21,7 +21,7 @@ from blink.ingress.state import IngressState
 from blink.ingress.zmq_api import ZmqApi
 from blink.shared import control
 from blink.shared.settings import Settings
-from blink.shared.slot_table import Client, EngineState, SlotTable
+from blink.shared.slot_table import SlotTable
 from blink.shared.tokenizer import Tokenizer
 
 log = structlog.get_logger()
@@ -117,15 +117,7 @@ async def serve(settings: Settings, info: control.EngineInfo) -> None:
         pings.cancel()
         await state.client.stop()
         if isinstance(state.client, SlotClient):
-            remove_if_last(state.client.table)
-
-
-def remove_if_last(table: SlotTable) -> None:
-    """The engine removes the segment when it stops with no client attached; when the engine stopped first (both
-    told to stop at once), the client leaving last removes it."""
-    header = table.header
-    if int(header["engine_state"]) == EngineState.STOPPED and int(header["client"]) == Client.NONE:
-        table.unlink()
+            state.client.table.remove_if_abandoned()  # when the engine stopped first
 
 
 async def switch_to_zmq(state: IngressState, settings: Settings) -> control.Message:

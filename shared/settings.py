@@ -48,32 +48,33 @@ class Settings(BaseSettings):
 
     @property
     def control_endpoint(self) -> str:
-        if self.control_port:
-            return f"tcp://{self.engine_host}:{self.control_port}"
-        return f"ipc://{self.runtime_dir}/blink-{self.deployment}-control"
+        return self._endpoint("control", self.control_port)
 
     @property
     def relay_endpoint(self) -> str:
-        if self.relay_port:
-            return f"tcp://{self.engine_host}:{self.relay_port}"
-        return f"ipc://{self.runtime_dir}/blink-{self.deployment}-relay"
+        return self._endpoint("relay", self.relay_port)
+
+    @property
+    def ingress_control_endpoint(self) -> str:
+        return self._endpoint("ingress")
+
+    @property
+    def events_endpoint(self) -> str:
+        """The watchdog's PUB socket: one JSON event per frame."""
+        return self._endpoint("events")
+
+    @property
+    def zmq_endpoint(self) -> str:
+        """The ingress's ZeroMQ API, served on its own host."""
+        return f"tcp://{self.host}:{self.zmq_port}" if self.zmq_port else self._endpoint("api")
+
+    def _endpoint(self, name: str, port: int | None = None) -> str:
+        """A socket of the engine host: TCP when it has a port, else ipc in the runtime directory (same host)."""
+        if port:
+            return f"tcp://{self.engine_host}:{port}"
+        return f"ipc://{self.runtime_dir}/blink-{self.deployment}-{name}"
 
     @staticmethod
     def bind_address(endpoint: str) -> str:
         """What the serving side binds for an endpoint others connect to: every interface, for TCP."""
         return f"tcp://*:{endpoint.rsplit(':', 1)[1]}" if endpoint.startswith("tcp://") else endpoint
-
-    @property
-    def ingress_control_endpoint(self) -> str:
-        return f"ipc://{self.runtime_dir}/blink-{self.deployment}-ingress"
-
-    @property
-    def events_endpoint(self) -> str:
-        """The watchdog's PUB socket: one JSON event per frame."""
-        return f"ipc://{self.runtime_dir}/blink-{self.deployment}-events"
-
-    @property
-    def zmq_endpoint(self) -> str:
-        if self.zmq_port:
-            return f"tcp://{self.host}:{self.zmq_port}"
-        return f"ipc://{self.runtime_dir}/blink-{self.deployment}-api"

@@ -267,6 +267,13 @@ class SlotTable:
 
     # -- the watchdog's side -----------------------------------------------------------------------------
 
+    def remove_if_abandoned(self) -> None:
+        """Removes the segment once its engine has stopped and no ingress maps it (the relay lives in the engine):
+        whichever of the two leaves last calls this and does it."""
+        if (int(self.header["engine_state"]) == EngineState.STOPPED
+                and int(self.header["client"]) != Client.INGRESS):
+            self.unlink()
+
     def fail_over(self, failed: bool = True) -> int:
         """Declares the current engine gone (`failed`: it died, rather than stopped when told): a new epoch, which
         no slot of the old one belongs to."""
@@ -276,6 +283,12 @@ class SlotTable:
         return int(self.header["epoch"])
 
     # -- the engine's side -------------------------------------------------------------------------------
+
+    def take_over(self) -> None:
+        """A new engine's start on a table a dead one left: a new epoch, and a heartbeat of its own."""
+        self.header["engine_state"] = EngineState.STARTING
+        self.header["epoch"] = int(self.header["epoch"]) + 1
+        self.heartbeat()
 
     def submitted(self) -> np.ndarray:
         """Slots published under the current epoch and not yet admitted."""
