@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from blink.engine.kv_cache import PagePool
+from blink.engine.rotation import HostMirror
 from blink.engine.sampler import SampleOutput
 from blink.engine.scheduler import StepPlan
 from blink.engine.state import FinishReason, SlotState, SlotStatus
@@ -25,7 +26,7 @@ class StepOutput:
     row_logits: torch.Tensor  # [R, V] float32 logits the rows sampled from, before penalties
 
 
-def commit(state: SlotState, pool: PagePool, plan: StepPlan, rows: int, out: SampleOutput,
+def commit(state: SlotState, pool: PagePool, mirror: HostMirror | None, plan: StepPlan, rows: int, out: SampleOutput,
            logits: torch.Tensor, eos_ids: torch.Tensor, count_outputs: bool) -> StepOutput:
     S = state.num_slots
     state.num_computed += plan.take
@@ -51,6 +52,9 @@ def commit(state: SlotState, pool: PagePool, plan: StepPlan, rows: int, out: Sam
     state.finish_reason.copy_(torch.where(finished, reason, state.finish_reason))
     state.status.masked_fill_(finished, SlotStatus.FINISHED)
     pool.release(finished, state.block_table, state.pages_held)
+    if mirror:  # a request cancelled while rotated out
+        mirror.free.release(finished, state.host_table, state.host_held)
+        state.rotated &= ~finished
 
     def per_slot(x: torch.Tensor | None, fill: float) -> torch.Tensor | None:
         return None if x is None else _per_slot(S, target, x, fill)

@@ -13,6 +13,8 @@ from blink.engine.device import available_memory, configure_threads, resolve_dev
 from blink.engine.kv_cache import PagePool
 from blink.engine.model import Transformer
 from blink.engine.model_config import DTYPES, ModelConfig
+from blink.engine.policy import Policy
+from blink.engine.rotation import HostMirror
 from blink.engine.state import SlotState
 from blink.engine.step import Step
 from blink.shared.tokenizer import Tokenizer
@@ -32,6 +34,8 @@ class EngineConfig:
     num_pages: int | None = None  # explicit pool size, the null page included
     kv_memory_fraction: float | None = None  # of the device's free memory after loading weights
     seed: int = 0  # seeds requests that bring none
+    scheduling_policy: str = "slo"  # fcfs | priority | slo (blink.engine.policy)
+    swap_space: float = 4.0  # GiB of host memory for KV rotation; 0: recompute preempted requests instead
 
     def validate(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -42,6 +46,9 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a power of two, got {self.page_size}")
+        Policy(self.scheduling_policy)  # raises on an unknown name
+        if self.swap_space < 0:
+            raise ValueError(f"swap_space must be at least 0 GiB, got {self.swap_space}")
         if self.kv_memory_fraction is not None and not 0 < self.kv_memory_fraction <= 1:
             raise ValueError(f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
 
@@ -83,9 +90,14 @@ class Engine:
         self.max_model_len = max_len
         self.pool = PagePool(cfg, num_pages, page, self.device)
         self.state = SlotState(num_slots, max_len, pages_per_seq, cfg.vocab_size, self.device)
-        self.step = Step(self.model, self.pool, self.state, list(self.generation.eos_token_ids), budget)
-        log.info("engine ready: %s on %s, %d slots, %d-token budget, %d KV pages of %d, context %d",
-                 cfg.architecture, self.device, num_slots, budget, num_pages, page, max_len)
+        mirror_pages = min(int(config.swap_space * 2**30) // PagePool.bytes_per_page(cfg, page),
+                           num_slots * pages_per_seq) + 1
+        self.mirror = HostMirror(self.pool, mirror_pages) if config.swap_space > 0 and mirror_pages > 1 else None
+        self.step = Step(self.model, self.pool, self.state, list(self.generation.eos_token_ids), budget,
+                         Policy(config.scheduling_policy), self.mirror)
+        log.info("engine ready: %s on %s, %d slots, %d-token budget, %d KV pages of %d, context %d, %s scheduling, "
+                 "%d host pages for KV rotation", cfg.architecture, self.device, num_slots, budget, num_pages, page,
+                 max_len, config.scheduling_policy, mirror_pages - 1 if self.mirror else 0)
 
     def _pages_that_fit(self, cfg: ModelConfig, page: int, useful: int) -> int:
         fraction = self.config.kv_memory_fraction or (0.9 if self.device.type == "cuda" else 0.25)

@@ -17,9 +17,12 @@ import torch
 
 from blink.engine.commit import StepOutput
 from blink.engine.engine import Engine
+from blink.engine.kv_cache import PagePool
+from blink.engine.policy import StepCostModel
 from blink.engine.sampler import GREEDY_BELOW, SamplerFeatures
 from blink.engine.sampling_params import SamplingParams
-from blink.engine.state import FinishReason, SlotRequest
+from blink.engine.state import FinishReason, SlotRequest, SlotState
+from blink.shared.slot_table import RequestStats
 
 FINISH_NAMES = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort"}
 
@@ -32,6 +35,7 @@ class SlotEvent:
     logprob: float | None = None
     top_logprobs: dict[int, float] = field(default_factory=dict)
     finish_reason: str | None = None  # stop | length | abort
+    stats: RequestStats | None = None  # with the finish
 
 
 class HostLoop:
@@ -39,6 +43,8 @@ class HostLoop:
         self.engine = engine
         self.last_output: StepOutput | None = None  # kept for inspection (tests, debugging)
         self.ran = False  # whether the last call ran a step (False: nothing resident, or all paused)
+        self.cost_model = StepCostModel(engine.step.cost)
+        self.page_bytes = PagePool.bytes_per_page(engine.model_config, engine.pool.page_size)
 
     @torch.inference_mode()
     def step(self, resident: Mapping[int, SamplingParams]) -> dict[int, SlotEvent]:
@@ -46,15 +52,24 @@ class HostLoop:
         self.ran = False
         if not resident:
             return {}
+        started = time.perf_counter()
         features = sampler_features(resident.values())
-        step = self.engine.step
+        step, mirror = self.engine.step, self.engine.step.mirror
         plan = step.plan(features)
         sizes = plan.sizes.tolist()
+        if mirror and (sizes[4] or sizes[5]):
+            mirror.begin(plan.moves, sizes[4], sizes[5])
         if sizes[0] == 0 and not self.engine.state.cancel[list(resident)].any():
-            return {}  # every resident sequence is paused; a cancelled one still needs the commit to end it
+            if mirror:
+                mirror.end()
+            return {}  # every resident sequence is paused or waiting; a cancelled one needs the commit to end it
         out = step.run(plan, step.shape_for(sizes), features)
+        if mirror:
+            mirror.end()
         self.last_output, self.ran = out, True
-        return _events(out, resident, features)
+        events = _events(out, resident, features, self.engine.state, self.page_bytes)
+        self.cost_model.observe(sizes[0], time.perf_counter() - started)
+        return events
 
 
 def sampler_features(params) -> SamplerFeatures:
@@ -67,11 +82,14 @@ def sampler_features(params) -> SamplerFeatures:
     )
 
 
-def _events(out: StepOutput, resident: Mapping[int, SamplingParams],
-            features: SamplerFeatures) -> dict[int, SlotEvent]:
+def _events(out: StepOutput, resident: Mapping[int, SamplingParams], features: SamplerFeatures,
+            state: SlotState, page_bytes: int) -> dict[int, SlotEvent]:
     tokens, reasons = out.token.tolist(), out.finish_reason.tolist()
     if features.logprobs:
         logprob, top_ids, top_lp = out.logprob.tolist(), out.top_ids.tolist(), out.top_logprobs.tolist()
+    if any(reasons):
+        counts = torch.stack([state.preemptions, state.pages_out, state.pages_in]).tolist()
+        waited = state.wait_s.tolist()
     events = {}
     for slot, params in resident.items():
         token, reason = tokens[slot], reasons[slot]
@@ -85,6 +103,9 @@ def _events(out: StepOutput, resident: Mapping[int, SamplingParams],
             event.top_logprobs[token] = logprob[slot]
         if reason != FinishReason.NONE:
             event.finish_reason = FINISH_NAMES[FinishReason(reason)]
+            out_pages, in_pages = counts[1][slot], counts[2][slot]
+            event.stats = RequestStats(counts[0][slot], out_pages, in_pages, out_pages * page_bytes,
+                                       in_pages * page_bytes, waited[slot] * 1000)
         events[slot] = event
     return events
 
@@ -152,7 +173,8 @@ class HostDriver:
                 del self._resident[slot]
                 self.state.release_slot(slot)
                 self._free_slots.append(slot)
-            events.append(TokenEvent(e.token, e.logprob, e.top_logprobs, e.finish_reason, request_id=request_id))
+            events.append(TokenEvent(e.token, e.logprob, e.top_logprobs, e.finish_reason, e.stats,
+                                     request_id=request_id))
         return events
 
     def _fill_slots(self) -> None:
@@ -164,7 +186,7 @@ class HostDriver:
                 prompt_token_ids=pending.prompt_token_ids, params=params,
                 seed=self._seeds.getrandbits(63) if params.seed is None else params.seed,
                 arrival=self._arrivals, max_tokens=pending.max_tokens,
-                deadline=pending.received + params.deadline_ms / 1000 if params.deadline_ms else float("inf"),
+                ttft_deadline=pending.received + params.ttft_slo_ms / 1000 if params.ttft_slo_ms else float("inf"),
             ))
             self._arrivals += 1
             self._resident[slot] = pending

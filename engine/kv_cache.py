@@ -14,6 +14,39 @@ from blink.engine.model_config import ModelConfig
 NULL_PAGE = 0
 
 
+class FreeList:
+    """A stack of free page ids on the device: entries [0, num_free) are free; page 0 is never among them."""
+
+    def __init__(self, num_pages: int, device: torch.device):
+        self.num_pages = num_pages
+        # One cell more than ever holds a free page: it takes masked-off writes.
+        self.stack = torch.zeros(num_pages, dtype=torch.int64, device=device)
+        self.stack[: num_pages - 1] = torch.arange(num_pages - 1, 0, -1, device=device)
+        self.num_free = torch.tensor(num_pages - 1, dtype=torch.int64, device=device)
+
+    def allocate(self, need: torch.Tensor, table: torch.Tensor, held: torch.Tensor, max_new: int) -> None:
+        """Gives slot s `need[s]` more pages (at most max_new) after its `held[s]`; the caller guarantees they
+        are free. The table's last column is a trash column that takes the masked-off writes."""
+        j = torch.arange(max_new, device=need.device)
+        grant = j[None, :] < need[:, None]  # [S, max_new]
+        rank = grant.flatten().cumsum(0).view_as(grant) - 1  # order in which pages leave the stack
+        pages = self.stack[(self.num_free - 1 - rank).clamp(min=0)]
+        col = torch.where(grant, held[:, None] + j[None, :], table.shape[1] - 1)
+        table.scatter_(1, col, pages)
+        held += need
+        self.num_free -= need.sum()
+
+    def release(self, which: torch.Tensor, table: torch.Tensor, held: torch.Tensor) -> None:
+        """Returns every page held by the slots in the mask `which` to the stack."""
+        j = torch.arange(table.shape[1], device=which.device)
+        give = (which[:, None] & (j[None, :] < held[:, None])).flatten()
+        pos = torch.where(give, self.num_free + give.cumsum(0) - 1, self.num_pages - 1)
+        self.stack.scatter_(0, pos, table.flatten())
+        self.num_free += give.sum()
+        table.masked_fill_(give.view_as(table), NULL_PAGE)
+        held.masked_fill_(which, 0)
+
+
 class PagePool:
     def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int, device: torch.device):
         if num_pages < 2:
@@ -24,10 +57,11 @@ class PagePool:
         # Zeroed so padding tokens that read never-written rows still see finite values.
         self.k = torch.zeros(shape, dtype=cfg.dtype, device=device)
         self.v = torch.zeros(shape, dtype=cfg.dtype, device=device)
-        # Stack of free page ids: entries [0, num_free) are free. One extra trash cell takes masked writes.
-        self.free_stack = torch.zeros(num_pages, dtype=torch.int64, device=device)
-        self.free_stack[: num_pages - 1] = torch.arange(num_pages - 1, 0, -1, device=device)
-        self.num_free = torch.tensor(num_pages - 1, dtype=torch.int64, device=device)
+        self.free = FreeList(num_pages, device)
+
+    @property
+    def num_free(self) -> torch.Tensor:
+        return self.free.num_free
 
     @property
     def usable_pages(self) -> int:
@@ -39,27 +73,7 @@ class PagePool:
 
     def allocate(self, need: torch.Tensor, block_table: torch.Tensor, pages_held: torch.Tensor,
                  max_new: int) -> None:
-        """Gives slot s `need[s]` more pages (at most max_new); the caller guarantees they are free.
-
-        block_table's last column is a trash column that takes the masked-off writes.
-        """
-        j = torch.arange(max_new, device=need.device)
-        grant = j[None, :] < need[:, None]  # [S, max_new]
-        rank = grant.flatten().cumsum(0).view_as(grant) - 1  # order in which pages leave the stack
-        pages = self.free_stack[(self.num_free - 1 - rank).clamp(min=0)]
-        trash = block_table.shape[1] - 1
-        col = torch.where(grant, pages_held[:, None] + j[None, :], trash)
-        block_table.scatter_(1, col, pages)
-        pages_held += need
-        self.num_free -= need.sum()
+        self.free.allocate(need, block_table, pages_held, max_new)
 
     def release(self, which: torch.Tensor, block_table: torch.Tensor, pages_held: torch.Tensor) -> None:
-        """Returns every page held by the slots in the mask `which` to the stack."""
-        j = torch.arange(block_table.shape[1], device=which.device)
-        give = (which[:, None] & (j[None, :] < pages_held[:, None])).flatten()
-        # At most num_pages - 1 pages are ever free, so the stack's last cell is free to take trash.
-        pos = torch.where(give, self.num_free + give.cumsum(0) - 1, self.num_pages - 1)
-        self.free_stack.scatter_(0, pos, block_table.flatten())
-        self.num_free += give.sum()
-        block_table.masked_fill_(give.view_as(block_table), NULL_PAGE)
-        pages_held.masked_fill_(which, 0)
+        self.free.release(which, block_table, pages_held)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
+from blink.shared.service_class import ServiceClass
+
 MAX_LOGPROBS = 20
 MAX_STOP_TOKEN_IDS = 16
 
@@ -26,7 +28,9 @@ class SamplingParams(BaseModel):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     priority: StrictInt = Field(0, ge=-(2**15), lt=2**15)
-    deadline_ms: float | None = Field(None, gt=0.0)
+    service_class: ServiceClass = ServiceClass.LATENCY_SENSITIVE
+    ttft_slo_ms: float | None = Field(None, gt=0.0)
+    tpot_slo_ms: float | None = Field(None, gt=0.0)
 
     @field_validator("top_k")
     @classmethod

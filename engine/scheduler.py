@@ -1,9 +1,10 @@
 """Admission and batch planning for one step, as fixed-shape tensor work on the engine's device.
 
-plan() admits submitted slots, hands out the token budget (decodes first, then prefill chunks, each
-group by priority then arrival), preempts by recompute when pages run out (lowest priority, then
-latest arrival, first), allocates pages and lays the batch's tokens out flat. It never reads a tensor
-back to the host; the only numbers the host may read are `sizes`, to pick the forward's buckets.
+plan() admits submitted slots, hands out the token budget (in the policy's order; decodes before prefill chunks),
+makes room when pages run short (victims give their pages back: rotated out to the host mirror, or dropped for
+recompute when the mirror is full or absent), brings rotated requests back when pages free, allocates pages and
+lays the batch's tokens out flat. It never reads a tensor back to the host; the only numbers the host may read
+are `sizes`, to pick the forward's buckets and to run the page copies.
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ from dataclasses import dataclass
 import torch
 
 from blink.engine.kv_cache import PagePool
+from blink.engine.policy import Policy, lexsort
+from blink.engine.rotation import HostMirror, PageMoves
 from blink.engine.state import SlotState, SlotStatus
 
-_NOT_CANDIDATE = 1 << 62
 QUERY_BLOCK = 64  # prefill chunks are attended in blocks of this many queries
 
 
@@ -45,15 +47,13 @@ class StepPlan:
     sample_slot: torch.Tensor  # [S] slots that sample this step, packed first
     sample_token: torch.Tensor  # [S] batch index of each sampling row's last token
     sample_valid: torch.Tensor  # [S]
-    sizes: torch.Tensor  # [4]: tokens, longest context, decode rows, chunk rows
+    moves: PageMoves | None  # KV rotation's page copies, when the engine has a host mirror
+    sizes: torch.Tensor  # [6]: tokens, longest context, decode rows, chunk rows, pages out, pages in
 
 
-def _precedence(state: SlotState) -> torch.Tensor:
-    """Lower is served first: priority (vLLM: lower runs first), then arrival."""
-    return ((state.priority + (1 << 15)) << 32) + state.arrival
-
-
-def plan(state: SlotState, pool: PagePool, token_budget: int, track_prompts: bool) -> StepPlan:
+def plan(state: SlotState, pool: PagePool, token_budget: int, track_prompts: bool, policy: Policy,
+         mirror: HostMirror | None, cost: torch.Tensor) -> StepPlan:
+    """cost: [seconds per step, seconds per token, last step's seconds], from the driver's step-time model."""
     S = state.num_slots
     device = state.status.device
     page = pool.page_size
@@ -64,25 +64,42 @@ def plan(state: SlotState, pool: PagePool, token_budget: int, track_prompts: boo
     if track_prompts:
         _track_prompt_tokens(state, admitted)
     running = state.status == SlotStatus.RUNNING
+    resident = running & ~state.rotated
 
-    # Hand out the token budget: decodes first, then prefill chunks.
-    demand = torch.where(running & ~state.paused & ~state.cancel, state.seq_len - state.num_computed, 0)
-    precedence = _precedence(state)
-    prefill = (demand > 1).long()
-    key = torch.where(running & (demand > 0), (prefill << 48) + precedence, _NOT_CANDIDATE)
-    order = key.argsort()
+    # Hand out the token budget in the policy's order, up to its cap.
+    held_back = resident & (state.num_computed == 0) & (state.pages_held == 0) & _hold_new(state, policy, mirror)
+    live = resident & ~state.paused & ~state.cancel & ~held_back
+    demand = torch.where(live, state.seq_len - state.num_computed, 0)
+    order = lexsort(policy.budget_keys(state, demand > 1), first=demand > 0)
+    cap = policy.token_cap(state, demand == 1, cost, token_budget)
     wanted = demand[order]
     before = wanted.cumsum(0) - wanted
-    take = torch.empty_like(demand).scatter_(0, order, (token_budget - before).clamp(min=0).minimum(wanted))
+    take = torch.empty_like(demand).scatter_(0, order, (cap - before).clamp(min=0).minimum(wanted))
 
-    # Pages, preempting by recompute when they run out.
+    # Pages: victims give theirs back when they run short, rotated out while the mirror has room.
     covered = (state.num_computed + take + page - 1) // page
     need = torch.where(take > 0, covered - state.pages_held, 0).clamp(min=0)
-    need, take, evicted = _preempt(state, pool, need, take, running, precedence)
+    keep = lexsort(policy.keep_keys(state), first=resident)
+    victims = lexsort(policy.victim_keys(state), first=resident)
+    reserve = ((take > 0) & ((state.num_computed + take) % page == 0)).sum() if mirror else 0
+    need, take, evicted = _make_room(state, pool, need, take, keep, victims, reserve)
+    rotate_out = _rotate_out(state, mirror, evicted, victims) if mirror else torch.zeros_like(evicted)
+    moves_out = _move_out(state, mirror, rotate_out) if mirror else None
+    recompute = evicted & ~rotate_out
     pool.release(evicted, state.block_table, state.pages_held)
-    state.num_computed.masked_fill_(evicted, 0)
-    state.num_preemptions += evicted.sum()
+    state.num_computed.masked_fill_(recompute, 0)
+    state.preemptions += recompute.long()
+    state.num_preemptions += recompute.sum()
     pool.allocate(need, state.block_table, state.pages_held, max_new=token_budget // page + 2)
+    if mirror:
+        come_back = running & state.rotated & ~state.cancel & ~rotate_out & ~evicted.any()
+        moves_in = _move_in(state, pool, mirror, come_back, keep, reserve)
+        moves = PageMoves(moves_out[0], moves_out[1], moves_in[0], moves_in[1])
+        moved = torch.stack([moves_out[2], moves_in[2]])
+        mirror.pages_moved += moved
+    else:
+        moves, moved = None, torch.zeros(2, dtype=torch.int64, device=device)
+    state.wait_s += torch.where(running & ~state.paused & (take == 0), cost[2], 0.0)
 
     # Lay the batch out flat, slot after slot.
     ends = take.cumsum(0)
@@ -102,9 +119,9 @@ def plan(state: SlotState, pool: PagePool, token_budget: int, track_prompts: boo
     sample_token = torch.where(sample_valid, ends[sample_slot] - 1, 0)
 
     max_context = torch.where(token_valid, token_pos + 1, 0).amax()
-    sizes = torch.stack([ends[-1], max_context, num_decodes, chunk_rows.count])
+    sizes = torch.cat([torch.stack([ends[-1], max_context, num_decodes, chunk_rows.count]), moved])
     return StepPlan(take, token_slot, token_pos, token_valid, input_ids, decode_rows, chunk_rows, sample_slot,
-                    sample_token, sample_valid, sizes)
+                    sample_token, sample_valid, moves, sizes)
 
 
 def max_chunk_rows(token_budget: int, num_slots: int) -> int:
@@ -132,21 +149,70 @@ def _pack(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.zeros(n + 1, dtype=torch.int64, device=mask.device).scatter_(0, rank, index)[:n], mask.sum()
 
 
-def _preempt(state: SlotState, pool: PagePool, need: torch.Tensor, take: torch.Tensor,
-             running: torch.Tensor, precedence: torch.Tensor):
-    """Keeps the longest prefix of slots, in precedence order, whose new pages fit once every slot after
-    it gives its pages back; then evicts from the back only as many holders as that prefix needs."""
-    order = torch.where(running, precedence, _NOT_CANDIDATE).argsort()
-    need_o, held_o = need[order], state.pages_held[order]
+def _make_room(state: SlotState, pool: PagePool, need: torch.Tensor, take: torch.Tensor, keep: torch.Tensor,
+               victims: torch.Tensor, reserve: torch.Tensor | int):
+    """Keeps the longest prefix of slots, in `keep` order, whose new pages (and `reserve` more, for the next
+    step, behind the first) fit once every slot after it gives its pages back; then takes pages, in `victims`
+    order, from as few slots past that prefix as the prefix needs."""
+    need_o, held_o = need[keep], state.pages_held[keep]
     held_after = held_o.sum() - held_o.cumsum(0)
-    fits_o = need_o.cumsum(0) <= pool.num_free + held_after
-    deficit = (need_o * fits_o).sum() - pool.num_free
-    evict_o = ~fits_o & (held_o > 0) & (held_after < deficit)
-    fits = torch.empty_like(fits_o).scatter_(0, order, fits_o)
-    evicted = torch.empty_like(evict_o).scatter_(0, order, evict_o)
+    margin = torch.where(torch.arange(need.shape[0], device=need.device) > 0, reserve, 0)
+    fits_o = need_o.cumsum(0) + margin <= pool.num_free + held_after
+    fits = torch.empty_like(fits_o).scatter_(0, keep, fits_o)
+    deficit = (need * fits).sum() + reserve - pool.num_free
+    held_v = torch.where(~fits & (state.pages_held > 0), state.pages_held, 0)[victims]
+    evict_v = (held_v > 0) & (held_v.cumsum(0) - held_v < deficit)
+    evicted = torch.empty_like(evict_v).scatter_(0, victims, evict_v)
     # A slot past the prefix still runs if it needs no new page and keeps its own.
     runs = fits | ((need == 0) & ~evicted)
     return torch.where(fits, need, 0), torch.where(runs, take, 0), evicted
+
+
+def _hold_new(state: SlotState, policy: Policy, mirror: HostMirror | None) -> torch.Tensor:
+    """Which requests may not start: none without a mirror; all while it is nearly full; and, while rotated
+    requests wait to come back, all but the latency-sensitive."""
+    if mirror is None:
+        return torch.zeros_like(state.rotated)
+    waiting = (state.rotated & (state.status == SlotStatus.RUNNING)).any()
+    return mirror.nearly_full() | (waiting & ~policy.latency_sensitive(state))
+
+
+def _rotate_out(state: SlotState, mirror: HostMirror, evicted: torch.Tensor, victims: torch.Tensor) -> torch.Tensor:
+    """The victims whose pages the mirror can take, in victim order; the others are recomputed later."""
+    pages = torch.where(evicted & (state.num_computed > 0), state.pages_held, 0)[victims]
+    fits_v = (pages > 0) & (pages.cumsum(0) <= mirror.free.num_free)
+    return torch.empty_like(fits_v).scatter_(0, victims, fits_v)
+
+
+def _move_out(state: SlotState, mirror: HostMirror, out: torch.Tensor):
+    pages = torch.where(out, state.pages_held, 0)
+    mirror.free.allocate(pages, state.host_table, state.host_held, max_new=state.block_table.shape[1] - 1)
+    state.pages_out += pages
+    state.rotated |= out
+    return _pairs(out, state.block_table, state.host_table, pages)
+
+
+def _move_in(state: SlotState, pool: PagePool, mirror: HostMirror, candidates: torch.Tensor, keep: torch.Tensor,
+             reserve: torch.Tensor | int):
+    """Brings rotated requests back, in keep order, while the pool's free pages cover them and the reserve.
+    They run from the next step on: their pages land after this step's forward."""
+    held_o = torch.where(candidates, state.host_held, 0)[keep]
+    back_o = (held_o > 0) & (held_o.cumsum(0) + reserve <= pool.num_free)
+    back = torch.empty_like(back_o).scatter_(0, keep, back_o)
+    pages = torch.where(back, state.host_held, 0)
+    pool.allocate(pages, state.block_table, state.pages_held, max_new=state.block_table.shape[1] - 1)
+    moves = _pairs(back, state.host_table, state.block_table, pages)
+    mirror.free.release(back, state.host_table, state.host_held)
+    state.pages_in += pages
+    state.rotated &= ~back
+    return moves
+
+
+def _pairs(which: torch.Tensor, src_table: torch.Tensor, dst_table: torch.Tensor, count: torch.Tensor):
+    """(source page, destination page) for the first count[s] columns of every slot in `which`, packed first."""
+    j = torch.arange(src_table.shape[1] - 1, device=which.device)
+    index, n = _pack((which[:, None] & (j[None, :] < count[:, None])).flatten())
+    return src_table[:, :-1].flatten()[index], dst_table[:, :-1].flatten()[index], n
 
 
 def _track_prompt_tokens(state: SlotState, admitted: torch.Tensor) -> None:

@@ -34,7 +34,7 @@ class SlotRequest:
     seed: int  # drawn by the host when the request gives none
     arrival: int  # submission order; ties in priority go to the earlier arrival
     max_tokens: int  # already capped by the context limit
-    deadline: float = float("inf")  # absolute, seconds on the host's monotonic clock
+    ttft_deadline: float = float("inf")  # absolute, seconds on the host's monotonic clock
 
 
 class SlotState:
@@ -48,7 +48,9 @@ class SlotState:
         self.status = zeros(S)
         self.arrival = zeros(S)
         self.priority = zeros(S)
-        self.deadline = torch.full((S,), float("inf"), dtype=torch.float64, device=device)
+        self.service_class = zeros(S)  # blink.shared.service_class.ServiceClass
+        self.ttft_deadline = torch.full((S,), float("inf"), dtype=torch.float64, device=device)
+        self.tpot_slo = torch.full((S,), float("inf"), dtype=torch.float64, device=device)  # seconds
         self.cancel = zeros(S, dtype=torch.bool)
         self.paused = zeros(S, dtype=torch.bool)  # set while the reader's output window is full
         self.prompt_len = zeros(S)
@@ -71,6 +73,15 @@ class SlotState:
         # Pages of each sequence; the last column takes masked-off writes.
         self.block_table = zeros(S, max_pages + 1)
         self.pages_held = zeros(S)
+        # Sequences whose pages were rotated out to the host mirror wait there, in these pages, to come back.
+        self.rotated = zeros(S, dtype=torch.bool)
+        self.host_table = zeros(S, max_pages + 1)
+        self.host_held = zeros(S)
+        # What happened to each request, reported when it finishes.
+        self.preemptions = zeros(S)
+        self.pages_out = zeros(S)
+        self.pages_in = zeros(S)
+        self.wait_s = zeros(S, dtype=torch.float64)
         self.output_counts = zeros(S, vocab_size, dtype=torch.int32)
         self.prompt_mask = zeros(S, vocab_size, dtype=torch.bool)
         self.num_preemptions = zeros()
@@ -81,7 +92,10 @@ class SlotState:
         n = len(req.prompt_token_ids)
         self.tokens[slot, :n] = torch.tensor(req.prompt_token_ids, dtype=torch.int32)
         for name, value in (
-            ("arrival", req.arrival), ("priority", p.priority), ("deadline", req.deadline),
+            ("arrival", req.arrival), ("priority", p.priority), ("ttft_deadline", req.ttft_deadline),
+            ("service_class", int(p.service_class)),
+            ("tpot_slo", p.tpot_slo_ms / 1000 if p.tpot_slo_ms else float("inf")),
+            ("rotated", False), ("preemptions", 0), ("pages_out", 0), ("pages_in", 0), ("wait_s", 0.0),
             ("prompt_len", n), ("seq_len", n), ("num_computed", 0), ("max_tokens", req.max_tokens),
             ("ignore_eos", p.ignore_eos),
             ("temperature", p.temperature), ("top_p", p.top_p), ("top_k", p.top_k), ("min_p", p.min_p),

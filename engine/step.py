@@ -16,6 +16,8 @@ from blink.engine.attention import AttentionBatch, build_row_group
 from blink.engine.commit import StepOutput, commit
 from blink.engine.kv_cache import PagePool
 from blink.engine.model import Transformer
+from blink.engine.policy import Policy
+from blink.engine.rotation import HostMirror
 from blink.engine.sampler import SamplerFeatures, SamplingRows, hash32, sample
 from blink.engine.scheduler import QUERY_BLOCK, StepPlan, plan
 from blink.engine.state import SlotState
@@ -43,10 +45,11 @@ def ladder(top: int, start: int) -> list[int]:
 
 class Step:
     def __init__(self, model: Transformer, pool: PagePool, state: SlotState, eos_ids: list[int],
-                 token_budget: int):
+                 token_budget: int, policy: Policy, mirror: HostMirror | None):
         self.model, self.pool, self.state = model, pool, state
-        self.token_budget = token_budget
+        self.token_budget, self.policy, self.mirror = token_budget, policy, mirror
         device = state.status.device
+        self.cost = torch.zeros(3, dtype=torch.float64, device=device)  # see policy.StepCostModel
         self.eos_ids = torch.tensor(eos_ids or [-1], dtype=torch.int64, device=device)
         self.vocab_hash = hash32(torch.arange(model.cfg.vocab_size, dtype=torch.int64, device=device))
         self.token_buckets = ladder(token_budget, 16)
@@ -58,11 +61,11 @@ class Step:
         self.context_buckets = [*range(step, top, step), top]
 
     def plan(self, features: SamplerFeatures) -> StepPlan:
-        return plan(self.state, self.pool, self.token_budget, track_prompts=features.penalties)
+        return plan(self.state, self.pool, self.token_budget, features.penalties, self.policy, self.mirror, self.cost)
 
     def shape_for(self, sizes: list[int]) -> StepShape:
         """sizes: `plan.sizes` read on the host."""
-        num_tokens, max_context, decodes, chunks = sizes
+        num_tokens, max_context, decodes, chunks = sizes[:4]
         tokens = _bucket(self.token_buckets, num_tokens)
         return StepShape(
             tokens=tokens,
@@ -87,7 +90,7 @@ class Step:
         )
         penalties = (state.output_counts[slot], state.prompt_mask[slot]) if features.penalties else (None, None)
         out = sample(logits, rows, features, self.vocab_hash, *penalties)
-        return commit(state, pool, plan, R, out, logits, self.eos_ids, count_outputs=features.penalties)
+        return commit(state, pool, self.mirror, plan, R, out, logits, self.eos_ids, count_outputs=features.penalties)
 
     def _attention_batch(self, plan: StepPlan, shape: StepShape) -> AttentionBatch:
         B, page = shape.tokens, self.pool.page_size

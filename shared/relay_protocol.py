@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 
-from blink.shared.slot_table import Finish, Output, Request
+from blink.shared.slot_table import Finish, Output, Request, RequestStats
 
 
 def encode(message: dict) -> bytes:
@@ -39,5 +39,6 @@ def output_to_wire(out: Output) -> dict:
 
 
 def output_from_wire(fields: dict) -> Output:
+    stats = fields.get("stats")
     return Output(fields["tokens"], fields["logprobs"], fields["top_ids"], fields["top_logprobs"],
-                  Finish(fields["finish"]))
+                  Finish(fields["finish"]), RequestStats(**stats) if stats else None)

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 MAGIC = 0x424C494E4B534C54  # "BLINKSLT"
-VERSION = 2
+VERSION = 3
 SHM_DIR = Path(os.environ.get("BLINK_SHM_DIR", "/dev/shm"))  # another directory stands for another host in tests
 
 
@@ -72,6 +72,8 @@ class Geometry:
     max_stop_ids: int = 16
 
 
+_COUNTED = ("preemptions", "pages_out", "pages_in", "bytes_out", "bytes_in")
+
 HEADER = np.dtype([
     ("magic", "<u8"), ("version", "<u4"), ("num_slots", "<u4"), ("max_prompt_tokens", "<u4"), ("window", "<u4"),
     ("top_logprobs", "<u4"), ("max_stop_ids", "<u4"), ("engine_state", "<u4"), ("failovers", "<u4"),
@@ -88,11 +90,16 @@ def slot_dtype(g: Geometry) -> np.dtype:
         ("prompt_len", "<u4"), ("max_tokens", "<u4"), ("priority", "<i4"), ("flags", "<u4"),
         ("temperature", "<f4"), ("top_p", "<f4"), ("top_k", "<i4"), ("min_p", "<f4"),
         ("repetition_penalty", "<f4"), ("presence_penalty", "<f4"), ("frequency_penalty", "<f4"),
-        ("logprobs", "<i4"), ("seed", "<u8"), ("deadline_ns", "<u8"),
+        ("logprobs", "<i4"), ("seed", "<u8"), ("service_class", "<u4"),
+        # SLOs in ms (inf: none); the TTFT SLO is what remains of it when the request is published.
+        ("ttft_slo_ms", "<f4"), ("tpot_slo_ms", "<f4"),
         ("num_stop_ids", "<u4"), ("stop_ids", "<i4", (g.max_stop_ids,)),
         ("prompt", "<i4", (g.max_prompt_tokens,)),
         # The output window, written by the engine; consumed is the ingress's.
         ("produced", "<u4"), ("consumed", "<u4"), ("finish_reason", "<u4"),
+        # What the engine did to the request, written before it finishes the slot.
+        ("preemptions", "<u4"), ("pages_out", "<u4"), ("pages_in", "<u4"), ("bytes_out", "<u8"), ("bytes_in", "<u8"),
+        ("wait_ms", "<f4"),
         ("tokens", "<i4", (g.window,)), ("logprob", "<f4", (g.window,)),
         ("top_ids", "<i4", (g.window, g.top_logprobs)), ("top_logprobs", "<f4", (g.window, g.top_logprobs)),
     ], align=True)
@@ -116,7 +123,22 @@ class Request:
     priority: int = 0
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
-    deadline_ns: int = 0  # 0: none
+    service_class: int = 0  # blink.shared.service_class.ServiceClass
+    ttft_slo_ms: float = float("inf")  # what remains of the TTFT SLO at publication; inf: none
+    tpot_slo_ms: float = float("inf")
+
+
+@dataclass
+class RequestStats:
+    """What the engine did to a request: preemptions (by recompute), KV pages and bytes rotated to host memory
+    and back, and the time it was resident but not scheduled."""
+
+    preemptions: int = 0
+    pages_out: int = 0
+    pages_in: int = 0
+    bytes_out: int = 0
+    bytes_in: int = 0
+    wait_ms: float = 0.0
 
 
 @dataclass
@@ -126,6 +148,7 @@ class Output:
     top_ids: list[list[int]]
     top_logprobs: list[list[float]]
     finish: Finish  # NONE until the slot has finished and every token was read
+    stats: RequestStats | None = None  # with the finish
 
 
 class SlotTable:
@@ -205,7 +228,8 @@ class SlotTable:
             raise ValueError(f"at most {g.max_stop_ids} stop token ids fit a slot")
         s["prompt"][:n] = request.prompt
         for field in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-                      "presence_penalty", "frequency_penalty", "logprobs", "seed", "priority", "deadline_ns"):
+                      "presence_penalty", "frequency_penalty", "logprobs", "seed", "priority", "service_class",
+                      "ttft_slo_ms", "tpot_slo_ms"):
             s[field] = getattr(request, field)
         s["prompt_len"] = n
         s["flags"] = FLAG_IGNORE_EOS if request.ignore_eos else 0
@@ -224,8 +248,10 @@ class SlotTable:
         finished = s["state"] == SlotState.FINISHED  # read before `produced`: then no token can follow it
         produced, consumed = int(s["produced"]), int(s["consumed"])
         at = [i % window for i in range(consumed, produced)]
+        stats = RequestStats(*(int(s[f]) for f in _COUNTED), float(s["wait_ms"])) if finished else None
         out = Output(s["tokens"][at].tolist(), s["logprob"][at].tolist(), s["top_ids"][at].tolist(),
-                     s["top_logprobs"][at].tolist(), Finish(int(s["finish_reason"])) if finished else Finish.NONE)
+                     s["top_logprobs"][at].tolist(), Finish(int(s["finish_reason"])) if finished else Finish.NONE,
+                     stats)
         s["consumed"] = produced  # after copying: the engine may now reuse those cells
         return out
 
@@ -316,8 +342,11 @@ class SlotTable:
             s["top_ids"][i, :k], s["top_logprobs"][i, :k] = top_ids, top_logprobs
         s["produced"] = produced + 1  # after the record: publishes it
 
-    def finish(self, slot: int, reason: Finish) -> None:
+    def finish(self, slot: int, reason: Finish, stats: RequestStats | None = None) -> None:
         s = self.slots[slot]
+        stats = stats or RequestStats()
+        for field in (*_COUNTED, "wait_ms"):
+            s[field] = getattr(stats, field)
         s["finish_reason"] = reason
         s["state"] = SlotState.FINISHED  # after every token and the reason
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from blink.engine import LLM, SamplingParams
@@ -24,7 +25,8 @@ def test_same_tokens_alone_and_in_a_batch_of_16(checkpoint):
             assert alone.token_ids == together.token_ids
 
 
-def test_small_page_pool_completes_every_request_with_the_same_tokens(checkpoint):
+@pytest.mark.parametrize("swap_space", [0, 1], ids=["recompute", "rotation"])
+def test_small_page_pool_completes_every_request_with_the_same_tokens(checkpoint, swap_space):
     model_dir = str(checkpoint("llama-gqa"))
     prompts = _prompts(12, seed=3)
     params = SamplingParams(temperature=0, max_tokens=40)
@@ -32,13 +34,18 @@ def test_small_page_pool_completes_every_request_with_the_same_tokens(checkpoint
 
     # 13 pages of 8 tokens hold 104 tokens: less than two full sequences of up to 99 tokens.
     tight_llm = LLM(model_dir, max_num_seqs=12, max_num_batched_tokens=64, num_pages=14, page_size=8,
-                    max_model_len=104)
+                    max_model_len=104, swap_space=swap_space)
     tight = tight_llm.generate(prompts, params)
     assert [o.token_ids for o in tight] == [o.token_ids for o in roomy]
     assert all(o.finish_reason == "length" and len(o.token_ids) == 40 for o in tight)
-    assert int(tight_llm.engine.state.num_preemptions) > 0
-    pool = tight_llm.engine.pool
-    assert int(pool.num_free) == pool.usable_pages  # every page came back
+    engine = tight_llm.engine
+    if swap_space:  # rotated out and back in, never recomputed
+        out, back = engine.mirror.pages_moved.tolist()
+        assert out > 0 and back == out and int(engine.state.num_preemptions) == 0
+        assert int(engine.mirror.free.num_free) == engine.mirror.num_pages - 1
+    else:
+        assert engine.mirror is None and int(engine.state.num_preemptions) > 0
+    assert int(engine.pool.num_free) == engine.pool.usable_pages  # every page came back
 
 
 def test_preemption_evicts_lowest_priority_first(checkpoint):

@@ -50,7 +50,7 @@ def test_plan_and_run_never_read_tensors_on_the_host(checkpoint):
         shape = step.shape_for(plan.sizes.tolist())  # the one read the host loop is allowed
         with host_reads_forbidden():
             out = step.run(plan, shape, features)
-        for slot, event in _events(out, resident, features).items():
+        for slot, event in _events(out, resident, features, llm.engine.state, page_bytes=0).items():
             if event.finish_reason:
                 del driver._resident[slot]
                 driver.state.release_slot(slot)
@@ -80,7 +80,7 @@ def test_pages_are_handed_out_once_and_all_come_back():
     pool.release(torch.tensor([True, False, True]), table, held)
     assert held.tolist() == [0, 2, 0] and int(pool.num_free) == 17
     pool.release(torch.tensor([False, True, False]), table, held)
-    free = pool.free_stack[: int(pool.num_free)].tolist()
+    free = pool.free.stack[: int(pool.num_free)].tolist()
     assert sorted(free) == list(range(1, 20))
     assert (table[:, :-1] == 0).all()  # the last column is trash
 
