@@ -7,6 +7,9 @@ and finish into the slot's output window.
 
 from __future__ import annotations
 
+import math
+import time
+
 import numpy as np
 import torch
 
@@ -94,9 +97,13 @@ class TableDriver:
             logprobs=logprobs if logprobs >= 0 else None, priority=int(r["priority"]),
             ignore_eos=bool(int(r["flags"]) & FLAG_IGNORE_EOS),
             stop_token_ids=r["stop_ids"][: int(r["num_stop_ids"])].tolist(),
+            service_class=int(r["service_class"]), tpot_slo_ms=_slo(r["tpot_slo_ms"]),
         )
+        # The record holds what remained of the TTFT SLO when it was published: a deadline on this host's clock.
+        ttft = float(r["ttft_slo_ms"])
+        deadline = time.monotonic() + ttft / 1000 if math.isfinite(ttft) else math.inf
         request = SlotRequest(prompt, params, seed=params.seed, arrival=self._arrivals,
-                              max_tokens=min(params.max_tokens, limit - n))
+                              max_tokens=min(params.max_tokens, limit - n), ttft_deadline=deadline)
         self._arrivals += 1
         return params, request
 
@@ -106,6 +113,10 @@ class TableDriver:
             top = list(event.top_logprobs.items())[:k]
             self.table.emit(slot, event.token, event.logprob or 0.0, [t for t, _ in top], [lp for _, lp in top])
         if event.finish_reason:
-            self.table.finish(slot, _FINISH[event.finish_reason])
+            self.table.finish(slot, _FINISH[event.finish_reason], event.stats)
             self.engine.state.release_slot(slot)
             del self.resident[slot]
+
+
+def _slo(ms: np.float32) -> float | None:
+    return float(ms) if math.isfinite(ms) and ms > 0 else None

@@ -36,6 +36,7 @@ from blink.ingress.protocol import (
 from blink.ingress.slots import Overloaded
 from blink.ingress.state import IngressState
 from blink.ingress.validation import check_model, check_token_ids, completion_prompts, context_room
+from blink.shared.service_class import CLASS_NAMES
 from blink.shared.tokenizer import Tokenizer
 
 log = structlog.get_logger()
@@ -69,10 +70,7 @@ def create_app(state: IngressState) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> Response:
         status = await asyncio.to_thread(state.engine_status)
-        used, total, preempt = (status.kv_pages_used, status.kv_pages_total, status.preemptions) if status else (
-            None, None, None)
-        return Response(state.metrics.render(state.client, used, total, preempt, state.degraded),
-                        media_type="text/plain")
+        return Response(state.metrics.render(state.client, status, state.degraded), media_type="text/plain")
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -172,11 +170,16 @@ async def _respond(state: IngressState, request: Request, body: SamplingFields, 
     capacity = state.client.num_slots + state.client.max_waiting
     if len(jobs) > capacity:
         raise APIError(400, f"{len(jobs)} choices can never fit: this server holds {capacity} at once", param="n")
+    named_class = request.headers.get("x-blink-class")
+    if named_class is not None and named_class.strip().lower() not in CLASS_NAMES:
+        raise APIError(400, f"x-blink-class must name a service class (latency_sensitive or best_effort, or ls or "
+                       f"be), got {named_class[:64]!r}", param="x-blink-class")
     requests = []
     for prompt, index in jobs:
         room = context_room(state, prompt, max_tokens, "messages" if chat else "prompt")
         seed = body.seed + index if body.seed is not None else state.seeds.getrandbits(63)
-        requests.append((slot_request(prompt, body, max_tokens or room, logprobs, seed), index))
+        requests.append((slot_request(prompt, body, max_tokens or room, logprobs, seed, state.classes, named_class),
+                         index))
     choices = [choice_deltas(state.client, state.tokenizer, r, body, i, state.metrics, state.info.eos_token_ids,
                              counts_prompt=i % body.n == 0) for r, i in requests]
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex

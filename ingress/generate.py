@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -11,10 +12,11 @@ import structlog
 
 from blink.ingress.detokenize import Detokenizer
 from blink.ingress.errors import APIError
-from blink.ingress.metrics import Metrics
+from blink.ingress.metrics import ChoiceRecord, Metrics
 from blink.ingress.protocol import SamplingFields
 from blink.ingress.slots import SlotClient
-from blink.shared.slot_table import Finish, Request
+from blink.shared.service_class import ClassDefaults, ServiceClass
+from blink.shared.slot_table import Finish, Request, RequestStats
 from blink.shared.tokenizer import Tokenizer
 
 log = structlog.get_logger()
@@ -38,13 +40,17 @@ class Delta:
 
 
 def slot_request(prompt: list[int], fields: SamplingFields, max_tokens: int, logprobs: int | None,
-                 seed: int) -> Request:
+                 seed: int, classes: ClassDefaults, named_class: str | None = None) -> Request:
+    """named_class: the x-blink-class header's, which the body's field overrides."""
+    service_class, ttft, tpot = classes.resolve(fields.service_class or named_class, fields.ttft_slo_ms,
+                                                fields.tpot_slo_ms)
     return Request(
         prompt=prompt, max_tokens=max_tokens, temperature=fields.temperature, top_p=fields.top_p,
         top_k=fields.top_k, min_p=fields.min_p, repetition_penalty=fields.repetition_penalty,
         presence_penalty=fields.presence_penalty, frequency_penalty=fields.frequency_penalty,
         logprobs=-1 if logprobs is None else logprobs, seed=seed, priority=fields.priority,
         ignore_eos=fields.ignore_eos, stop_token_ids=tuple(fields.stop_token_ids),
+        service_class=int(service_class), ttft_slo_ms=ttft or math.inf, tpot_slo_ms=tpot or math.inf,
     )
 
 
@@ -63,7 +69,9 @@ async def choice_deltas(client: SlotClient, tokenizer: Tokenizer, request: Reque
         set() if request.ignore_eos else set(eos_token_ids))
     stream = await client.submit(request)
     k = max(request.logprobs, 0)
+    of_class = metrics.of(ServiceClass(request.service_class))
     first_at = last_at = None
+    stats: RequestStats | None = None
     generated, finish_reason = 0, "abort"  # stays abort if the consumer leaves first
     outputs = client.outputs(stream)
     try:
@@ -83,12 +91,13 @@ async def choice_deltas(client: SlotClient, tokenizer: Tokenizer, request: Reque
                 if piece.stopped:
                     delta.finish_reason = "stop"
                     break
+            stats = out.stats or stats
             if out.tokens:
                 if first_at is None:
                     first_at = now
-                    metrics.ttft.observe(now - stream.submitted_at)
+                    of_class.ttft.observe(now - stream.submitted_at)
                 elif last_at is not None:
-                    metrics.itl.observe((now - last_at) / len(out.tokens))
+                    of_class.itl.observe((now - last_at) / len(out.tokens))
                 last_at = now
             if out.finish == Finish.FAILED:
                 if delta.text or delta.token_ids:
@@ -106,10 +115,19 @@ async def choice_deltas(client: SlotClient, tokenizer: Tokenizer, request: Reque
                 break
     finally:
         await outputs.aclose()  # cancels the slot's request when the choice ended early
-        metrics.finished(stream, generated, len(request.prompt) if counts_prompt else 0)
+        metrics.finished(stream, ChoiceRecord(
+            ServiceClass(request.service_class), generated, len(request.prompt) if counts_prompt else 0,
+            ttft_s=None if first_at is None else first_at - stream.submitted_at,
+            tpot_s=(last_at - first_at) / (generated - 1) if first_at is not None and generated > 1 else None,
+            ttft_slo_ms=_finite(request.ttft_slo_ms), tpot_slo_ms=_finite(request.tpot_slo_ms),
+            outcome=finish_reason, stats=stats))
         log.info("choice finished", choice=index, slot=stream.slot, prompt_tokens=len(request.prompt),
                  generated=generated, finish_reason=finish_reason,
                  latency_s=round(time.monotonic() - stream.submitted_at, 4))
+
+
+def _finite(ms: float) -> float | None:
+    return ms if math.isfinite(ms) else None
 
 
 async def merged(choices: list[AsyncIterator[Delta]]) -> AsyncIterator[Delta]:

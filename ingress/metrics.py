@@ -3,12 +3,58 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from blink.ingress.slots import SlotClient, Stream
+from blink.shared.control import EngineStatus
+from blink.shared.service_class import ServiceClass
+from blink.shared.slot_table import RequestStats
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+@dataclass
+class ChoiceRecord:
+    """One finished choice, as the ingress saw it."""
+
+    service_class: ServiceClass
+    generated: int
+    prompt_tokens: int
+    ttft_s: float | None
+    tpot_s: float | None  # mean time per output token after the first
+    ttft_slo_ms: float | None
+    tpot_slo_ms: float | None
+    outcome: str  # stop, length, abort (the client left or cancelled), engine_failure
+    stats: RequestStats | None  # what the engine did to it, when it finished there
+
+
+@dataclass
+class ClassMetrics:
+    """The per-class series, bound to their labels."""
+
+    ttft: Histogram
+    itl: Histogram
+    e2e: Histogram
+    queue_time: Histogram
+    engine_wait: Histogram
+    slo_requests: dict[str, Counter]
+    slo_attained: dict[str, Counter]
+    attainment: dict[str, Gauge]
+    preemptions: Counter
+    pages: dict[str, Counter]
+    bytes: dict[str, Counter]
+    judged: dict[str, list[int]]  # slo -> [requests, attained], for the gauge
+
+    def judge(self, slo: str, met: bool) -> None:
+        count = self.judged[slo]
+        count[0] += 1
+        count[1] += met
+        self.slo_requests[slo].inc()
+        if met:
+            self.slo_attained[slo].inc()
+        self.attainment[slo].set(count[1] / count[0])
 
 
 class Metrics:
@@ -16,19 +62,40 @@ class Metrics:
         self.registry = r = CollectorRegistry()
         labels = {"model_name": model}
         self._labels = labels
+        per_class = [*labels, "service_class"]
 
         def histogram(name: str, doc: str) -> Histogram:
-            return Histogram(name, doc, list(labels), buckets=LATENCY_BUCKETS, registry=r).labels(**labels)
+            return Histogram(name, doc, per_class, buckets=LATENCY_BUCKETS, registry=r)
 
         self.running = Gauge("blink:num_requests_running", "Requests in slots", list(labels), registry=r)
         self.waiting = Gauge("blink:num_requests_waiting", "Requests waiting for a slot", list(labels), registry=r)
         self.kv_usage = Gauge("blink:kv_cache_usage_perc", "KV cache pages in use (0-1)", list(labels), registry=r)
+        self.host_kv_usage = Gauge("blink:cpu_cache_usage_perc", "Host-memory KV pages (rotation) in use (0-1)",
+                                   list(labels), registry=r)
         self.preemptions = Gauge("blink:num_preemptions_total", "Preemptions by the engine", list(labels),
                                  registry=r)
-        self.ttft = histogram("blink:time_to_first_token_seconds", "Time to first token")
-        self.itl = histogram("blink:inter_token_latency_seconds", "Time between output tokens")
-        self.e2e = histogram("blink:e2e_request_latency_seconds", "End-to-end request latency")
-        self.queue_time = histogram("blink:request_queue_time_seconds", "Time from submission to admission")
+        self._histograms = {
+            "ttft": histogram("blink:time_to_first_token_seconds", "Time to first token"),
+            "itl": histogram("blink:inter_token_latency_seconds", "Time between output tokens"),
+            "e2e": histogram("blink:e2e_request_latency_seconds", "End-to-end request latency"),
+            "queue_time": histogram("blink:request_queue_time_seconds", "Time from arrival to admission"),
+            "engine_wait": histogram("blink:request_engine_wait_seconds",
+                                     "Time admitted but not scheduled: waiting, preempted or rotated out"),
+        }
+        slo = [*per_class, "slo"]
+        self._slo_requests = Counter("blink:slo_requests", "Requests with an SLO (ttft, tpot) that ended in the "
+                                     "engine", slo, registry=r)
+        self._slo_attained = Counter("blink:slo_attained", "Of those, the requests that completed within it", slo,
+                                     registry=r)
+        self._attainment = Gauge("blink:slo_attainment", "SLO attainment since the start (0-1)", slo, registry=r)
+        self._class_preemptions = Counter("blink:request_preemptions", "Preemptions (by recompute) of the class's "
+                                          "finished requests", per_class, registry=r)
+        way = [*per_class, "direction"]
+        self._pages = Counter("blink:kv_rotated_pages", "KV pages rotated to host memory (out) and back (in)", way,
+                              registry=r)
+        self._bytes = Counter("blink:kv_rotated_bytes", "Bytes of KV rotated to host memory and back", way,
+                              registry=r)
+        self._classes = {c: self._bind(c) for c in ServiceClass}
         self.prompt_tokens = Counter("blink:prompt_tokens", "Prompt tokens processed", list(labels),
                                      registry=r).labels(**labels)
         self.generation_tokens = Counter("blink:generation_tokens", "Tokens generated", list(labels),
@@ -49,23 +116,55 @@ class Metrics:
         self.info.clear()
         self.info.labels(drive=self.drive, transport=transport, **self._labels).set(1)
 
-    def finished(self, stream: Stream, generated: int, prompt_tokens: int) -> None:
-        now = time.monotonic()
-        self.e2e.observe(now - stream.submitted_at)
-        if stream.admitted_at is not None:
-            self.queue_time.observe(stream.admitted_at - stream.submitted_at)
-        self.prompt_tokens.inc(prompt_tokens)
-        self.generation_tokens.inc(generated)
+    def of(self, service_class: ServiceClass) -> ClassMetrics:
+        return self._classes[service_class]
 
-    def render(self, client: SlotClient, kv_used: int | None, kv_total: int | None, preemptions: int | None,
-               degraded: bool) -> bytes:
+    def _bind(self, service_class: ServiceClass) -> ClassMetrics:
+        labels = {**self._labels, "service_class": service_class.label}
+        hist = {name: h.labels(**labels) for name, h in self._histograms.items()}
+        slos, ways = ("ttft", "tpot"), ("out", "in")
+        return ClassMetrics(
+            **hist, slo_requests={s: self._slo_requests.labels(**labels, slo=s) for s in slos},
+            slo_attained={s: self._slo_attained.labels(**labels, slo=s) for s in slos},
+            attainment={s: self._attainment.labels(**labels, slo=s) for s in slos},
+            preemptions=self._class_preemptions.labels(**labels),
+            pages={w: self._pages.labels(**labels, direction=w) for w in ways},
+            bytes={w: self._bytes.labels(**labels, direction=w) for w in ways}, judged={s: [0, 0] for s in slos})
+
+    def finished(self, stream: Stream, record: ChoiceRecord) -> None:
+        now = time.monotonic()
+        m = self.of(record.service_class)
+        m.e2e.observe(now - stream.submitted_at)
+        if stream.admitted_at is not None:
+            m.queue_time.observe(stream.admitted_at - stream.submitted_at)
+        self.prompt_tokens.inc(record.prompt_tokens)
+        self.generation_tokens.inc(record.generated)
+        if (stats := record.stats) is not None:
+            m.engine_wait.observe(stats.wait_ms / 1000)
+            m.preemptions.inc(stats.preemptions)
+            for way, pages, size in (("out", stats.pages_out, stats.bytes_out), ("in", stats.pages_in, stats.bytes_in)):
+                m.pages[way].inc(pages)
+                m.bytes[way].inc(size)
+        if record.outcome == "abort":
+            return  # the client left: no verdict
+        completed = record.outcome in ("stop", "length")
+        for slo, target_ms, value_s in (("ttft", record.ttft_slo_ms, record.ttft_s),
+                                        ("tpot", record.tpot_slo_ms, record.tpot_s)):
+            if target_ms is None:
+                continue
+            # No value: no first token (a TTFT miss), or a single token (no TPOT to miss).
+            met = completed and (slo == "tpot" if value_s is None else value_s * 1000 <= target_ms)
+            m.judge(slo, met)
+
+    def render(self, client: SlotClient, engine: EngineStatus | None, degraded: bool) -> bytes:
         self.degraded.labels(**self._labels).set(int(degraded))
         self.running.labels(**self._labels).set(client.running)
         self.waiting.labels(**self._labels).set(client.waiting)
         self.failovers.labels(**self._labels).set(client.health().failovers)
         self.failed_requests.labels(**self._labels).set(client.failed_over)
-        if kv_total:
-            self.kv_usage.labels(**self._labels).set(kv_used / kv_total)
-        if preemptions is not None:
-            self.preemptions.labels(**self._labels).set(preemptions)
+        if engine is not None:
+            self.kv_usage.labels(**self._labels).set(engine.kv_pages_used / max(1, engine.kv_pages_total))
+            host_usage = engine.kv_host_pages_used / max(1, engine.kv_host_pages_total)
+            self.host_kv_usage.labels(**self._labels).set(host_usage)
+            self.preemptions.labels(**self._labels).set(engine.preemptions)
         return generate_latest(self.registry)

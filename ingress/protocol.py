@@ -6,6 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
 
+from blink.shared.service_class import ClassName
+
 MAX_STOP_STRINGS = 8
 INT32_MAX = 2**31 - 1  # the slot table stores these as int32
 
@@ -41,6 +43,10 @@ class SamplingFields(BaseModel):
     include_stop_str_in_output: StrictBool = False
     skip_special_tokens: StrictBool = True
     priority: StrictInt = Field(0, ge=-(2**15), lt=2**15)
+    # Blink's: the service class (else the x-blink-class header, else the default) and SLOs (else the class's).
+    service_class: ClassName | None = None
+    ttft_slo_ms: float | None = Field(None, gt=0, allow_inf_nan=False)
+    tpot_slo_ms: float | None = Field(None, gt=0, allow_inf_nan=False)
 
     @field_validator("stop")
     @classmethod

@@ -11,6 +11,7 @@ Finish.FAILED after the tokens it did produce. Slots a dead ingress left behind 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections import deque
 from collections.abc import AsyncIterator
@@ -20,6 +21,7 @@ from typing import Protocol
 import numpy as np
 import structlog
 
+from blink.shared.service_class import ServiceClass
 from blink.shared.slot_table import Client, EngineState, Finish, Output, Request, SlotState, SlotTable
 
 log = structlog.get_logger()
@@ -83,12 +85,16 @@ class SlotClient:
     transport = "shm"
 
     def __init__(self, table: SlotTable, max_waiting: int, client: Client = Client.INGRESS,
-                 adopting: frozenset[int] = frozenset()):
+                 adopting: frozenset[int] = frozenset(), reserved_slots: int = 0):
+        """reserved_slots: free slots only latency-sensitive requests may take, so that one arriving while
+        best-effort work fills the table reaches the engine, which preempts at the next step."""
         table.claim(client)
         self.table, self._client = table, client
         self.max_waiting = max_waiting
         self.num_slots = table.geometry.num_slots
-        self._waiters: deque[asyncio.Future[int]] = deque()
+        self.reserved_slots = min(reserved_slots, self.num_slots - 1)
+        # Waiting for a slot, per class: latency-sensitive ones are served first.
+        self._waiters: dict[ServiceClass, deque[asyncio.Future[int]]] = {c: deque() for c in ServiceClass}
         self._busy: dict[int, Stream] = {}
         self._free: deque[int] = deque()
         self._orphans: set[int] = set()  # slots a previous ingress left busy: cancelled, freed once ended
@@ -110,7 +116,7 @@ class SlotClient:
 
     @property
     def waiting(self) -> int:
-        return len(self._waiters)
+        return sum(len(w) for w in self._waiters.values())
 
     def health(self) -> EngineHealth:
         h = self.table.header
@@ -129,18 +135,21 @@ class SlotClient:
     async def submit(self, request: Request) -> Stream:
         if self._handed_to is not None:  # a handler that took this client before a switch
             return await self._handed_to.submit(request)
+        arrived = time.monotonic()
         try:
-            slot = await self._acquire()
+            slot = await self._acquire(ServiceClass(request.service_class))
         except Rerouted as e:
             return await e.to.submit(request)
         if self._handed_to is not None:  # got a slot as the switch began: the table is the relay's now
             return await self._handed_to.submit(request)
+        # The engine learns what remains of the TTFT SLO after the wait for a slot.
+        waited_ms = (time.monotonic() - arrived) * 1000
         try:
-            self.table.publish(slot, request)
+            self.table.publish(slot, dataclasses.replace(request, ttft_slo_ms=request.ttft_slo_ms - waited_ms))
         except Exception:
             self._release(slot)
             raise
-        stream = Stream(slot, asyncio.Queue(), owner=self)
+        stream = Stream(slot, asyncio.Queue(), submitted_at=arrived, owner=self)
         self._busy[slot] = stream
         self._wake.set()
         return stream
@@ -166,35 +175,39 @@ class SlotClient:
         waiting for a slot to `to`, and gives up the table's claim."""
         self._handed_to = to
         await self.stop()
-        for waiter in self._waiters:
-            if not waiter.done():
-                waiter.set_exception(Rerouted(to))
-        self._waiters.clear()
+        for waiters in self._waiters.values():
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.set_exception(Rerouted(to))
+            waiters.clear()
         busy, self._busy = self._busy, {}
         return busy
 
-    async def _acquire(self) -> int:
-        if self._free:
+    async def _acquire(self, service_class: ServiceClass) -> int:
+        if len(self._free) > (0 if service_class == ServiceClass.LATENCY_SENSITIVE else self.reserved_slots):
             return self._free.popleft()
-        if len(self._waiters) >= self.max_waiting:
+        if self.waiting >= self.max_waiting:
             raise Overloaded
         waiter = asyncio.get_running_loop().create_future()
-        self._waiters.append(waiter)
+        self._waiters[service_class].append(waiter)
         try:
             return await waiter
         except asyncio.CancelledError:
             if waiter.done() and not waiter.cancelled():
                 self._release(waiter.result())
             else:
-                self._waiters.remove(waiter)
+                self._waiters[service_class].remove(waiter)
             raise
 
     def _release(self, slot: int) -> None:
-        while self._waiters:
-            waiter = self._waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(slot)
-                return
+        for service_class, waiters in self._waiters.items():
+            if service_class == ServiceClass.BEST_EFFORT and len(self._free) < self.reserved_slots:
+                break  # this slot refills the latency-sensitive reserve
+            while waiters:
+                waiter = waiters.popleft()
+                if not waiter.done():
+                    waiter.set_result(slot)
+                    return
         self._free.append(slot)
 
     async def _poll(self) -> None:

@@ -10,6 +10,7 @@ from blink.ingress.metrics import Metrics
 from blink.ingress.remote_slots import RemoteSlotClient
 from blink.ingress.slots import SlotClient
 from blink.shared.control import EngineInfo, EngineStatus
+from blink.shared.service_class import ClassDefaults
 from blink.shared.tokenizer import Tokenizer
 
 
@@ -23,6 +24,7 @@ class IngressState:
     engine_status: Callable[[], EngineStatus | None] = lambda: None
     draining: bool = False
     seeds: secrets.SystemRandom = field(default_factory=secrets.SystemRandom)
+    classes: ClassDefaults = field(default_factory=ClassDefaults)  # the control plane may replace it
 
     @property
     def degraded(self) -> bool:

@@ -93,7 +93,7 @@ class ZmqApi:
         prompt = completion_prompts(state, body)[0]
         room = context_room(state, prompt, body.max_tokens, "prompt")
         seed = body.seed if body.seed is not None else state.seeds.getrandbits(63)
-        request = slot_request(prompt, body, body.max_tokens or room, body.logprobs, seed)
+        request = slot_request(prompt, body, body.max_tokens or room, body.logprobs, seed, state.classes)
         async for delta in choice_deltas(state.client, state.tokenizer, request, body, 0, state.metrics,
                                          state.info.eos_token_ids):
             await self._send(identity, {"id": request_id, "text": delta.text, "token_ids": delta.token_ids,

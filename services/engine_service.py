@@ -48,7 +48,7 @@ class EngineService:
         self.engine = Engine(EngineConfig(
             model=settings.model, device=settings.device, dtype=settings.dtype, max_num_seqs=settings.max_num_seqs,
             max_num_batched_tokens=settings.max_num_batched_tokens, max_model_len=settings.max_model_len,
-            num_pages=settings.num_pages,
+            num_pages=settings.num_pages, scheduling_policy=settings.scheduling_policy, swap_space=settings.swap_space,
         ))
         geometry = Geometry(num_slots=self.engine.state.num_slots, max_prompt_tokens=self.engine.max_model_len,
                             window=settings.window)
@@ -71,7 +71,8 @@ class EngineService:
         control_thread.start()
         relay = None
         if self.settings.transport != "shm":
-            relay = Relay(self.table, self.settings.relay_endpoint, self.settings.max_waiting)
+            relay = Relay(self.table, self.settings.relay_endpoint, self.settings.max_waiting,
+                          self.settings.reserved_slots(self.engine.state.num_slots))
             relay.start()
         self.table.heartbeat()  # the first one of this life: the header may still hold a dead engine's
         self.table.header["engine_state"] = EngineState.READY
@@ -118,12 +119,15 @@ class EngineService:
         if isinstance(message, control.Hello):
             return self.info
         if isinstance(message, control.GetStatus):
-            state, pool = self.engine.state, self.engine.pool
+            state, pool, mirror = self.engine.state, self.engine.pool, self.engine.mirror
+            host_total = mirror.num_pages - 1 if mirror else 0
             return control.EngineStatus(
                 state=EngineState(int(self.table.header["engine_state"])).name.lower(),
                 epoch=self.info.epoch, steps=int(self.table.header["steps"]), running=len(self.driver.resident),
                 kv_pages_used=pool.usable_pages - int(pool.num_free), kv_pages_total=pool.usable_pages,
                 preemptions=int(state.num_preemptions),
+                kv_host_pages_used=host_total - int(mirror.free.num_free) if mirror else 0,
+                kv_host_pages_total=host_total,
             )
         if isinstance(message, control.SetLimits):
             self.driver.max_running = message.max_running

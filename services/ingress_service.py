@@ -81,7 +81,8 @@ def connect(settings: Settings, info: control.EngineInfo) -> SlotClient | Remote
     relay), otherwise the engine host's relay over ZeroMQ (degraded)."""
     if settings.transport != "zmq":
         try:
-            return SlotClient(SlotTable.attach(info.slot_table), settings.max_waiting)
+            return SlotClient(SlotTable.attach(info.slot_table), settings.max_waiting,
+                              reserved_slots=settings.reserved_slots(info.num_slots))
         except (FileNotFoundError, RuntimeError) as e:
             if settings.transport == "shm":
                 raise
@@ -103,7 +104,7 @@ async def serve(settings: Settings, info: control.EngineInfo) -> None:
     # On another host the engine's model directory may not exist: --model names a local copy of the tokenizer.
     state = IngressState(info=info, tokenizer=Tokenizer(settings.model or info.model_dir), client=client,
                          metrics=Metrics(info.model, info.drive, client.transport),
-                         api_key=settings.api_key, engine_status=engine_status)
+                         api_key=settings.api_key, engine_status=engine_status, classes=settings.class_defaults())
     log.info("ingress transport", transport=client.transport, degraded=state.degraded)
     config = uvicorn.Config(create_app(state), host=settings.host, port=settings.port, loop="none",
                             log_config=None, access_log=False, timeout_graceful_shutdown=settings.shutdown_timeout)
@@ -165,6 +166,10 @@ async def answer_pings(state: IngressState, settings: Settings) -> None:
                                               transport=client.transport)
             elif isinstance(message, control.SwitchTransport):
                 reply = await switch_to_zmq(state, settings)
+            elif isinstance(message, control.SetClassDefaults):
+                state.classes = message.applied_to(state.classes)
+                log.info("class defaults changed", **state.classes.model_dump())
+                reply = control.ClassDefaultsNow(defaults=state.classes)
             elif message is not None:
                 reply = control.Failure(message=f"unexpected message {message.type!r}")
             await sock.send(control.encode(reply))

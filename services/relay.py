@@ -27,8 +27,9 @@ log = structlog.get_logger()
 
 
 class Relay:
-    def __init__(self, table: SlotTable, endpoint: str, max_waiting: int):
+    def __init__(self, table: SlotTable, endpoint: str, max_waiting: int, reserved_slots: int = 0):
         self.table, self.endpoint, self.max_waiting = table, endpoint, max_waiting
+        self.reserved_slots = reserved_slots
         self.client: SlotClient | None = None
         self.instance = uuid.uuid4().hex  # a remote ingress fails what a previous relay (engine) accepted
         self._tasks: dict[tuple[bytes, str], asyncio.Task] = {}
@@ -76,7 +77,8 @@ class Relay:
         elif op == "adopt":
             streams = {str(rid): int(slot) for rid, slot in message["streams"].items()}
             if self.client is None:
-                self.client = SlotClient(self.table, self.max_waiting, Client.RELAY, frozenset(streams.values()))
+                self.client = SlotClient(self.table, self.max_waiting, Client.RELAY, frozenset(streams.values()),
+                                         self.reserved_slots)
                 self.client.start()
             else:
                 self.table.claim(Client.RELAY)
@@ -95,7 +97,7 @@ class Relay:
         identity, rid = key
         try:
             if self.client is None:
-                self.client = SlotClient(self.table, self.max_waiting, Client.RELAY)
+                self.client = SlotClient(self.table, self.max_waiting, Client.RELAY, reserved_slots=self.reserved_slots)
                 self.client.start()
             stream = await self.client.submit(request)
         except Overloaded:

@@ -6,6 +6,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field, TypeAdapter
 
+from blink.shared.service_class import ClassDefaults, ClassName, ClassSLO
+
 
 class Hello(BaseModel):
     type: Literal["hello"] = "hello"
@@ -20,6 +22,25 @@ class SetLimits(BaseModel):
 
     type: Literal["set_limits"] = "set_limits"
     max_running: int | None = Field(None, ge=0, description="requests admitted at once; None: every slot")
+
+
+class SetClassDefaults(BaseModel):
+    """The ingress's default class and per-class SLOs, from its next request on (fields left out keep their value);
+    answered with the resulting ClassDefaultsNow."""
+
+    type: Literal["set_class_defaults"] = "set_class_defaults"
+    default_class: ClassName | None = None
+    latency_sensitive: ClassSLO | None = None
+    best_effort: ClassSLO | None = None
+
+    def applied_to(self, defaults: ClassDefaults) -> ClassDefaults:
+        given = self.model_dump(exclude={"type"}, exclude_none=True)
+        return ClassDefaults.model_validate({**defaults.model_dump(), **given})
+
+
+class ClassDefaultsNow(BaseModel):
+    type: Literal["class_defaults"] = "class_defaults"
+    defaults: ClassDefaults
 
 
 class Drain(BaseModel):
@@ -77,6 +98,8 @@ class EngineStatus(BaseModel):
     kv_pages_used: int
     kv_pages_total: int
     preemptions: int
+    kv_host_pages_used: int = 0  # the host mirror KV pages rotate to
+    kv_host_pages_total: int = 0
 
 
 class Ack(BaseModel):
@@ -88,8 +111,9 @@ class Failure(BaseModel):
     message: str
 
 
-Message = Annotated[Hello | GetStatus | SetLimits | Drain | Stop | Ping | SwitchTransport | IngressStatus | EngineInfo
-                    | EngineStatus | Ack | Failure, Field(discriminator="type")]
+Message = Annotated[Hello | GetStatus | SetLimits | SetClassDefaults | ClassDefaultsNow | Drain | Stop | Ping
+                    | SwitchTransport | IngressStatus | EngineInfo | EngineStatus | Ack | Failure,
+                    Field(discriminator="type")]
 _adapter: TypeAdapter[Message] = TypeAdapter(Message)
 
 

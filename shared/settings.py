@@ -7,6 +7,8 @@ from typing import Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from blink.shared.service_class import ClassDefaults, ClassName, ClassSLO
+
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="BLINK_", extra="forbid")
@@ -39,12 +41,33 @@ class Settings(BaseSettings):
     watchdog_deadline: float = Field(2.0, gt=0, description="seconds without a heartbeat or an answer before "
                                      "the watchdog declares a service stalled")
     engine_start_timeout: float = Field(600.0, gt=0, description="seconds an engine may take to load and answer")
+    scheduling_policy: Literal["fcfs", "priority", "slo"] = Field(
+        "slo", description="slo: latency-sensitive before best-effort, then priority, then TTFT deadline, with "
+        "decodes kept within their TPOT SLOs; priority: vLLM's; fcfs: arrival order")
+    swap_space: float = Field(4.0, ge=0, description="GiB of host memory KV pages rotate to when the pool runs "
+                              "short; 0: preempted requests are recomputed instead")
+    default_class: ClassName = Field("latency_sensitive", description="service class of requests that name none")
+    ls_ttft_slo_ms: float | None = Field(None, gt=0, description="latency-sensitive requests' default TTFT SLO")
+    ls_tpot_slo_ms: float | None = Field(None, gt=0, description="latency-sensitive requests' default TPOT SLO")
+    be_ttft_slo_ms: float | None = Field(None, gt=0, description="best-effort requests' default TTFT SLO")
+    be_tpot_slo_ms: float | None = Field(None, gt=0, description="best-effort requests' default TPOT SLO")
+    ls_reserved_slots: int | None = Field(None, ge=0, description="slots only latency-sensitive requests may take "
+                                          "(default: an eighth of them)")
 
     @field_validator("model", "served_model_name", "api_key", mode="before")
     @classmethod
     def _empty_is_unset(cls, value: object) -> object:
         """BLINK_MODEL= (as compose writes an unset ${BLINK_MODEL:-}) means the default, not a model named ''."""
         return None if value == "" else value
+
+    def class_defaults(self) -> ClassDefaults:
+        return ClassDefaults(
+            default_class=self.default_class,
+            latency_sensitive=ClassSLO(ttft_slo_ms=self.ls_ttft_slo_ms, tpot_slo_ms=self.ls_tpot_slo_ms),
+            best_effort=ClassSLO(ttft_slo_ms=self.be_ttft_slo_ms, tpot_slo_ms=self.be_tpot_slo_ms))
+
+    def reserved_slots(self, num_slots: int) -> int:
+        return num_slots // 8 if self.ls_reserved_slots is None else self.ls_reserved_slots
 
     @property
     def control_endpoint(self) -> str:
