@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -30,6 +31,7 @@ class RequestRecord:
     end: float = 0.0
     output_len: int = 0
     error: str | None = None
+    service_class: str | None = None  # the class the request was sent with, for per-class figures
 
     @property
     def ok(self) -> bool:
@@ -42,6 +44,16 @@ class RequestOptions:
     temperature: float = 0.0
     ignore_eos: bool = False
     timeout_s: float = 600.0
+    class_slos_ms: Mapping[str, Mapping[str, float]] = field(default_factory=dict)  # class -> {"ttft": ms, ...}
+
+
+def class_fields(sample: SampleRequest, options: RequestOptions) -> dict[str, object]:
+    """The body fields naming the request's class and that class's SLOs, so that the server judges a request by
+    the same thresholds as the benchmark's figures do; none for a request without a class."""
+    if sample.service_class is None:
+        return {}
+    slos = options.class_slos_ms.get(sample.service_class, {})
+    return {"service_class": sample.service_class, **{f"{metric}_slo_ms": ms for metric, ms in slos.items()}}
 
 
 class Backend(Protocol):
@@ -70,10 +82,10 @@ class OpenAIBackend:
             body["prompt"] = sample.prompt
         if o.ignore_eos:  # vLLM's extension; OpenAI's own API would refuse the field
             body["ignore_eos"] = True
-        return body
+        return body | class_fields(sample, o)
 
     async def __call__(self, sample: SampleRequest) -> RequestRecord:
-        record = RequestRecord(sample.prompt_len, start=time.perf_counter())
+        record = RequestRecord(sample.prompt_len, start=time.perf_counter(), service_class=sample.service_class)
         try:
             async with asyncio.timeout(self.options.timeout_s):  # httpx's own timeout is per read, not total
                 async with self.client.stream("POST", self.url, json=self.body(sample)) as response:
@@ -130,9 +142,9 @@ class ZmqBackend:
         zmq.asyncio.Context.instance().set(zmq.MAX_SOCKETS, 1 << 16)  # a socket per request in flight
 
     async def __call__(self, sample: SampleRequest) -> RequestRecord:
-        record = RequestRecord(sample.prompt_len, start=time.perf_counter())
+        record = RequestRecord(sample.prompt_len, start=time.perf_counter(), service_class=sample.service_class)
         params = {"max_tokens": sample.output_len, "temperature": self.options.temperature,
-                  "ignore_eos": self.options.ignore_eos}
+                  "ignore_eos": self.options.ignore_eos, **class_fields(sample, self.options)}
         client = None
         try:
             client = self._client_class(self.endpoint)

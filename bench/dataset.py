@@ -28,6 +28,7 @@ class SampleRequest:
     prompt: str
     prompt_len: int
     output_len: int
+    service_class: str | None = None  # None: the request names no class and the server's default applies
 
 
 @dataclass(frozen=True)

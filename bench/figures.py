@@ -99,9 +99,8 @@ def report(figures: dict[str, object], rate: float, max_concurrency: int | None,
     """The block vLLM's `bench serve` prints, line for line, with Blink's additions (`extra`) before its end."""
     lines = ["{:=^50}".format(" Serving Benchmark Result ")]
 
-    def row(label: str, value: object, fmt: str = ".2f") -> None:
-        text = "-" if value is None else format(value, fmt) if isinstance(value, float) else str(value)
-        lines.append(f"{label:<40} {text:<10}")
+    def row(label: str, value: object) -> None:
+        lines.append(report_row(label, value))
 
     row("Successful requests:", figures["completed"])
     row("Failed requests:", figures["failed"])
@@ -130,3 +129,9 @@ def report(figures: dict[str, object], rate: float, max_concurrency: int | None,
         row(f"{label}:", value)
     lines.append("=" * 50)
     return "\n".join(lines)
+
+
+def report_row(label: str, value: object, fmt: str = ".2f") -> str:
+    """One line of a report block, as vLLM lays them out; "-" for a figure with no samples."""
+    text = "-" if value is None else format(value, fmt) if isinstance(value, float) else str(value)
+    return f"{label:<40} {text:<10}"

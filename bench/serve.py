@@ -2,13 +2,16 @@
 
 One JSON file per invocation: the configuration, the machine, the server's drive mode and transport (as its
 /ready reports them), what interference ran, and one entry per request rate with every figure, the energy
-where NVML can measure it, and each request's lengths, latencies and error.
+where NVML can measure it, and each request's lengths, class, latencies and error. With --class-mix, each
+request carries a service class (and its class's --class-slo), and each rate's entry has every class's figures
+(bench/classes.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import math
 import os
 import signal
@@ -19,6 +22,7 @@ from pathlib import Path
 import httpx
 
 from blink.bench.backends import Backend, OpenAIBackend, RequestOptions, RequestRecord, ZmqBackend
+from blink.bench.classes import MergeSlos, assign, class_figures, class_report, parse_mix, parse_slo
 from blink.bench.dataset import LengthLimits, SampleRequest, load_tokenizer, sharegpt, synthetic
 from blink.bench.energy import EnergyMeter
 from blink.bench.figures import RequestTimes, compute, report
@@ -59,6 +63,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds before a request counts as failed")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--goodput", nargs="+", default=[], metavar="NAME:MS", help="SLOs, e.g. ttft:500 tpot:50")
+    p.add_argument("--class-mix", type=parse_mix, metavar="CLASS:WEIGHT,...",
+                   help="send each request with a service class drawn from --seed, e.g. ls:0.2,be:0.8 (ls, be, "
+                   "latency_sensitive, best_effort; weights normalised), and report each class's figures")
+    p.add_argument("--class-slo", nargs="+", type=parse_slo, action=MergeSlos, default={},
+                   metavar="CLASS:METRIC=MS,...", help="per-class SLOs sent with each request of the class and "
+                   "judged in its figures, e.g. ls:ttft=500,tpot=50 be:ttft=5000 (needs --class-mix)")
     p.add_argument("--interference", type=_positive(int), metavar="N", help="CPU interference processes")
     p.add_argument("--interference-cpus", type=_cpus, help="pin them: 0,1 or 0-3")
     p.add_argument("--energy", action=argparse.BooleanOptionalAction, default=True, help="NVML energy per token")
@@ -72,6 +82,8 @@ def run(args: argparse.Namespace) -> Path:
     if args.dataset and args.input_len:
         raise SystemExit("--input-len applies to synthetic prompts; a --dataset brings its own")
     goodput = parse_goodput(args.goodput)
+    if args.class_slo and not args.class_mix:
+        raise SystemExit("--class-slo judges the classes of --class-mix; without a mix, requests have no class")
     signal.signal(signal.SIGTERM, _interrupt)
     load = Interference(args.interference, args.interference_cpus) if args.interference else nullcontext()
     with load:
@@ -91,7 +103,9 @@ async def sweep(args: argparse.Namespace, goodput: dict[str, float], load: Inter
         samples = sharegpt(args.dataset, tokenizer, args.num_prompts, limits, args.seed, args.output_len)
     else:
         samples = synthetic(tokenizer, args.num_prompts, limits, args.seed, args.input_len, args.output_len)
-    options = RequestOptions(model, args.temperature, args.ignore_eos, args.request_timeout)
+    if args.class_mix:
+        samples = assign(samples, args.class_mix, args.seed)
+    options = RequestOptions(model, args.temperature, args.ignore_eos, args.request_timeout, args.class_slo)
     backend: Backend = (ZmqBackend(args.zmq_endpoint, options) if args.backend == "blink-zmq" else
                         OpenAIBackend(args.base_url, options, args.backend == "openai-chat", args.api_key))
     result = {
@@ -102,7 +116,8 @@ async def sweep(args: argparse.Namespace, goodput: dict[str, float], load: Inter
         "dataset": str(args.dataset) if args.dataset else "synthetic-sharegpt", "num_prompts": len(samples),
         "input_len": args.input_len, "output_len": args.output_len, "ignore_eos": args.ignore_eos,
         "burstiness": args.burstiness, "max_concurrency": args.max_concurrency, "seed": args.seed,
-        "goodput_slos_ms": goodput or None, "server": server, "interference": load.describe() if load else None,
+        "goodput_slos_ms": goodput or None, "class_mix": args.class_mix, "class_slos_ms": args.class_slo or None,
+        "server": server, "interference": load.describe() if load else None,
         "machine": machine(), "blink": blink_source(), "runs": [], "complete": False}
     path = None
     try:
@@ -128,13 +143,16 @@ async def one_rate(args: argparse.Namespace, backend: Backend, samples: list[Sam
                                                                             "reason": "--no-energy"}
     extra = {"Energy per output token (J/tok)": energy["joules_per_output_token"]} if energy["available"] else {}
     print(report(figures, rate, args.max_concurrency, extra), flush=True)
+    classes = class_figures(records, duration, args.class_slo) if args.class_mix else None
+    for name, figures_of_class in (classes or {}).items():
+        print(class_report(name, figures_of_class), flush=True)
     return {"request_rate": rate if math.isfinite(rate) else "inf", **figures, "energy": energy,
-            "requests": [request_row(r) for r in records]}
+            **({"classes": classes} if classes is not None else {}), "requests": [request_row(r) for r in records]}
 
 
 def request_row(r: RequestRecord) -> dict[str, object]:
     times = RequestTimes.of(r) if r.ok else None
-    return {"prompt_len": r.prompt_len, "output_len": r.output_len, "error": r.error,
+    return {"prompt_len": r.prompt_len, "output_len": r.output_len, "service_class": r.service_class, "error": r.error,
             "ttft_ms": times.ttft * 1000 if times else None, "e2el_ms": times.e2el * 1000 if times else None,
             "chunks": len(r.chunk_times)}
 
@@ -144,7 +162,8 @@ async def check_server(backend: Backend, sample: SampleRequest) -> None:
     print("checking the server with one request...", flush=True)
     try:
         async with asyncio.timeout(CHECK_TIMEOUT_S):
-            record = await backend(SampleRequest(sample.prompt, sample.prompt_len, min(sample.output_len, 4)))
+            # with the sample's class and SLOs: a server that refuses them says so now
+            record = await backend(dataclasses.replace(sample, output_len=min(sample.output_len, 4)))
     except TimeoutError:
         raise SystemExit(f"the server did not answer a test request within {CHECK_TIMEOUT_S} s") from None
     if not record.ok:

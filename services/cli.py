@@ -37,6 +37,10 @@ def main(argv: list[str] | None = None) -> int:
     probe.add_argument("service", choices=["engine", "ingress"])
     _add_settings_flags(probe)
 
+    classes = commands.add_parser("classes", help="show the running ingress's service-class defaults, or change "
+                                  "them with --default-class and --ls-/--be-ttft-/tpot-slo-ms (0 clears one)")
+    _add_settings_flags(classes)
+
     model = commands.add_parser("model", help="manage checkpoints").add_subparsers(dest="model_command",
                                                                                    required=True)
     init = model.add_parser("init", help="write the default random-weight model (to DIR or the cache)")
@@ -70,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.command == "probe":
         return _probe(args.service, _settings(args))
+    if args.command == "classes":
+        return _classes(args)
 
     from blink.shared.logs import configure_logging
 
@@ -133,6 +139,29 @@ def _probe(service: str, settings: Settings) -> int:
     healthy = isinstance(reply, control.IngressStatus) or (
         isinstance(reply, control.EngineStatus) and reply.state in ("ready", "draining"))
     return 0 if healthy else 1
+
+
+def _classes(args: argparse.Namespace) -> int:
+    from blink.shared import control
+
+    change: dict = {}
+    if args.default_class is not None:
+        change["default_class"] = args.default_class
+    for prefix, name in (("ls", "latency_sensitive"), ("be", "best_effort")):
+        for slo in ("ttft_slo_ms", "tpot_slo_ms"):
+            value = getattr(args, f"{prefix}_{slo}")
+            if value is not None:
+                change.setdefault(name, {})[slo] = float(value) or None
+    settings = _settings(argparse.Namespace(**{k: v for k, v in vars(args).items()
+                                               if k in ("deployment", "runtime_dir", "engine_host")}))
+    try:
+        message = control.SetClassDefaults.model_validate(change)
+        reply = control.request(settings.ingress_control_endpoint, message, timeout_s=settings.watchdog_deadline)
+    except (ValueError, TimeoutError) as e:
+        print(e, file=sys.stderr)
+        return 1
+    print(reply.model_dump_json())
+    return 0 if isinstance(reply, control.ClassDefaultsNow) else 1
 
 
 def _model_init(target: Path | None) -> int:

@@ -34,8 +34,11 @@ class SetClassDefaults(BaseModel):
     best_effort: ClassSLO | None = None
 
     def applied_to(self, defaults: ClassDefaults) -> ClassDefaults:
-        given = self.model_dump(exclude={"type"}, exclude_none=True)
-        return ClassDefaults.model_validate({**defaults.model_dump(), **given})
+        """What was set here replaces what it names (an SLO set to None clears it); the rest stays."""
+        merged = defaults.model_dump()
+        for name, value in self.model_dump(exclude={"type"}, exclude_unset=True).items():
+            merged[name] = {**merged[name], **value} if isinstance(value, dict) else value
+        return ClassDefaults.model_validate(merged)
 
 
 class ClassDefaultsNow(BaseModel):

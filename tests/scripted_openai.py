@@ -1,9 +1,9 @@
 """An OpenAI-compatible completions server whose timing and failures a test scripts, run in a thread.
 
 It streams one token per chunk: the first after `ttft_s`, the others `gap_s` apart, and records when it sent
-each, on the same perf_counter clock as the benchmark in the test's process. Prompts pick failures:
-"http-400 ..." answers 400 in OpenAI's envelope, "error-event ..." sends a token then an error event,
-"cut ..." ends the stream after two tokens with neither finish reason nor [DONE].
+each, on the same perf_counter clock as the benchmark in the test's process, and each request's body. Prompts
+pick failures: "http-400 ..." answers 400 in OpenAI's envelope, "error-event ..." sends a token then an error
+event, "cut ..." ends the stream after two tokens with neither finish reason nor [DONE].
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ class Served:
     max_tokens: int
     received: float
     sent: list[float] = field(default_factory=list)  # when each token's chunk was sent
+    body: dict = field(default_factory=dict)  # the request as sent, for tests of the fields a client adds
 
 
 @dataclass
@@ -52,7 +53,7 @@ def app_for(script: Script) -> FastAPI:
         if prompt.startswith("http-400"):
             return JSONResponse({"error": {"message": "scripted refusal", "type": "invalid_request_error",
                                            "param": "prompt", "code": None}}, status_code=400)
-        served = Served(prompt, n, received)
+        served = Served(prompt, n, received, body=body)
         script.served.append(served)
 
         def chunk(i: int) -> str:

@@ -1,5 +1,6 @@
 """`blink bench`: its figures against timestamps taken elsewhere, failures counted, interference cleaned up,
-every figure saved, plots that are PNGs; against a scripted server and against `blink serve`."""
+every figure saved, plots that are PNGs, service classes drawn, sent and judged per class; against a scripted
+server and against `blink serve`."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import statistics
 import subprocess
 import sys
 import time
+from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +20,7 @@ import pytest
 
 from blink.bench import cli as bench_cli
 from blink.bench.backends import RequestRecord
+from blink.bench.classes import assign, class_figures, class_report, parse_mix, parse_slo
 from blink.bench.dataset import LengthLimits, load_tokenizer, sharegpt, synthetic
 from blink.bench.energy import integrate
 from blink.bench.figures import compute, report
@@ -68,6 +72,83 @@ def test_figures_from_known_records():
                   "P90 TPOT (ms):", "Median ITL (ms):", "P99 E2EL (ms):"):
         assert label in text
     assert text.splitlines()[0] == "============ Serving Benchmark Result ============"
+
+
+LS, BE = "latency_sensitive", "best_effort"
+
+
+def test_class_figures_and_slo_attainment_from_known_records():
+    """Each class's figures are compute()'s on its own records; attainment of completed and of all requests, a
+    failed request a miss in the second, a one-token request meeting any TPOT SLO."""
+    records = [RequestRecord(10, start=2.0, chunk_times=[2.5, 2.55, 2.6], end=2.6, output_len=3, service_class=BE),
+               RequestRecord(10, start=0.0, chunk_times=[0.1, 0.2, 0.3], end=0.3, output_len=3, service_class=LS),
+               RequestRecord(10, start=1.0, chunk_times=[1.6], end=1.6, output_len=1, service_class=LS),
+               RequestRecord(10, start=0.5, end=0.7, error="HTTP 503: full", service_class=LS),
+               RequestRecord(10, start=0.0, chunk_times=[1.0, 3.0], end=3.0, output_len=2, service_class=BE)]
+    classes = class_figures(records, 4.0, {LS: {"ttft": 500, "tpot": 150}, BE: {"ttft": 800}})
+    assert list(classes) == [LS, BE]  # in the classes' own order, whatever the records'
+    ls, be = classes[LS], classes[BE]
+    assert (ls["requests"], ls["completed"], ls["failed"], ls["total_output_tokens"]) == (3, 2, 1, 4)
+    assert ls["output_throughput"] == 1.0 and ls["error_counts"] == {"HTTP 503: full": 1}
+    assert ls["mean_ttft_ms"] == pytest.approx(350) and ls["median_ttft_ms"] == pytest.approx(350)
+    assert ls["p99_ttft_ms"] == pytest.approx(595)  # 100 + 0.99 * (600 - 100)
+    assert ls["mean_tpot_ms"] == pytest.approx(100) and ls["p99_tpot_ms"] == pytest.approx(100)  # (300-100)/2
+    assert ls["ttft_slo_attainment_completed"] == 0.5  # 100 ms met, 600 ms missed
+    assert ls["ttft_slo_attainment_all"] == pytest.approx(1 / 3)  # the failed request is a miss
+    assert ls["tpot_slo_attainment_completed"] == 1.0  # 100 ms met; the one-token request meets it
+    assert ls["tpot_slo_attainment_all"] == pytest.approx(2 / 3)
+    assert ls["slos_ms"] == {"ttft": 500, "tpot": 150}
+    assert (be["requests"], be["completed"], be["failed"], be["output_throughput"]) == (2, 2, 0, 1.25)
+    assert be["mean_ttft_ms"] == pytest.approx(750) and be["mean_tpot_ms"] == pytest.approx(1025)
+    assert be["ttft_slo_attainment_completed"] == be["ttft_slo_attainment_all"] == 0.5
+    assert "tpot_slo_attainment_all" not in be  # no TPOT SLO for the class: no figure
+    text = class_report(LS, ls)
+    assert text.splitlines()[0] == "======== Service class: latency_sensitive ========"
+    for label, value in (("Requests:", "3"), ("Failed requests:", "1"), ("P99 TTFT (ms):", "595.00"),
+                         ("Median TPOT (ms):", "100.00"), ("TTFT SLO (ms):", "500.00"),
+                         ("TTFT SLO attainment, completed (%):", "50.00"),
+                         ("TTFT SLO attainment, all requests (%):", "33.33"),
+                         ("TPOT SLO attainment, all requests (%):", "66.67")):
+        assert f"{label:<40} {value:<10}" in text.splitlines()
+    assert "TPOT SLO" not in class_report(BE, be)
+    assert "SLO" not in class_report(LS, class_figures(records, 4.0, {})[LS])  # no SLOs: no attainment
+    assert class_figures([replace(r, service_class=None) for r in records], 4.0, {}) == {}  # no mix, no classes
+
+
+def test_class_flags_parse_and_refuse(capsys):
+    assert parse_mix("ls:1,best_effort:3") == {LS: 0.25, BE: 0.75}
+    assert list(parse_mix("be:0.8, ls:0.2")) == [LS, BE]  # one order, so the draw does not depend on the writing
+    assert parse_mix("be:2,ls:0") == {BE: 1.0}
+    assert parse_slo("latency_sensitive:ttft=500,tpot=50") == (LS, {"ttft": 500.0, "tpot": 50.0})
+    assert parse_slo("be:tpot=20") == (BE, {"tpot": 20.0})
+    refused = [("--class-mix", "fast:1", "unknown service class 'fast'"), ("--class-mix", "ls:-0.5", ">= 0"),
+               ("--class-mix", "ls:0,be:0", "every weight is 0"), ("--class-mix", "ls:x", "not a number"),
+               ("--class-mix", "ls:inf", ">= 0"), ("--class-mix", "ls", "want CLASS:WEIGHT"),
+               ("--class-mix", "ls:1,latency_sensitive:1", "given twice"),
+               ("--class-slo", "ls:ttft=0", "> 0"), ("--class-slo", "ls:e2el=5", "not METRIC=MS"),
+               ("--class-slo", "ls", "want CLASS:ttft=MS"), ("--class-slo", "xx:ttft=5", "unknown service class"),
+               ("--class-slo", "ls:ttft=5 ls:tpot=5", "given twice")]
+    for flag, value, reason in refused:
+        with pytest.raises(SystemExit) as exit_:
+            bench_cli.main(["serve", flag, *value.split()])
+        assert exit_.value.code == 2, value
+        err = capsys.readouterr().err
+        assert f"argument {flag}:" in err and reason in err, (value, err)
+    with pytest.raises(SystemExit, match="--class-slo judges the classes of --class-mix"):
+        bench_cli.main(["serve", "--class-slo", "ls:ttft=500"])  # before any request
+
+
+def test_class_draw_is_seeded_and_leaves_the_prompts(tokenizer_dir):
+    tokenizer = load_tokenizer(str(tokenizer_dir), "any")
+    samples = synthetic(tokenizer, 300, LengthLimits(300, 400), seed=5)
+    mix = parse_mix("ls:0.2,be:0.8")
+    drawn = assign(samples, mix, seed=5)
+    assert drawn == assign(samples, mix, seed=5) and drawn != assign(samples, mix, seed=6)
+    assert [replace(s, service_class=None) for s in drawn] == samples  # only the class is added
+    assert synthetic(tokenizer, 300, LengthLimits(300, 400), seed=5) == samples  # the draw takes nothing from it
+    share = Counter(s.service_class for s in drawn)[LS] / len(drawn)
+    assert share == pytest.approx(0.2, abs=0.07)
+    assert {s.service_class for s in assign(samples, parse_mix("be:1"), seed=5)} == {BE}
 
 
 def test_arrivals_follow_the_gamma_process():
@@ -141,6 +222,51 @@ def test_figures_match_the_servers_own_timestamps(tmp_path, tokenizer_dir):
     assert run["mean_ttft_ms"] == pytest.approx(statistics.mean(client_ttfts) * 1000)
     assert run["mean_e2el_ms"] == pytest.approx(statistics.mean(r["e2el_ms"] for r in client))
     assert run["max_concurrent_requests"] >= 8
+
+
+def test_classes_are_sent_and_reported(tmp_path, tokenizer_dir, capsys):
+    """Against the scripted server: each request's body names its drawn class and that class's SLOs, the prompts
+    are those of a run without a mix, and the result has each class's figures and each request's class."""
+    common = ["serve", "--tokenizer", str(tokenizer_dir), "--num-prompts", "12", "--output-len", "3", "--seed", "4",
+              "--no-energy", "--disable-tqdm"]
+    mixed = ["--class-mix", "ls:1,be:1", "--class-slo", "ls:ttft=1000,tpot=1000", "be:ttft=1"]
+    scripts, outs = {}, {}
+    for name, flags in (("plain", []), ("mixed", mixed)):
+        scripts[name] = Script(ttft_s=0.05, gap_s=0.01)
+        with scripted_server(scripts[name]) as url:
+            assert bench_cli.main([*common, "--base-url", url, *flags, "--result-dir", str(tmp_path / name)]) == 0
+        outs[name] = capsys.readouterr().out
+    tokenizer = load_tokenizer(str(tokenizer_dir), "scripted")
+    expected = assign(synthetic(tokenizer, 12, LengthLimits(), seed=4, output_len=3), parse_mix("ls:1,be:1"), seed=4)
+    counts = Counter(s.service_class for s in expected)
+    assert set(counts) == {LS, BE}  # seed 4 draws both
+    classes = {s.prompt: s.service_class for s in expected}
+    plain, served = scripts["plain"].served, scripts["mixed"].served
+    assert sorted(s.prompt for s in plain) == sorted(s.prompt for s in served)  # the mix changed no prompt
+    assert not any("service_class" in s.body for s in plain)  # no mix: no class, the server's default
+    assert served[0].body["service_class"] == expected[0].service_class  # the check before the run carries it too
+    for s in served[1:]:
+        slos = {"ttft_slo_ms": 1000.0, "tpot_slo_ms": 1000.0} if classes[s.prompt] == LS else {"ttft_slo_ms": 1.0}
+        assert {k: v for k, v in s.body.items() if k in ("service_class", "ttft_slo_ms", "tpot_slo_ms")} == {
+            "service_class": classes[s.prompt], **slos}
+
+    result = only_result(tmp_path / "mixed")
+    run = result["runs"][0]
+    assert result["class_mix"] == {LS: 0.5, BE: 0.5}
+    assert result["class_slos_ms"] == {LS: {"ttft": 1000.0, "tpot": 1000.0}, BE: {"ttft": 1.0}}
+    assert Counter(r["service_class"] for r in run["requests"]) == counts
+    assert {name: c["requests"] for name, c in run["classes"].items()} == counts
+    ls, be = run["classes"][LS], run["classes"][BE]
+    assert ls["ttft_slo_attainment_all"] == ls["tpot_slo_attainment_all"] == 1.0  # 50 ms, 10 ms
+    assert be["ttft_slo_attainment_all"] == 0.0 and "tpot_slo_attainment_all" not in be
+    assert ls["mean_ttft_ms"] == pytest.approx(statistics.mean(
+        r["ttft_ms"] for r in run["requests"] if r["service_class"] == LS))
+    out = outs["mixed"]
+    assert out.index("Serving Benchmark Result") < out.index("Service class: latency_sensitive") < out.index(
+        "Service class: best_effort")
+    plain_run = only_result(tmp_path / "plain")["runs"][0]
+    assert "classes" not in plain_run and {r["service_class"] for r in plain_run["requests"]} == {None}
+    assert "Service class" not in outs["plain"]
 
 
 def interference_workers(parent: int) -> list[int]:
