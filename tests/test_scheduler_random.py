@@ -50,3 +50,58 @@ def _generate_checking_pages(llm, prompts, params):
         assert int(state.pages_held.sum()) + int(pool.num_free) == pool.usable_pages
     assert int(pool.num_free) == pool.usable_pages
     return outputs
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_churn_with_rotation_loses_and_duplicates_nothing(checkpoint, seed):
+    """Random arrivals of both classes, cancellations, a pool far too small and a host mirror that fills:
+    requests rotate out and back, some are recomputed; each ends once, uncancelled ones exactly as with room,
+    cancelled ones with a prefix of that; no page leaks on either side, after every step."""
+    from blink.engine.kv_cache import PagePool
+    from blink.shared.service_class import ServiceClass
+
+    model_dir = str(checkpoint("qwen3"))
+    shape = dict(max_num_seqs=8, max_num_batched_tokens=48, page_size=8, max_model_len=96)
+    roomy = LLM(model_dir, num_pages=200, **shape)
+    page_bytes = PagePool.bytes_per_page(roomy.engine.model_config, 8)
+    tight = LLM(model_dir, num_pages=14, swap_space=4 * page_bytes / 2**30, **shape)  # a mirror of 3 pages
+    rng = random.Random(seed)
+    prompts, params = [], []
+    for _ in range(rng.randint(14, 22)):
+        prompts.append([rng.randrange(1, 1000) for _ in range(rng.randint(1, 60))])
+        params.append(SamplingParams(max_tokens=rng.randint(1, 30), temperature=rng.choice([0.0, 0.9]),
+                                     seed=rng.randrange(1000), service_class=rng.choice(list(ServiceClass))))
+    expected = {str(i): o.token_ids for i, o in enumerate(roomy.generate(prompts, params))}
+
+    driver, state, pool, mirror = tight._driver, tight.engine.state, tight.engine.pool, tight.engine.mirror
+    pending = list(range(len(prompts)))
+    tokens: dict[str, list[int]] = {}
+    finishes: dict[str, list[str]] = {}
+    cancelled: set[str] = set()
+    while pending or driver.has_work():
+        for i in [pending.pop(0) for _ in range(min(len(pending), rng.randint(0, 3)))]:
+            driver.add_request(str(i), prompts[i], params[i], params[i].max_tokens)
+        if rng.random() < 0.1 and tokens:
+            victim = rng.choice(sorted(tokens))
+            if victim not in finishes:
+                cancelled.add(victim)
+                for e in driver.abort(victim):
+                    finishes.setdefault(e.request_id, []).append(e.finish_reason)
+        for e in driver.step():
+            tokens.setdefault(e.request_id, []).extend([e.token] if e.token is not None else [])
+            if e.finish_reason:
+                finishes.setdefault(e.request_id, []).append(e.finish_reason)
+        running = state.status == SlotStatus.RUNNING
+        assert int(state.pages_held[~running | state.rotated].sum()) == 0
+        assert int(state.host_held[~state.rotated].sum()) == 0
+        assert int(state.pages_held.sum()) + int(pool.num_free) == pool.usable_pages
+        assert int(state.host_held.sum()) + int(mirror.free.num_free) == mirror.num_pages - 1
+
+    assert sorted(finishes) == sorted(expected) and all(len(f) == 1 for f in finishes.values())
+    for rid, want in expected.items():
+        got = tokens.get(rid, [])
+        assert got == want if rid not in cancelled else got == want[: len(got)]
+    out, back = mirror.pages_moved.tolist()
+    assert out > 0 and back <= out  # a request cancelled while rotated out never comes back
+    assert int(state.num_preemptions) > 0  # the mirror filled: recompute, the last resort
+    assert int(pool.num_free) == pool.usable_pages and int(mirror.free.num_free) == mirror.num_pages - 1
