@@ -85,14 +85,16 @@ class SlotClient:
     transport = "shm"
 
     def __init__(self, table: SlotTable, max_waiting: int, client: Client = Client.INGRESS,
-                 adopting: frozenset[int] = frozenset(), reserved_slots: int = 0):
-        """reserved_slots: free slots only latency-sensitive requests may take, so that one arriving while
-        best-effort work fills the table reaches the engine, which preempts at the next step."""
+                 adopting: frozenset[int] = frozenset(), reserved_slots: int = 0, by_class: bool = True):
+        """by_class: latency-sensitive requests wait in a line of their own, served first; reserved_slots: free
+        slots only they may take, so that one arriving while best-effort work fills the table reaches the engine,
+        which preempts at the next step."""
         table.claim(client)
         self.table, self._client = table, client
         self.max_waiting = max_waiting
         self.num_slots = table.geometry.num_slots
-        self.reserved_slots = min(reserved_slots, self.num_slots - 1)
+        self.reserved_slots = min(reserved_slots, self.num_slots - 1) if by_class else 0
+        self.by_class = by_class
         # Waiting for a slot, per class: latency-sensitive ones are served first.
         self._waiters: dict[ServiceClass, deque[asyncio.Future[int]]] = {c: deque() for c in ServiceClass}
         self._busy: dict[int, Stream] = {}
@@ -137,7 +139,8 @@ class SlotClient:
             return await self._handed_to.submit(request)
         arrived = time.monotonic()
         try:
-            slot = await self._acquire(ServiceClass(request.service_class))
+            slot = await self._acquire(ServiceClass(request.service_class) if self.by_class
+                                       else ServiceClass.LATENCY_SENSITIVE)
         except Rerouted as e:
             return await e.to.submit(request)
         if self._handed_to is not None:  # got a slot as the switch began: the table is the relay's now

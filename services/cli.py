@@ -10,6 +10,7 @@ import threading
 import time
 from pathlib import Path
 
+from blink.shared.service_class import parse_class
 from blink.shared.settings import Settings
 
 
@@ -142,21 +143,23 @@ def _probe(service: str, settings: Settings) -> int:
 
 
 def _classes(args: argparse.Namespace) -> int:
+    """Reads the ingress's defaults, changes what the flags name, and sends them back whole."""
     from blink.shared import control
 
-    change: dict = {}
-    if args.default_class is not None:
-        change["default_class"] = args.default_class
-    for prefix, name in (("ls", "latency_sensitive"), ("be", "best_effort")):
-        for slo in ("ttft_slo_ms", "tpot_slo_ms"):
-            value = getattr(args, f"{prefix}_{slo}")
-            if value is not None:
-                change.setdefault(name, {})[slo] = float(value) or None
     settings = _settings(argparse.Namespace(**{k: v for k, v in vars(args).items()
                                                if k in ("deployment", "runtime_dir", "engine_host")}))
     try:
-        message = control.SetClassDefaults.model_validate(change)
-        reply = control.request(settings.ingress_control_endpoint, message, timeout_s=settings.watchdog_deadline)
+        reply = control.request(settings.ingress_control_endpoint, control.SetClassDefaults(), timeout_s=2.0)
+        if isinstance(reply, control.ClassDefaultsNow):
+            change: dict = {"default_class": args.default_class}
+            for prefix, name in (("ls", "latency_sensitive"), ("be", "best_effort")):
+                slo = reply.defaults.slo(parse_class(prefix)).model_dump()
+                for field in ("ttft_slo_ms", "tpot_slo_ms"):
+                    if (value := getattr(args, f"{prefix}_{field}")) is not None:
+                        slo[field] = float(value) or None
+                change[name] = slo
+            reply = control.request(settings.ingress_control_endpoint, control.SetClassDefaults.model_validate(change),
+                                    timeout_s=2.0)
     except (ValueError, TimeoutError) as e:
         print(e, file=sys.stderr)
         return 1

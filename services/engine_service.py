@@ -72,7 +72,7 @@ class EngineService:
         relay = None
         if self.settings.transport != "shm":
             relay = Relay(self.table, self.settings.relay_endpoint, self.settings.max_waiting,
-                          self.settings.reserved_slots(self.engine.state.num_slots))
+                          self.settings.reserved_slots(self.engine.state.num_slots), self.settings.by_class)
             relay.start()
         self.table.heartbeat()  # the first one of this life: the header may still hold a dead engine's
         self.table.header["engine_state"] = EngineState.READY

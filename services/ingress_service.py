@@ -82,7 +82,7 @@ def connect(settings: Settings, info: control.EngineInfo) -> SlotClient | Remote
     if settings.transport != "zmq":
         try:
             return SlotClient(SlotTable.attach(info.slot_table), settings.max_waiting,
-                              reserved_slots=settings.reserved_slots(info.num_slots))
+                              reserved_slots=settings.reserved_slots(info.num_slots), by_class=settings.by_class)
         except (FileNotFoundError, RuntimeError) as e:
             if settings.transport == "shm":
                 raise
@@ -155,26 +155,27 @@ async def answer_pings(state: IngressState, settings: Settings) -> None:
         while True:
             frame = await sock.recv()
             try:
-                message = control.decode(frame)
-            except ValueError as e:
-                message = None
-                reply: control.Message = control.Failure(message=str(e)[:200])
-            if isinstance(message, control.Ping):
-                client = state.client
-                reply = control.IngressStatus(pid=os.getpid(), running=client.running, waiting=client.waiting,
-                                              failovers=client.failed_over, draining=state.draining,
-                                              transport=client.transport)
-            elif isinstance(message, control.SwitchTransport):
-                reply = await switch_to_zmq(state, settings)
-            elif isinstance(message, control.SetClassDefaults):
-                state.classes = message.applied_to(state.classes)
-                log.info("class defaults changed", **state.classes.model_dump())
-                reply = control.ClassDefaultsNow(defaults=state.classes)
-            elif message is not None:
-                reply = control.Failure(message=f"unexpected message {message.type!r}")
+                reply = await _answer(state, settings, control.decode(frame))
+            except Exception as e:  # a bad order must not silence the watchdog's pings
+                reply = control.Failure(message=f"{type(e).__name__}: {e}"[:200])
             await sock.send(control.encode(reply))
     finally:
         sock.close()
+
+
+async def _answer(state: IngressState, settings: Settings, message: control.Message) -> control.Message:
+    if isinstance(message, control.Ping):
+        client = state.client
+        return control.IngressStatus(pid=os.getpid(), running=client.running, waiting=client.waiting,
+                                     failovers=client.failed_over, draining=state.draining,
+                                     transport=client.transport)
+    if isinstance(message, control.SwitchTransport):
+        return await switch_to_zmq(state, settings)
+    if isinstance(message, control.SetClassDefaults):
+        state.classes = message.applied_to(state.classes)
+        log.info("class defaults changed", **state.classes.model_dump())
+        return control.ClassDefaultsNow(defaults=state.classes)
+    return control.Failure(message=f"unexpected message {message.type!r}")
 
 
 def run_ingress(settings: Settings, engine_timeout_s: float = 600.0) -> None:

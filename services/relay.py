@@ -27,9 +27,10 @@ log = structlog.get_logger()
 
 
 class Relay:
-    def __init__(self, table: SlotTable, endpoint: str, max_waiting: int, reserved_slots: int = 0):
+    def __init__(self, table: SlotTable, endpoint: str, max_waiting: int, reserved_slots: int = 0,
+                 by_class: bool = True):
         self.table, self.endpoint, self.max_waiting = table, endpoint, max_waiting
-        self.reserved_slots = reserved_slots
+        self.reserved_slots, self.by_class = reserved_slots, by_class
         self.client: SlotClient | None = None
         self.instance = uuid.uuid4().hex  # a remote ingress fails what a previous relay (engine) accepted
         self._tasks: dict[tuple[bytes, str], asyncio.Task] = {}
@@ -78,7 +79,7 @@ class Relay:
             streams = {str(rid): int(slot) for rid, slot in message["streams"].items()}
             if self.client is None:
                 self.client = SlotClient(self.table, self.max_waiting, Client.RELAY, frozenset(streams.values()),
-                                         self.reserved_slots)
+                                         self.reserved_slots, self.by_class)
                 self.client.start()
             else:
                 self.table.claim(Client.RELAY)
@@ -97,7 +98,8 @@ class Relay:
         identity, rid = key
         try:
             if self.client is None:
-                self.client = SlotClient(self.table, self.max_waiting, Client.RELAY, reserved_slots=self.reserved_slots)
+                self.client = SlotClient(self.table, self.max_waiting, Client.RELAY, reserved_slots=self.reserved_slots,
+                                         by_class=self.by_class)
                 self.client.start()
             stream = await self.client.submit(request)
         except Overloaded:

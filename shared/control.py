@@ -25,8 +25,8 @@ class SetLimits(BaseModel):
 
 
 class SetClassDefaults(BaseModel):
-    """The ingress's default class and per-class SLOs, from its next request on (fields left out keep their value);
-    answered with the resulting ClassDefaultsNow."""
+    """The ingress's default class and per-class SLOs, from its next request on: what is given replaces what it
+    names (a class's SLOs as a whole), what is left out stays. Answered with the resulting ClassDefaultsNow."""
 
     type: Literal["set_class_defaults"] = "set_class_defaults"
     default_class: ClassName | None = None
@@ -34,11 +34,8 @@ class SetClassDefaults(BaseModel):
     best_effort: ClassSLO | None = None
 
     def applied_to(self, defaults: ClassDefaults) -> ClassDefaults:
-        """What was set here replaces what it names (an SLO set to None clears it); the rest stays."""
-        merged = defaults.model_dump()
-        for name, value in self.model_dump(exclude={"type"}, exclude_unset=True).items():
-            merged[name] = {**merged[name], **value} if isinstance(value, dict) else value
-        return ClassDefaults.model_validate(merged)
+        given = self.model_dump(exclude={"type"}, exclude_none=True)
+        return ClassDefaults.model_validate({**defaults.model_dump(), **given})
 
 
 class ClassDefaultsNow(BaseModel):

@@ -67,7 +67,14 @@ class Settings(BaseSettings):
             best_effort=ClassSLO(ttft_slo_ms=self.be_ttft_slo_ms, tpot_slo_ms=self.be_tpot_slo_ms))
 
     def reserved_slots(self, num_slots: int) -> int:
+        """Only the slo policy tells classes apart; under the others the ingress keeps one line, no reserve."""
+        if self.scheduling_policy != "slo":
+            return 0
         return num_slots // 8 if self.ls_reserved_slots is None else self.ls_reserved_slots
+
+    @property
+    def by_class(self) -> bool:
+        return self.scheduling_policy == "slo"
 
     @property
     def control_endpoint(self) -> str:

@@ -344,3 +344,89 @@ def test_a_late_cancel_never_touches_the_slot_s_next_owner():
             table.unlink()
 
     assert asyncio.run(run()) == 0
+
+
+def test_latency_sensitive_requests_take_reserved_slots_and_wait_first():
+    import uuid
+
+    from blink.ingress.slots import SlotClient
+    from blink.shared.service_class import ServiceClass
+    from blink.shared.slot_table import Finish, Geometry, Request, SlotTable
+
+    def request(service_class: ServiceClass) -> Request:
+        return Request([1], 4, service_class=int(service_class), ttft_slo_ms=1000.0)
+
+    async def run():
+        table = SlotTable.create(f"test-{uuid.uuid4().hex[:10]}", Geometry(3, 8, 4))
+        client = SlotClient(table, max_waiting=4, reserved_slots=1)
+        client.start()
+        try:
+            best_effort = [await client.submit(request(ServiceClass.BEST_EFFORT)) for _ in range(2)]
+            third = asyncio.ensure_future(client.submit(request(ServiceClass.BEST_EFFORT)))
+            await asyncio.sleep(0.05)
+            assert not third.done()  # the last slot is the latency-sensitive reserve
+            urgent = await asyncio.wait_for(client.submit(request(ServiceClass.LATENCY_SENSITIVE)), 1)
+            assert table.slots[urgent.slot]["service_class"] == ServiceClass.LATENCY_SENSITIVE
+            assert table.slots[urgent.slot]["ttft_slo_ms"] <= 1000.0  # what remains after its wait
+            waiting_urgent = asyncio.ensure_future(client.submit(request(ServiceClass.LATENCY_SENSITIVE)))
+            await asyncio.sleep(0.05)
+            table.admit(best_effort[0].slot)
+            table.finish(best_effort[0].slot, Finish.STOP)  # one slot frees: the latency-sensitive waiter gets it
+            await asyncio.wait_for(waiting_urgent, 1)
+            assert not third.done()
+            third.cancel()
+        finally:
+            await client.stop()
+            table.close()
+            table.unlink()
+
+    asyncio.run(run())
+
+
+def _metric(server, name: str, **labels: str) -> float:
+    prefix = name + "{" + ",".join(f'{k}="{v}"' for k, v in {"model_name": MODEL, **labels}.items()) + "}"
+    text = httpx.get(f"{server.url}/metrics").text
+    return next((float(line.split()[-1]) for line in text.splitlines() if line.startswith(prefix)), 0.0)
+
+
+def test_class_defaults_change_through_the_control_plane_without_a_restart(server):
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 2}
+    judged = dict(service_class="best_effort", slo="ttft")
+    before = _metric(server, "blink:slo_requests_total", **judged)
+    assert httpx.post(f"{server.url}/v1/completions", json=body, headers={"x-blink-class": "be"}).status_code == 200
+    assert _metric(server, "blink:slo_requests_total", **judged) == before  # best-effort has no SLO by default
+
+    def classes(*flags: str) -> dict:
+        out = subprocess.run([sys.executable, "-m", "blink.services.cli", "classes", "--deployment", server.deployment,
+                              "--runtime-dir", str(server.runtime_dir), *flags], capture_output=True, text=True)
+        assert out.returncode == 0, out.stdout + out.stderr
+        return json.loads(out.stdout)["defaults"]
+
+    assert classes("--be-ttft-slo-ms", "60000")["best_effort"]["ttft_slo_ms"] == 60000
+    try:
+        ok = httpx.post(f"{server.url}/v1/completions", json=body, headers={"x-blink-class": "best-effort"})
+        assert ok.status_code == 200
+        assert _metric(server, "blink:slo_requests_total", **judged) == before + 1
+        assert _metric(server, "blink:slo_attained_total", **judged) >= 1
+        assert _metric(server, "blink:slo_attainment", **judged) > 0
+        # The body's class wins over the header's; the class's default stays for what the request did not set.
+        body_class = {**body, "service_class": "latency_sensitive"}
+        ls_before = _metric(server, "blink:e2e_request_latency_seconds_count", service_class="latency_sensitive")
+        assert httpx.post(f"{server.url}/v1/completions", json=body_class,
+                          headers={"x-blink-class": "be"}).status_code == 200
+        assert _metric(server, "blink:e2e_request_latency_seconds_count",
+                       service_class="latency_sensitive") == ls_before + 1
+    finally:
+        assert classes("--be-ttft-slo-ms", "0")["best_effort"]["ttft_slo_ms"] is None
+
+
+@pytest.mark.parametrize(("extra", "headers", "param"), [
+    ({"service_class": "urgent"}, {}, "service_class"),
+    ({"ttft_slo_ms": -5}, {}, "ttft_slo_ms"),
+    ({}, {"x-blink-class": "gold"}, "x-blink-class"),
+])
+def test_bad_classes_and_slos_are_400s(server, extra, headers, param):
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 2, **extra}
+    r = httpx.post(f"{server.url}/v1/completions", json=body, headers=headers)
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == param
