@@ -171,7 +171,8 @@ async def check_server(backend: Backend, sample: SampleRequest) -> None:
 
 
 async def server_info(base_url: str, api_key: str | None) -> dict[str, object]:
-    """The model and limits from /v1/models; drive mode and transport from /ready, where the server is Blink."""
+    """The model and limits from /v1/models; drive mode, transport and scheduling from /ready, where the server is
+    Blink."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     info: dict[str, object] = {}
     async with httpx.AsyncClient(base_url=base_url, timeout=10, headers=headers) as client:
@@ -181,7 +182,8 @@ async def server_info(base_url: str, api_key: str | None) -> dict[str, object]:
             ready = await client.get("/ready")
             if "application/json" in ready.headers.get("content-type", ""):
                 body = ready.json()
-                info |= {k: body.get(k) for k in ("drive", "transport", "degraded")}
+                keys = ("drive", "transport", "degraded", "scheduling_policy", "kv_host_pages")
+                info |= {k: body.get(k) for k in keys}
         except (httpx.HTTPError, ValueError, KeyError, IndexError) as e:
             info["error"] = f"{type(e).__name__}: {e}"
     return info

@@ -47,8 +47,8 @@ class EngineConfig:
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a power of two, got {self.page_size}")
         Policy(self.scheduling_policy)  # raises on an unknown name
-        if self.swap_space < 0:
-            raise ValueError(f"swap_space must be at least 0 GiB, got {self.swap_space}")
+        if not 0 <= self.swap_space < float("inf"):
+            raise ValueError(f"swap_space must be a finite number of GiB, at least 0, got {self.swap_space}")
         if self.kv_memory_fraction is not None and not 0 < self.kv_memory_fraction <= 1:
             raise ValueError(f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
 

@@ -44,6 +44,7 @@ class HostLoop:
         self.last_output: StepOutput | None = None  # kept for inspection (tests, debugging)
         self.ran = False  # whether the last call ran a step (False: nothing resident, or all paused)
         self.cost_model = StepCostModel(engine.step.cost)
+        self._planned_at: float | None = None
         self.page_bytes = PagePool.bytes_per_page(engine.model_config, engine.pool.page_size)
 
     @torch.inference_mode()
@@ -51,8 +52,11 @@ class HostLoop:
         """One step over the resident slots (slot -> its request's params); returns each slot's event."""
         self.ran = False
         if not resident:
+            self._planned_at = None  # nobody waited meanwhile
             return {}
         started = time.perf_counter()
+        self.cost_model.planning(started - (self._planned_at or started))
+        self._planned_at = started
         features = sampler_features(resident.values())
         step, mirror = self.engine.step, self.engine.step.mirror
         plan = step.plan(features)

@@ -77,7 +77,8 @@ class Policy:
 
 class StepCostModel:
     """Host side: fits step seconds = a + b * tokens to the steps the driver timed, forgetting old ones, and
-    keeps [a, b, last step's seconds] in a device tensor the step reads."""
+    keeps [a, b, seconds since the previous plan] in a device tensor the step reads (the last for the time
+    requests spend waiting)."""
 
     def __init__(self, cost: torch.Tensor, forget: float = 0.98):
         self.cost, self.forget = cost, forget
@@ -91,4 +92,7 @@ class StepCostModel:
         b = (self._n * self._xy - self._x * self._y) / var if var > 1e-9 * max(1.0, self._n * self._xx) else 0.0
         b = max(b, 0.0)
         a = max(0.0, (self._y - b * self._x) / self._n)
-        self.cost.copy_(torch.tensor([a, b, seconds], dtype=self.cost.dtype), non_blocking=True)
+        self.cost[:2].copy_(torch.tensor([a, b], dtype=self.cost.dtype), non_blocking=True)
+
+    def planning(self, since_last_plan: float) -> None:
+        self.cost[2].fill_(since_last_plan)

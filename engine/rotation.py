@@ -34,7 +34,7 @@ class HostMirror:
         if num_pages < 2:
             raise ValueError(f"the host KV mirror needs at least 2 pages (one is never used), got {num_pages}")
         self.pool, self.num_pages = pool, num_pages
-        device = pool.k.device
+        self.device = device = pool.k.device
         self.free = FreeList(num_pages, device)  # on the engine's device: the step allocates from it
         self.pages_moved = torch.zeros(2, dtype=torch.int64, device=device)  # out, in: totals since the start
         self.hold_below = max(1, round((num_pages - 1) * (1 - NEARLY_FULL)))
@@ -63,7 +63,7 @@ class HostMirror:
             return
         pages, dst = self._landing
         self._landing = None
-        torch.cuda.current_stream().wait_stream(self.in_stream)
+        torch.cuda.current_stream(self.device).wait_stream(self.in_stream)
         self._scatter(pages, dst)
 
     def _copy_out(self, src: torch.Tensor, dst: list[int]) -> None:
@@ -73,7 +73,7 @@ class HostMirror:
             self.data[dst] = pages
             return
         pages = pages.contiguous()  # gathered on the compute stream, before the step writes these pages
-        self.out_stream.wait_stream(torch.cuda.current_stream())
+        self.out_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.out_stream):
             for i, page in enumerate(dst):
                 self.data[page].copy_(pages[i], non_blocking=True)
@@ -85,7 +85,7 @@ class HostMirror:
             return
         pages = torch.empty((len(src), *self.data.shape[1:]), dtype=self.data.dtype, device=self.pool.k.device)
         self.in_stream.wait_stream(self.out_stream)  # a page may come back right after it left
-        self.in_stream.wait_stream(torch.cuda.current_stream())  # and the buffer is the compute stream's
+        self.in_stream.wait_stream(torch.cuda.current_stream(self.device))  # and the buffer is the compute stream's
         with torch.cuda.stream(self.in_stream):
             for i, page in enumerate(src):
                 pages[i].copy_(self.data[page], non_blocking=True)

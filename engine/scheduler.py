@@ -53,7 +53,8 @@ class StepPlan:
 
 def plan(state: SlotState, pool: PagePool, token_budget: int, track_prompts: bool, policy: Policy,
          mirror: HostMirror | None, cost: torch.Tensor) -> StepPlan:
-    """cost: [seconds per step, seconds per token, last step's seconds], from the driver's step-time model."""
+    """cost: [seconds per step, seconds per token, seconds since the previous plan], from the driver's
+    step-time model."""
     S = state.num_slots
     device = state.status.device
     page = pool.page_size
@@ -81,19 +82,21 @@ def plan(state: SlotState, pool: PagePool, token_budget: int, track_prompts: boo
     need = torch.where(take > 0, covered - state.pages_held, 0).clamp(min=0)
     keep = lexsort(policy.keep_keys(state), first=resident)
     victims = lexsort(policy.victim_keys(state), first=resident)
-    reserve = ((take > 0) & ((state.num_computed + take) % page == 0)).sum() if mirror else 0
-    need, take, evicted = _make_room(state, pool, need, take, keep, victims, reserve)
+    # With a mirror, room is also kept for the page each sequence running on will start in the next step.
+    crossing = ((take > 0) & ((state.num_computed + take) % page == 0)).long() if mirror else torch.zeros_like(take)
+    need, take, evicted, reserve = _make_room(state, pool, need, take, keep, victims, crossing)
     rotate_out = _rotate_out(state, mirror, evicted, victims) if mirror else torch.zeros_like(evicted)
     moves_out = _move_out(state, mirror, rotate_out) if mirror else None
     recompute = evicted & ~rotate_out
     pool.release(evicted, state.block_table, state.pages_held)
     state.num_computed.masked_fill_(recompute, 0)
-    state.preemptions += recompute.long()
-    state.num_preemptions += recompute.sum()
+    state.preemptions += evicted.long()
+    state.num_preemptions += evicted.sum()
+    state.num_recomputes += recompute.sum()
     pool.allocate(need, state.block_table, state.pages_held, max_new=token_budget // page + 2)
     if mirror:
-        come_back = running & state.rotated & ~state.cancel & ~rotate_out & ~evicted.any()
-        moves_in = _move_in(state, pool, mirror, come_back, keep, reserve)
+        come_back = running & state.rotated & ~state.cancel & ~state.paused & ~rotate_out & ~evicted.any()
+        moves_in = _move_in(state, pool, mirror, come_back, keep, reserve, token_budget)
         moves = PageMoves(moves_out[0], moves_out[1], moves_in[0], moves_in[1])
         moved = torch.stack([moves_out[2], moves_in[2]])
         mirror.pages_moved += moved
@@ -150,31 +153,32 @@ def _pack(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _make_room(state: SlotState, pool: PagePool, need: torch.Tensor, take: torch.Tensor, keep: torch.Tensor,
-               victims: torch.Tensor, reserve: torch.Tensor | int):
-    """Keeps the longest prefix of slots, in `keep` order, whose new pages (and `reserve` more, for the next
-    step, behind the first) fit once every slot after it gives its pages back; then takes pages, in `victims`
-    order, from as few slots past that prefix as the prefix needs."""
-    need_o, held_o = need[keep], state.pages_held[keep]
+               victims: torch.Tensor, crossing: torch.Tensor):
+    """Keeps the longest prefix of slots, in `keep` order, whose new pages (and a page for each slot ahead that
+    will cross into a new page next step) fit once every slot after it gives its pages back; then takes pages,
+    in `victims` order, from as few slots past that prefix as the prefix needs. Returns the new pages, the
+    tokens, the evicted slots and the pages reserved for the next step."""
+    need_o, held_o, cross_o = need[keep], state.pages_held[keep], crossing[keep]
     held_after = held_o.sum() - held_o.cumsum(0)
-    margin = torch.where(torch.arange(need.shape[0], device=need.device) > 0, reserve, 0)
-    fits_o = need_o.cumsum(0) + margin <= pool.num_free + held_after
+    fits_o = need_o.cumsum(0) + cross_o.cumsum(0) - cross_o <= pool.num_free + held_after
     fits = torch.empty_like(fits_o).scatter_(0, keep, fits_o)
+    reserve = (crossing * fits).sum()
     deficit = (need * fits).sum() + reserve - pool.num_free
     held_v = torch.where(~fits & (state.pages_held > 0), state.pages_held, 0)[victims]
     evict_v = (held_v > 0) & (held_v.cumsum(0) - held_v < deficit)
     evicted = torch.empty_like(evict_v).scatter_(0, victims, evict_v)
     # A slot past the prefix still runs if it needs no new page and keeps its own.
     runs = fits | ((need == 0) & ~evicted)
-    return torch.where(fits, need, 0), torch.where(runs, take, 0), evicted
+    return torch.where(fits, need, 0), torch.where(runs, take, 0), evicted, reserve
 
 
 def _hold_new(state: SlotState, policy: Policy, mirror: HostMirror | None) -> torch.Tensor:
-    """Which requests may not start: none without a mirror; all while it is nearly full; and, while rotated
-    requests wait to come back, all but the latency-sensitive."""
+    """Which requests may not start: none without a mirror; while it is nearly full, or rotated requests wait
+    to come back, all but the latency-sensitive (which may still take pages, by recompute at worst)."""
     if mirror is None:
         return torch.zeros_like(state.rotated)
     waiting = (state.rotated & (state.status == SlotStatus.RUNNING)).any()
-    return mirror.nearly_full() | (waiting & ~policy.latency_sensitive(state))
+    return (mirror.nearly_full() | waiting) & ~policy.latency_sensitive(state)
 
 
 def _rotate_out(state: SlotState, mirror: HostMirror, evicted: torch.Tensor, victims: torch.Tensor) -> torch.Tensor:
@@ -193,11 +197,16 @@ def _move_out(state: SlotState, mirror: HostMirror, out: torch.Tensor):
 
 
 def _move_in(state: SlotState, pool: PagePool, mirror: HostMirror, candidates: torch.Tensor, keep: torch.Tensor,
-             reserve: torch.Tensor | int):
-    """Brings rotated requests back, in keep order, while the pool's free pages cover them and the reserve.
-    They run from the next step on: their pages land after this step's forward."""
+             reserve: torch.Tensor | int, token_budget: int):
+    """Brings rotated requests back, in keep order, while the pool's free pages cover them, the pages their next
+    step needs (so that they do not come back only to be rotated out again) and the reserve. They run from the
+    next step on: their pages land after this step's forward."""
+    page = pool.page_size
+    next_tokens = (state.seq_len - state.num_computed).clamp(max=token_budget)
+    room = ((state.num_computed + next_tokens + page - 1) // page - state.host_held).clamp(min=0)
     held_o = torch.where(candidates, state.host_held, 0)[keep]
-    back_o = (held_o > 0) & (held_o.cumsum(0) + reserve <= pool.num_free)
+    room_o = torch.where(candidates, room, 0)[keep]
+    back_o = (held_o > 0) & ((held_o + room_o).cumsum(0) + reserve <= pool.num_free)
     back = torch.empty_like(back_o).scatter_(0, keep, back_o)
     pages = torch.where(back, state.host_held, 0)
     pool.allocate(pages, state.block_table, state.pages_held, max_new=state.block_table.shape[1] - 1)

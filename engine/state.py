@@ -84,7 +84,8 @@ class SlotState:
         self.wait_s = zeros(S, dtype=torch.float64)
         self.output_counts = zeros(S, vocab_size, dtype=torch.int32)
         self.prompt_mask = zeros(S, vocab_size, dtype=torch.bool)
-        self.num_preemptions = zeros()
+        self.num_preemptions = zeros()  # rotations out and recomputes, as vLLM counts swaps and recomputes
+        self.num_recomputes = zeros()
 
     def write(self, slot: int, req: SlotRequest) -> None:
         """Host side: fill an EMPTY slot and publish it. The status is written last."""

@@ -64,7 +64,8 @@ def create_app(state: IngressState) -> FastAPI:
         body = {"ready": ok, "engine": health.state, "heartbeat_age_s": round(age_s, 3) if age_s < 1e9 else None,
                 "draining": state.draining, "drive": state.info.drive, "transport": state.transport,
                 "degraded": state.degraded, "device": state.info.device, "epoch": health.epoch,
-                "failovers": health.failovers}
+                "failovers": health.failovers, "scheduling_policy": state.info.scheduling_policy,
+                "kv_host_pages": state.info.kv_host_pages}
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics")

@@ -41,7 +41,8 @@ class ClassMetrics:
     engine_wait: Histogram
     slo_requests: dict[str, Counter]
     slo_attained: dict[str, Counter]
-    attainment: dict[str, Gauge]
+    attainment: Gauge  # unbound: a class's series appears once one of its requests was judged
+    labels: dict[str, str]
     preemptions: Counter
     pages: dict[str, Counter]
     bytes: dict[str, Counter]
@@ -54,7 +55,7 @@ class ClassMetrics:
         self.slo_requests[slo].inc()
         if met:
             self.slo_attained[slo].inc()
-        self.attainment[slo].set(count[1] / count[0])
+        self.attainment.labels(**self.labels, slo=slo).set(count[1] / count[0])
 
 
 class Metrics:
@@ -88,8 +89,8 @@ class Metrics:
         self._slo_attained = Counter("blink:slo_attained", "Of those, the requests that completed within it", slo,
                                      registry=r)
         self._attainment = Gauge("blink:slo_attainment", "SLO attainment since the start (0-1)", slo, registry=r)
-        self._class_preemptions = Counter("blink:request_preemptions", "Preemptions (by recompute) of the class's "
-                                          "finished requests", per_class, registry=r)
+        self._class_preemptions = Counter("blink:request_preemptions", "Preemptions (rotated out or recomputed) of "
+                                          "the class's finished requests", per_class, registry=r)
         way = [*per_class, "direction"]
         self._pages = Counter("blink:kv_rotated_pages", "KV pages rotated to host memory (out) and back (in)", way,
                               registry=r)
@@ -126,7 +127,7 @@ class Metrics:
         return ClassMetrics(
             **hist, slo_requests={s: self._slo_requests.labels(**labels, slo=s) for s in slos},
             slo_attained={s: self._slo_attained.labels(**labels, slo=s) for s in slos},
-            attainment={s: self._attainment.labels(**labels, slo=s) for s in slos},
+            attainment=self._attainment, labels=labels,
             preemptions=self._class_preemptions.labels(**labels),
             pages={w: self._pages.labels(**labels, direction=w) for w in ways},
             bytes={w: self._bytes.labels(**labels, direction=w) for w in ways}, judged={s: [0, 0] for s in slos})

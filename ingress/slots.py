@@ -190,7 +190,10 @@ class SlotClient:
         if len(self._free) > (0 if service_class == ServiceClass.LATENCY_SENSITIVE else self.reserved_slots):
             return self._free.popleft()
         if self.waiting >= self.max_waiting:
-            raise Overloaded
+            best_effort = self._waiters[ServiceClass.BEST_EFFORT]
+            if service_class != ServiceClass.LATENCY_SENSITIVE or not best_effort:
+                raise Overloaded
+            best_effort.pop().set_exception(Overloaded())  # the newest best-effort waiter gives way
         waiter = asyncio.get_running_loop().create_future()
         self._waiters[service_class].append(waiter)
         try:

@@ -61,7 +61,8 @@ class EngineService:
             max_model_len=self.engine.max_model_len,
             vocab_size=self.engine.model_config.vocab_size,
             eos_token_ids=list(self.engine.generation.eos_token_ids), device=str(self.engine.device), drive="host",
-            pid=os.getpid(),
+            pid=os.getpid(), scheduling_policy=settings.scheduling_policy,
+            kv_host_pages=self.engine.mirror.num_pages - 1 if self.engine.mirror else 0,
         )
 
     def run(self) -> None:

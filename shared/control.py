@@ -87,6 +87,8 @@ class EngineInfo(BaseModel):
     device: str
     drive: str
     pid: int
+    scheduling_policy: str = "slo"
+    kv_host_pages: int = 0  # the host mirror KV pages rotate to; 0: recompute only
 
 
 class EngineStatus(BaseModel):

@@ -9,9 +9,9 @@ engine schedules on them.
 from __future__ import annotations
 
 from enum import IntEnum
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 
 class ServiceClass(IntEnum):
@@ -27,7 +27,8 @@ CLASS_LABELS = {ServiceClass.LATENCY_SENSITIVE: "latency_sensitive", ServiceClas
 CLASS_NAMES = {"latency_sensitive": ServiceClass.LATENCY_SENSITIVE, "latency-sensitive": ServiceClass.LATENCY_SENSITIVE,
                "ls": ServiceClass.LATENCY_SENSITIVE, "best_effort": ServiceClass.BEST_EFFORT,
                "best-effort": ServiceClass.BEST_EFFORT, "be": ServiceClass.BEST_EFFORT}
-ClassName = Literal["latency_sensitive", "latency-sensitive", "ls", "best_effort", "best-effort", "be"]
+ClassName = Annotated[Literal["latency_sensitive", "latency-sensitive", "ls", "best_effort", "best-effort", "be"],
+                      BeforeValidator(lambda v: v.strip().lower() if isinstance(v, str) else v)]
 
 
 def parse_class(name: str) -> ServiceClass:

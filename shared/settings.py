@@ -44,8 +44,8 @@ class Settings(BaseSettings):
     scheduling_policy: Literal["fcfs", "priority", "slo"] = Field(
         "slo", description="slo: latency-sensitive before best-effort, then priority, then TTFT deadline, with "
         "decodes kept within their TPOT SLOs; priority: vLLM's; fcfs: arrival order")
-    swap_space: float = Field(4.0, ge=0, description="GiB of host memory KV pages rotate to when the pool runs "
-                              "short; 0: preempted requests are recomputed instead")
+    swap_space: float = Field(4.0, ge=0, allow_inf_nan=False, description="GiB of host memory KV pages rotate "
+                              "to when the pool runs short; 0: preempted requests are recomputed instead")
     default_class: ClassName = Field("latency_sensitive", description="service class of requests that name none")
     ls_ttft_slo_ms: float | None = Field(None, gt=0, description="latency-sensitive requests' default TTFT SLO")
     ls_tpot_slo_ms: float | None = Field(None, gt=0, description="latency-sensitive requests' default TPOT SLO")

@@ -41,7 +41,7 @@ def test_small_page_pool_completes_every_request_with_the_same_tokens(checkpoint
     engine = tight_llm.engine
     if swap_space:  # rotated out and back in, never recomputed
         out, back = engine.mirror.pages_moved.tolist()
-        assert out > 0 and back == out and int(engine.state.num_preemptions) == 0
+        assert out > 0 and back == out and int(engine.state.num_recomputes) == 0
         assert int(engine.mirror.free.num_free) == engine.mirror.num_pages - 1
     else:
         assert engine.mirror is None and int(engine.state.num_preemptions) > 0

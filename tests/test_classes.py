@@ -114,6 +114,6 @@ def test_best_effort_yields_pages_longest_running_first_and_gets_them_back(check
         step()
     out, back = mirror.pages_moved.tolist()
     assert out > 0 and out == back and int(mirror.free.num_free) == mirror.num_pages - 1
-    assert int(state.num_preemptions) == 0  # rotated, never recomputed
+    assert int(state.num_recomputes) == 0 < int(state.num_preemptions)  # rotated, never recomputed
     expected = llm.generate(prompts, params)
     assert [tokens[name] for name in names] == [o.token_ids for o in expected]

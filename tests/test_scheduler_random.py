@@ -103,5 +103,5 @@ def test_churn_with_rotation_loses_and_duplicates_nothing(checkpoint, seed):
         assert got == want if rid not in cancelled else got == want[: len(got)]
     out, back = mirror.pages_moved.tolist()
     assert out > 0 and back <= out  # a request cancelled while rotated out never comes back
-    assert int(state.num_preemptions) > 0  # the mirror filled: recompute, the last resort
+    assert int(state.num_recomputes) > 0  # the mirror filled: recompute, the last resort
     assert int(pool.num_free) == pool.usable_pages and int(mirror.free.num_free) == mirror.num_pages - 1
