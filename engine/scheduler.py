@@ -68,7 +68,8 @@ def plan(state: SlotState, pool: PagePool, token_budget: int, track_prompts: boo
     resident = running & ~state.rotated
 
     # Hand out the token budget in the policy's order, up to its cap.
-    held_back = resident & (state.num_computed == 0) & (state.pages_held == 0) & _hold_new(state, policy, mirror)
+    fresh = resident & (state.num_computed == 0) & (state.pages_held == 0)
+    held_back = fresh & _hold_new(state, pool, policy, mirror, token_budget)
     live = resident & ~state.paused & ~state.cancel & ~held_back
     demand = torch.where(live, state.seq_len - state.num_computed, 0)
     order = lexsort(policy.budget_keys(state, demand > 1), first=demand > 0)
@@ -172,13 +173,24 @@ def _make_room(state: SlotState, pool: PagePool, need: torch.Tensor, take: torch
     return torch.where(fits, need, 0), torch.where(runs, take, 0), evicted, reserve
 
 
-def _hold_new(state: SlotState, policy: Policy, mirror: HostMirror | None) -> torch.Tensor:
-    """Which requests may not start: none without a mirror; while it is nearly full, or rotated requests wait
-    to come back, all but the latency-sensitive (which may still take pages, by recompute at worst)."""
+def _hold_new(state: SlotState, pool: PagePool, policy: Policy, mirror: HostMirror | None,
+              token_budget: int) -> torch.Tensor:
+    """Which requests may not start (all but the latency-sensitive, which may take pages by recompute at worst):
+    none without a mirror; all while it is nearly full; and, while rotated requests wait to come back, those whose
+    first pages would eat into what the first of them needs to come back."""
     if mirror is None:
         return torch.zeros_like(state.rotated)
-    waiting = (state.rotated & (state.status == SlotStatus.RUNNING)).any()
-    return (mirror.nearly_full() | waiting) & ~policy.latency_sensitive(state)
+    waiting = state.rotated & (state.status == SlotStatus.RUNNING) & ~state.cancel
+    comeback = torch.where(waiting, _comeback_pages(state, pool.page_size, token_budget), pool.num_pages).amin()
+    first_pages = ((state.seq_len - state.num_computed).clamp(max=token_budget) + pool.page_size - 1) // pool.page_size
+    crowds = waiting.any() & (first_pages > pool.num_free - comeback)
+    return (mirror.nearly_full() | crowds) & ~policy.latency_sensitive(state)
+
+
+def _comeback_pages(state: SlotState, page: int, token_budget: int) -> torch.Tensor:
+    """What a rotated request needs to come back: its pages, and those its next step adds."""
+    next_tokens = (state.seq_len - state.num_computed).clamp(max=token_budget)
+    return torch.maximum((state.num_computed + next_tokens + page - 1) // page, state.host_held)
 
 
 def _rotate_out(state: SlotState, mirror: HostMirror, evicted: torch.Tensor, victims: torch.Tensor) -> torch.Tensor:
@@ -201,12 +213,8 @@ def _move_in(state: SlotState, pool: PagePool, mirror: HostMirror, candidates: t
     """Brings rotated requests back, in keep order, while the pool's free pages cover them, the pages their next
     step needs (so that they do not come back only to be rotated out again) and the reserve. They run from the
     next step on: their pages land after this step's forward."""
-    page = pool.page_size
-    next_tokens = (state.seq_len - state.num_computed).clamp(max=token_budget)
-    room = ((state.num_computed + next_tokens + page - 1) // page - state.host_held).clamp(min=0)
-    held_o = torch.where(candidates, state.host_held, 0)[keep]
-    room_o = torch.where(candidates, room, 0)[keep]
-    back_o = (held_o > 0) & ((held_o + room_o).cumsum(0) + reserve <= pool.num_free)
+    needs_o = torch.where(candidates, _comeback_pages(state, pool.page_size, token_budget), 0)[keep]
+    back_o = (needs_o > 0) & (needs_o.cumsum(0) + reserve <= pool.num_free)
     back = torch.empty_like(back_o).scatter_(0, keep, back_o)
     pages = torch.where(back, state.host_held, 0)
     pool.allocate(pages, state.block_table, state.pages_held, max_new=state.block_table.shape[1] - 1)

@@ -430,3 +430,33 @@ def test_bad_classes_and_slos_are_400s(server, extra, headers, param):
     r = httpx.post(f"{server.url}/v1/completions", json=body, headers=headers)
     assert r.status_code == 400
     assert r.json()["error"]["param"] == param
+
+
+def test_a_latency_sensitive_arrival_displaces_the_newest_best_effort_waiter_when_the_line_is_full():
+    import uuid
+
+    from blink.ingress.slots import Overloaded, SlotClient
+    from blink.shared.service_class import ServiceClass
+    from blink.shared.slot_table import Geometry, Request, SlotTable
+
+    async def run():
+        table = SlotTable.create(f"test-{uuid.uuid4().hex[:10]}", Geometry(1, 8, 4))
+        client = SlotClient(table, max_waiting=2)
+        client.start()
+        try:
+            await client.submit(Request([1], 4, service_class=int(ServiceClass.BEST_EFFORT)))  # takes the slot
+            older, newer = (asyncio.ensure_future(client.submit(Request([1], 4, service_class=1))) for _ in range(2))
+            await asyncio.sleep(0.05)
+            urgent = asyncio.ensure_future(client.submit(Request([1], 4, service_class=0)))
+            await asyncio.sleep(0.05)
+            assert isinstance(newer.exception(), Overloaded) and not older.done() and not urgent.done()
+            with pytest.raises(Overloaded):  # a full line still refuses best-effort arrivals
+                await client.submit(Request([1], 4, service_class=1))
+            for waiter in (older, urgent):
+                waiter.cancel()
+        finally:
+            await client.stop()
+            table.close()
+            table.unlink()
+
+    asyncio.run(run())
