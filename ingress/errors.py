@@ -18,6 +18,11 @@ class APIError(Exception):
         self.headers = headers
 
 
+def engine_unreachable() -> APIError:
+    return APIError(503, "the engine is unreachable; retry shortly", "service_unavailable", code="engine_unreachable",
+                    headers={"Retry-After": "1"})
+
+
 def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
                    code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
     body = {"error": {"message": message, "type": type_, "param": param, "code": code}}

@@ -19,18 +19,13 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from blink.ingress.errors import APIError
+from blink.ingress.errors import engine_unreachable
 from blink.ingress.slots import EngineHealth, Overloaded, Stream, stream_outputs
 from blink.shared import relay_protocol as wire
 from blink.shared.slot_table import EngineState, Finish, Output, Request
 
 log = structlog.get_logger()
 PROBE_S = 0.2
-
-
-def unreachable() -> APIError:
-    return APIError(503, "the engine is unreachable; retry shortly", "service_unavailable", code="engine_unreachable",
-                    headers={"Retry-After": "1"})
 
 
 class RemoteSlotClient:
@@ -77,7 +72,7 @@ class RemoteSlotClient:
 
     async def submit(self, request: Request) -> Stream:
         if self.health().state == "unreachable":
-            raise unreachable()
+            raise engine_unreachable()
         if len(self._accepted) >= self.max_waiting + self.num_slots:
             raise Overloaded
         await self._adopted.wait()  # the relay must adopt the switched requests before it claims the table
@@ -178,7 +173,7 @@ class RemoteSlotClient:
             self._relay_of.pop(rid, None)
             accepted = self._accepted.get(rid)
             if accepted is not None and not accepted.done():
-                accepted.set_exception(unreachable())
+                accepted.set_exception(engine_unreachable())
             if (stream := self._streams.pop(rid, None)) is not None:
                 stream.queue.put_nowait(Output([], [], [], [], Finish.FAILED))
                 self.failed_over += 1

@@ -11,21 +11,26 @@ Finish.FAILED after the tokens it did produce. Slots a dead ingress left behind 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import math
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 import structlog
 
+from blink.ingress.errors import engine_unreachable
+from blink.shared.remote_memory import TransportLost
 from blink.shared.service_class import ServiceClass
 from blink.shared.slot_table import Client, EngineState, Finish, Output, Request, SlotState, SlotTable
 
 log = structlog.get_logger()
 POLL_MIN_S, POLL_MAX_S = 0.0002, 0.002
+RELINK_S = 0.2  # between attempts to restore a lost path to the table
 
 
 class Overloaded(Exception):
@@ -80,15 +85,15 @@ class EngineHealth:
 
 
 class SlotClient:
-    """The `shm` transport: this process maps the table and publishes into it."""
-
-    transport = "shm"
+    """The `shm` transport: this process maps the table and publishes into it; the `rdma` transport: the same,
+    into a replica whose writes and reads go over the NIC (blink.shared.replica_table)."""
 
     def __init__(self, table: SlotTable, max_waiting: int, client: Client = Client.INGRESS,
-                 adopting: frozenset[int] = frozenset(), reserved_slots: int = 0, by_class: bool = True):
+                 adopting: frozenset[int] = frozenset(), reserved_slots: int = 0, by_class: bool = True,
+                 relink: Callable[[], None] | None = None):
         """by_class: latency-sensitive requests wait in a line of their own, served first; reserved_slots: free
         slots only they may take, so that one arriving while best-effort work fills the table reaches the engine,
-        which preempts at the next step."""
+        which preempts at the next step. relink: reconnects a replica table whose path was lost (rdma)."""
         table.claim(client)
         self.table, self._client = table, client
         self.max_waiting = max_waiting
@@ -100,17 +105,18 @@ class SlotClient:
         self._busy: dict[int, Stream] = {}
         self._free: deque[int] = deque()
         self._orphans: set[int] = set()  # slots a previous ingress left busy: cancelled, freed once ended
-        for slot in range(table.geometry.num_slots):
-            if table.slots[slot]["state"] == SlotState.FREE:
-                self._free.append(slot)
-            elif slot not in adopting:  # adopted ones are registered by adopt()
-                self._orphans.add(slot)
-                table.cancel(slot)
+        self._resync(adopting)
+        self._relink = relink
+        self.transport_lost: str | None = None  # why, while the path to the table is being restored
         self.failed_over = 0  # requests ended because their engine died
         self._handed_to: Transport | None = None  # set by a switch of transport
         self._epoch_seen = int(table.header["epoch"])  # a change sends the poller through _fail_over
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
+
+    @property
+    def transport(self) -> str:
+        return self.table.transport
 
     @property
     def running(self) -> int:
@@ -120,10 +126,25 @@ class SlotClient:
     def waiting(self) -> int:
         return sum(len(w) for w in self._waiters.values())
 
+    def _resync(self, keep: frozenset[int] | set[int]) -> None:
+        """Sorts every slot by the table: free ones are ours to hand out; busy ones not in `keep` belong to nobody
+        here (a previous ingress, or a publish whose reply was lost), so they are cancelled and reclaimed."""
+        self._free.clear()
+        for slot in range(self.table.geometry.num_slots):
+            if self.table.slots[slot]["state"] == SlotState.FREE:
+                self._free.append(slot)
+            elif slot not in keep:
+                self._orphans.add(slot)
+                self.table.cancel(slot)
+
     def health(self) -> EngineHealth:
+        try:
+            self.table.refresh_header()
+        except TransportLost:
+            return EngineHealth("unreachable", math.inf, self._epoch_seen, 0)
         h = self.table.header
-        return EngineHealth(EngineState(int(h["engine_state"])).name.lower(),
-                            (time.monotonic_ns() - int(h["last_step_ns"])) / 1e9, int(h["epoch"]), int(h["failovers"]))
+        return EngineHealth(EngineState(int(h["engine_state"])).name.lower(), self.table.heartbeat_age_s(),
+                            int(h["epoch"]), int(h["failovers"]))
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._poll())
@@ -131,8 +152,8 @@ class SlotClient:
     async def stop(self) -> None:
         if self._task:
             self._task.cancel()
-        if int(self.table.header["client"]) == self._client:
-            self.table.header["client"] = Client.NONE  # another kind of publisher may take over now
+        with contextlib.suppress(TransportLost):  # the relay then takes the table over regardless
+            self.table.release_client(self._client)
 
     async def submit(self, request: Request) -> Stream:
         if self._handed_to is not None:  # a handler that took this client before a switch
@@ -149,6 +170,9 @@ class SlotClient:
         waited_ms = (time.monotonic() - arrived) * 1000
         try:
             self.table.publish(slot, dataclasses.replace(request, ttft_slo_ms=request.ttft_slo_ms - waited_ms))
+        except TransportLost:
+            self._wake.set()  # the poller notices and restores the path; the slot is sorted out then
+            raise engine_unreachable() from None
         except Exception:
             self._release(slot)
             raise
@@ -163,7 +187,8 @@ class SlotClient:
     async def abandon(self, stream: Stream) -> None:
         if self._busy.get(stream.slot) is stream:  # the slot may already be someone else's
             stream.abandoned = True
-            self.table.cancel(stream.slot)
+            with contextlib.suppress(TransportLost):  # cancelled again when the path is back
+                self.table.cancel(stream.slot)
 
     def adopt(self, slot: int) -> Stream:
         """Takes over a request another client published (a transport switch): its outputs from `consumed` on."""
@@ -223,6 +248,8 @@ class SlotClient:
                 await self._poll_forever()
             except asyncio.CancelledError:
                 raise
+            except TransportLost as e:
+                await self._restore(e)
             except Exception:
                 log.exception("slot poller failed; restarting it")
                 await asyncio.sleep(POLL_MAX_S)
@@ -234,15 +261,18 @@ class SlotClient:
         finished, submitted = int(SlotState.FINISHED), int(SlotState.SUBMITTED)  # plain ints: enums are slow here
         pause = POLL_MIN_S
         while True:
-            if self._orphans:
-                self._reclaim_orphans()
             if not self._busy and not self._orphans:
                 self._wake.clear()
                 await self._wake.wait()
+            busy = np.fromiter(self._busy, dtype=np.int64)
+            # A replica (rdma) pulls what the engine wrote; under shm the table is the engine's memory.
+            self.table.refresh([*busy.tolist(), *self._orphans])
+            if self._orphans:
+                self._reclaim_orphans()
             if (epoch := int(self.table.header["epoch"])) != self._epoch_seen:  # a scalar read per pass
                 self._fail_over()
                 self._epoch_seen = epoch
-            busy = np.fromiter(self._busy, dtype=np.int64)
+                busy = np.fromiter(self._busy, dtype=np.int64)
             states = state_of[busy]
             news = (produced[busy] != consumed[busy]) | (states == finished)
             now = time.monotonic()
@@ -262,6 +292,32 @@ class SlotClient:
                     self.table.free(slot)
                     self._release(slot)
             await asyncio.sleep(pause)
+
+    async def _restore(self, error: TransportLost) -> None:
+        """Reconnects until the path is back (the watchdog meanwhile may switch the deployment to `zmq`, which
+        adopts the requests in flight); then resumes, ending what a restarted engine no longer holds."""
+        if self._relink is None:
+            raise error
+        self.transport_lost = str(error)
+        log.warning("path to the slot table lost; reconnecting", reason=str(error))
+        while self._handed_to is None:
+            try:
+                await asyncio.to_thread(self._relink)
+            except (TransportLost, RuntimeError, TimeoutError) as e:
+                self.transport_lost = str(e)
+                await asyncio.sleep(RELINK_S)
+                continue
+            self._resync(set(self._busy))
+            for slot, stream in self._busy.items():
+                if stream.abandoned:
+                    self.table.cancel(slot)
+            while self._waiters[ServiceClass.LATENCY_SENSITIVE] or self._waiters[ServiceClass.BEST_EFFORT]:
+                if not self._free:
+                    break
+                self._release(self._free.popleft())
+            log.info("path to the slot table restored", epoch=int(self.table.header["epoch"]))
+            self.transport_lost = None
+            return
 
     def _fail_over(self) -> None:
         """Resubmits what the dead engine never admitted; ends what it held, after the tokens it produced."""

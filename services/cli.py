@@ -38,6 +38,11 @@ def main(argv: list[str] | None = None) -> int:
     probe.add_argument("service", choices=["engine", "ingress"])
     _add_settings_flags(probe)
 
+    doctor = commands.add_parser("doctor", help="list the transports and drive modes this machine supports, and why "
+                                 "not the others")
+    doctor.add_argument("--rdma-device", help="the RDMA device to check (default: the first)")
+    doctor.add_argument("--json", action="store_true")
+
     classes = commands.add_parser("classes", help="show the running ingress's service-class defaults, or change "
                                   "them with --default-class and --ls-/--be-ttft-/tpot-slo-ms (0 clears one)")
     _add_settings_flags(classes)
@@ -77,6 +82,12 @@ def main(argv: list[str] | None = None) -> int:
         return _probe(args.service, _settings(args))
     if args.command == "classes":
         return _classes(args)
+    if args.command == "doctor":
+        from blink.services import doctor
+
+        found = doctor.check(args.rdma_device)
+        print(json.dumps(doctor.as_dicts(found), indent=1) if args.json else doctor.report(found))
+        return 0
 
     from blink.shared.logs import configure_logging
 

@@ -14,6 +14,8 @@ from blink.engine.engine import Engine, EngineConfig
 from blink.engine.table_drive import Fenced, TableDriver
 from blink.services.relay import Relay
 from blink.shared import control
+from blink.shared.rdma import RdmaUnavailable, TableTarget
+from blink.shared.remote_memory import TransportLost
 from blink.shared.settings import Settings
 from blink.shared.slot_table import EngineState, Geometry, SlotTable
 
@@ -54,6 +56,7 @@ class EngineService:
                             window=settings.window)
         self.table = open_table(settings.deployment, geometry)
         self.driver = TableDriver(self.engine, self.table)
+        self.rdma, self.rdma_missing = self._rdma_target()
         self._stop = threading.Event()
         self.info = control.EngineInfo(
             slot_table=settings.deployment, num_slots=geometry.num_slots, epoch=int(self.table.header["epoch"]),
@@ -64,6 +67,18 @@ class EngineService:
             pid=os.getpid(), scheduling_policy=settings.scheduling_policy,
             kv_host_pages=self.engine.mirror.num_pages - 1 if self.engine.mirror else 0,
         )
+
+    def _rdma_target(self) -> tuple[TableTarget | None, str]:
+        """The table registered for remote access, when the deployment may use rdma; else why not."""
+        if self.settings.transport not in ("auto", "rdma"):
+            return None, f"the deployment's transport is {self.settings.transport}"
+        try:
+            target = TableTarget(self.table.mapping, self.settings.rdma_device, self.settings.rdma_gid_index)
+        except RdmaUnavailable as e:
+            (log.warning if self.settings.transport == "rdma" else log.info)("no rdma target", reason=str(e))
+            return None, str(e)
+        log.info("slot table registered for rdma", device=target.port.name, gid=target.port.gid)
+        return target, ""
 
     def run(self) -> None:
         signal.signal(signal.SIGTERM, lambda *_: self._stop.set())
@@ -97,6 +112,8 @@ class EngineService:
         finally:
             if relay is not None:
                 relay.stop()
+            if self.rdma is not None:
+                self.rdma.close()
             self.table.close()
 
     def _serve_control(self) -> None:
@@ -130,6 +147,8 @@ class EngineService:
                 kv_host_pages_used=host_total - int(mirror.free.num_free) if mirror else 0,
                 kv_host_pages_total=host_total,
             )
+        if isinstance(message, control.RdmaConnect):
+            return self._accept_rdma(message.peer)
         if isinstance(message, control.SetLimits):
             self.driver.max_running = message.max_running
             return control.Ack()
@@ -140,6 +159,21 @@ class EngineService:
             self._stop.set()
             return control.Ack()
         return control.Failure(message=f"unexpected message {message.type!r}")
+
+
+    def _accept_rdma(self, remote: control.RdmaPeer) -> control.Message:
+        if self.rdma is None:
+            return control.Failure(message=f"the engine host has no rdma target: {self.rdma_missing}")
+        try:
+            peer, address, rkey = self.rdma.accept(remote)
+        except TransportLost as e:
+            return control.Failure(message=str(e))
+        g = self.table.geometry
+        log.info("rdma queue pair up", remote_device=remote.device, remote_gid=remote.gid, qp_num=peer.qp_num)
+        return control.RdmaAccept(peer=peer, address=address, rkey=rkey, size=self.rdma.size, num_slots=g.num_slots,
+                                  max_prompt_tokens=g.max_prompt_tokens, window=g.window,
+                                  top_logprobs=g.top_logprobs, max_stop_ids=g.max_stop_ids,
+                                  epoch=int(self.table.header["epoch"]))
 
 
 def run_engine(settings: Settings) -> None:

@@ -15,11 +15,14 @@ import zmq.asyncio
 
 from blink.ingress.app import create_app
 from blink.ingress.metrics import Metrics
+from blink.ingress.rdma_link import RdmaLink
 from blink.ingress.remote_slots import RemoteSlotClient
 from blink.ingress.slots import SlotClient
 from blink.ingress.state import IngressState
 from blink.ingress.zmq_api import ZmqApi
 from blink.shared import control
+from blink.shared.rdma import RdmaUnavailable
+from blink.shared.remote_memory import TransportLost
 from blink.shared.settings import Settings
 from blink.shared.slot_table import SlotTable
 from blink.shared.tokenizer import Tokenizer
@@ -78,15 +81,22 @@ class DrainingServer(uvicorn.Server):
 
 def connect(settings: Settings, info: control.EngineInfo) -> SlotClient | RemoteSlotClient:
     """The transport to the engine: the slot table in shared memory when it is on this host (and not fed by the
-    relay), otherwise the engine host's relay over ZeroMQ (degraded)."""
-    if settings.transport != "zmq":
+    relay); else one-sided RDMA into it through the NIC; else the engine host's relay over ZeroMQ (degraded)."""
+    options = dict(max_waiting=settings.max_waiting, reserved_slots=settings.reserved_slots(info.num_slots),
+                   by_class=settings.by_class)
+    if settings.transport in ("auto", "shm"):
         try:
-            return SlotClient(SlotTable.attach(info.slot_table), settings.max_waiting,
-                              reserved_slots=settings.reserved_slots(info.num_slots), by_class=settings.by_class)
+            return SlotClient(SlotTable.attach(info.slot_table), **options)
         except (FileNotFoundError, RuntimeError) as e:
             if settings.transport == "shm":
                 raise
-            log.warning("no shared-memory path to the engine: degraded to the zmq transport", reason=str(e))
+            log.info("no shared-memory path to the engine", reason=str(e))
+    if settings.transport in ("auto", "rdma"):
+        link = RdmaLink(settings)
+        try:
+            return SlotClient(link.open(), relink=link.relink, **options)
+        except (RdmaUnavailable, TransportLost, TimeoutError) as e:
+            log.warning("no rdma path to the engine: degraded to the zmq transport", reason=str(e))
     return RemoteSlotClient(settings.relay_endpoint, info.num_slots, settings.max_waiting, settings.watchdog_deadline)
 
 
@@ -168,7 +178,7 @@ async def _answer(state: IngressState, settings: Settings, message: control.Mess
         client = state.client
         return control.IngressStatus(pid=os.getpid(), running=client.running, waiting=client.waiting,
                                      failovers=client.failed_over, draining=state.draining,
-                                     transport=client.transport)
+                                     transport=client.transport, transport_lost=getattr(client, "transport_lost", None))
     if isinstance(message, control.SwitchTransport):
         return await switch_to_zmq(state, settings)
     if isinstance(message, control.SetClassDefaults):

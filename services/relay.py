@@ -77,12 +77,12 @@ class Relay:
             self._track(key, self._run(key, wire.request_from_wire(message["request"])))
         elif op == "adopt":
             streams = {str(rid): int(slot) for rid, slot in message["streams"].items()}
+            # The ingress handing its requests over may not have been able to release the table (a lost NIC path).
+            self.table.claim(Client.RELAY, force=True)
             if self.client is None:
                 self.client = SlotClient(self.table, self.max_waiting, Client.RELAY, frozenset(streams.values()),
                                          self.reserved_slots, self.by_class)
                 self.client.start()
-            else:
-                self.table.claim(Client.RELAY)
             for rid, slot in streams.items():
                 key = (identity, rid)
                 self._track(key, self._forward(key, self.client.adopt(slot)))

@@ -148,6 +148,7 @@ class Watchdog:
         self._ping: zmq.Socket | None = None
         self._ping_sent = 0.0
         self._last_answer = 0.0
+        self._lost_since: float | None = None  # when the ingress first said its transport's path was lost
 
     # -- the loop ------------------------------------------------------------------------------------------
 
@@ -236,6 +237,8 @@ class Watchdog:
         if not self.supervisor.alive(INGRESS):
             return "exited"
         answered = self._poll_ping(now)
+        if answered is not None:
+            self._watch_transport(answered, now)
         if answered is not None and watch.starting_since is not None:
             watch.starting_since = None
             if isinstance(self.supervisor, PidSupervisor):
@@ -249,6 +252,26 @@ class Watchdog:
         if now - self._last_answer > self.deadline_s:
             return f"stalled: no answer to pings for {now - self._last_answer:.1f} s"
         return None
+
+    def _watch_transport(self, status: control.IngressStatus, now: float) -> None:
+        """An ingress that cannot restore its path to the table (rdma) within the deadline is moved to the `zmq`
+        transport, whose relay adopts the requests in flight."""
+        if status.transport_lost is None:
+            self._lost_since = None
+            return
+        self._lost_since = self._lost_since if self._lost_since is not None else now
+        if now - self._lost_since <= self.deadline_s:
+            return
+        self.publish("transport_lost", transport=status.transport, reason=status.transport_lost)
+        try:
+            reply = control.request(self.settings.ingress_control_endpoint, control.SwitchTransport(transport="zmq"),
+                                    timeout_s=self.deadline_s)
+        except TimeoutError as e:
+            reply = control.Failure(message=str(e))
+        switched = isinstance(reply, control.Ack)
+        self.publish("transport_switched" if switched else "transport_switch_failed", to="zmq",
+                     reason=None if switched else getattr(reply, "message", reply.type))
+        self._lost_since = None if switched else now  # a failed switch is tried again after another deadline
 
     def _poll_ping(self, now: float) -> control.IngressStatus | None:
         """Keeps one ping in flight; returns the answer when one came in."""

@@ -43,6 +43,40 @@ class ClassDefaultsNow(BaseModel):
     defaults: ClassDefaults
 
 
+class RdmaPeer(BaseModel):
+    """One end of a reliable-connected queue pair: what the other end needs to connect to it."""
+
+    device: str
+    port: int
+    gid: str  # RoCE routes by GID; InfiniBand by LID
+    lid: int
+    qp_num: int
+    psn: int
+
+
+class RdmaConnect(BaseModel):
+    """The ingress asks for a queue pair into the slot table (the `rdma` transport)."""
+
+    type: Literal["rdma_connect"] = "rdma_connect"
+    peer: RdmaPeer
+
+
+class RdmaAccept(BaseModel):
+    """The engine's end, and where the table is: its registered address, key and geometry, and the epoch."""
+
+    type: Literal["rdma_accept"] = "rdma_accept"
+    peer: RdmaPeer
+    address: int
+    rkey: int
+    size: int
+    num_slots: int
+    max_prompt_tokens: int
+    window: int
+    top_logprobs: int
+    max_stop_ids: int
+    epoch: int
+
+
 class Drain(BaseModel):
     type: Literal["drain"] = "drain"
 
@@ -72,6 +106,7 @@ class IngressStatus(BaseModel):
     failovers: int
     draining: bool
     transport: str
+    transport_lost: str | None = None  # why, while the ingress cannot reach the table through its transport
 
 
 class EngineInfo(BaseModel):
@@ -113,8 +148,8 @@ class Failure(BaseModel):
     message: str
 
 
-Message = Annotated[Hello | GetStatus | SetLimits | SetClassDefaults | ClassDefaultsNow | Drain | Stop | Ping
-                    | SwitchTransport | IngressStatus | EngineInfo | EngineStatus | Ack | Failure,
+Message = Annotated[Hello | GetStatus | SetLimits | SetClassDefaults | ClassDefaultsNow | RdmaConnect | RdmaAccept
+                    | Drain | Stop | Ping | SwitchTransport | IngressStatus | EngineInfo | EngineStatus | Ack | Failure,
                     Field(discriminator="type")]
 _adapter: TypeAdapter[Message] = TypeAdapter(Message)
 

@@ -30,9 +30,12 @@ class Settings(BaseSettings):
     shutdown_timeout: float = Field(30.0, ge=0)
     runtime_dir: str = "/tmp"
     zmq_port: int | None = Field(None, ge=1, le=65535, description="TCP port of the ZeroMQ API (default: ipc)")
-    transport: Literal["auto", "shm", "zmq"] = Field("auto", description="how the ingress reaches the slot "
-                                                     "table: shm (same host), zmq (relayed by the engine host; "
-                                                     "degraded), auto (shm when the table is here)")
+    transport: Literal["auto", "shm", "rdma", "zmq"] = Field(
+        "auto", description="how the ingress reaches the slot table: shm (same host), rdma (one-sided RDMA through "
+        "the NIC), zmq (relayed by the engine host; degraded), auto (shm when the table is here, else rdma, else "
+        "zmq)")
+    rdma_device: str | None = Field(None, description="RDMA device for the rdma transport (default: the first)")
+    rdma_gid_index: int = Field(0, ge=0, description="GID index of the RDMA port (RoCE: the RoCEv2 entry)")
     engine_host: str = Field("127.0.0.1", description="where the engine runs, for --control-port/--relay-port")
     control_port: int | None = Field(None, ge=1, le=65535, description="TCP port of the engine's control socket "
                                      "(default: ipc, same host only)")
@@ -54,7 +57,7 @@ class Settings(BaseSettings):
     ls_reserved_slots: int | None = Field(None, ge=0, description="slots only latency-sensitive requests may take "
                                           "(default: an eighth of them)")
 
-    @field_validator("model", "served_model_name", "api_key", mode="before")
+    @field_validator("model", "served_model_name", "api_key", "rdma_device", mode="before")
     @classmethod
     def _empty_is_unset(cls, value: object) -> object:
         """BLINK_MODEL= (as compose writes an unset ${BLINK_MODEL:-}) means the default, not a model named ''."""

@@ -207,6 +207,13 @@ class SlotTable:
             raise ValueError(f"{path} is {size} bytes, its header describes {cls.size_for(geometry)}")
         return cls(path, mapping, geometry)
 
+    transport = "shm"  # how the ingress reaches this table: it maps the engine's memory
+
+    @property
+    def mapping(self) -> mmap.mmap:
+        """The table's memory (the rdma transport registers it with the NIC)."""
+        return self._map
+
     def close(self) -> None:
         del self.header, self.slots
         self._map.close()
@@ -282,14 +289,31 @@ class SlotTable:
             raise RuntimeError(f"slot {slot} is not waiting for admission")
         s["epoch"] = self.header["epoch"]
 
-    def claim(self, client: Client) -> None:
-        """Makes `client` the table's publisher; another kind already publishing is an error. (A restarted
-        client of the same kind takes over: its predecessor's slots are orphans.)"""
+    def claim(self, client: Client, force: bool = False) -> None:
+        """Makes `client` the table's publisher; another kind already publishing is an error, unless `force`d (it
+        handed its requests over but could not release the table). A restarted client of the same kind takes
+        over: its predecessor's slots are orphans."""
         current = Client(int(self.header["client"]))
-        if current not in (Client.NONE, client):
+        if current not in (Client.NONE, client) and not force:
             raise RuntimeError(f"slot table {self.path} is fed by the {current.name.lower()}, not the "
                                f"{client.name.lower()}: one transport per deployment")
         self.header["client"] = client
+
+    def release_client(self, client: Client) -> None:
+        """A stopping client gives up its claim: another kind of publisher may take over."""
+        if int(self.header["client"]) == client:
+            self.header["client"] = Client.NONE
+
+    # -- what a replica of the table (blink.shared.replica_table) pulls; here the table is the memory itself ----
+
+    def refresh_header(self) -> None:
+        """Nothing to do: this mapping is the engine's memory."""
+
+    def refresh(self, slots: list[int]) -> None:
+        """Nothing to do: this mapping is the engine's memory."""
+
+    def heartbeat_age_s(self) -> float:
+        return (time.monotonic_ns() - int(self.header["last_step_ns"])) / 1e9
 
     # -- the watchdog's side -----------------------------------------------------------------------------
 

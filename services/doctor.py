@@ -1,0 +1,72 @@
+"""`blink doctor`: which transports and drive modes this machine supports, and for each one it does not, why."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import asdict, dataclass
+
+from blink.shared.slot_table import SHM_DIR
+
+
+@dataclass
+class Capability:
+    kind: str  # transport | drive | device
+    name: str
+    available: bool
+    why: str
+
+
+def check(rdma_device: str | None = None) -> list[Capability]:
+    return [*_transports(rdma_device), *_drive_modes()]
+
+
+def _transports(rdma_device: str | None) -> list[Capability]:
+    shm_ok = SHM_DIR.is_dir() and os.access(SHM_DIR, os.W_OK)
+    shm = Capability("transport", "shm", shm_ok, f"{SHM_DIR} is writable: an ingress on this host maps the table"
+                     if shm_ok else f"{SHM_DIR} is missing or not writable")
+    return [shm, _rdma(rdma_device), Capability("transport", "zmq", True, "always: the engine host relays requests "
+                                                "over ZeroMQ (degraded: the engine host's CPU copies each one)")]
+
+
+def _rdma(rdma_device: str | None) -> Capability:
+    from blink.shared.rdma import RdmaUnavailable, pick_device
+
+    try:
+        name = pick_device(rdma_device)
+    except RdmaUnavailable as e:
+        return Capability("transport", "rdma", False, str(e))
+    return Capability("transport", "rdma", True, f"pyverbs and RDMA device {name}: the ingress writes requests "
+                      "into the table with one-sided RDMA (its port and link are checked when it connects)")
+
+
+def _drive_modes() -> list[Capability]:
+    host = Capability("drive", "host", True, "always: a host loop steps the engine (the CPU path, and the baseline)")
+    if importlib.util.find_spec("torch") is None:
+        device = Capability("device", "engine", False, "torch is not installed: pip install 'blink-serve[engine]'")
+        return [device, host, *_device_modes("torch is not installed")]
+    import torch
+
+    if not torch.cuda.is_available():
+        cpu = Capability("device", "cpu", True, "no CUDA device: the engine runs on the CPU (degraded)")
+        return [cpu, host, *_device_modes("needs a CUDA GPU; torch sees none")]
+    name = torch.cuda.get_device_name(0)
+    gpu = Capability("device", "cuda", True, f"{torch.cuda.device_count()} CUDA device(s): {name}")
+    return [gpu, host, *_device_modes("not built yet: the device-resident loop is issue 4 (host mode runs)")]
+
+
+def _device_modes(why: str) -> list[Capability]:
+    return [Capability("drive", mode, False, why) for mode in ("graph", "persistent")]
+
+
+def report(capabilities: list[Capability]) -> str:
+    lines = []
+    for kind in ("device", "transport", "drive"):
+        lines.append({"device": "engine device", "transport": "transports", "drive": "drive modes"}[kind] + ":")
+        for c in (c for c in capabilities if c.kind == kind):
+            lines.append(f"  {c.name:<11} {'yes' if c.available else 'no ':<4} {c.why}")
+    return "\n".join(lines)
+
+
+def as_dicts(capabilities: list[Capability]) -> list[dict]:
+    return [asdict(c) for c in capabilities]
