@@ -40,8 +40,23 @@ def validator():
     return jsonschema.validators.validator_for(schema)(schema)
 
 
-def test_three_files():
-    assert [f.name for f in FILES] == ["docker-compose.cpu.yml", "docker-compose.cpuset.yml", "docker-compose.yml"]
+def test_the_files():
+    assert [f.name for f in FILES] == ["docker-compose.cpu.yml", "docker-compose.cpuset.yml",
+                                       "docker-compose.rdma-ingress.yml", "docker-compose.rdma.yml",
+                                       "docker-compose.yml"]
+
+
+def test_the_rdma_hosts():
+    """The engine host registers the table with the NIC and takes the handshake on TCP; the ingress host
+    reaches it there, with the RDMA devices and locked memory both sides need."""
+    engine = load(COMPOSE / "docker-compose.rdma.yml")["services"]["engine"]
+    ingress = load(COMPOSE / "docker-compose.rdma-ingress.yml")["services"]["ingress"]
+    for service in (engine, ingress):
+        assert service["environment"]["BLINK_TRANSPORT"] == "rdma"
+        assert service["devices"] == ["/dev/infiniband:/dev/infiniband"] and "IPC_LOCK" in service["cap_add"]
+        assert service["ulimits"]["memlock"] == -1
+    assert "BLINK_ENGINE_HOST" in ingress["environment"] and "BLINK_CONTROL_PORT" in ingress["environment"]
+    assert any("5550" in port for port in engine["ports"])
 
 
 @pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
