@@ -130,8 +130,8 @@ class Request:
 
 @dataclass
 class RequestStats:
-    """What the engine did to a request: preemptions (by recompute), KV pages and bytes rotated to host memory
-    and back, and the time it was resident but not scheduled."""
+    """What the engine did to a request: preemptions (rotated out or recomputed), KV pages and bytes rotated to
+    host memory and back, and the time it was resident but not scheduled."""
 
     preemptions: int = 0
     pages_out: int = 0
