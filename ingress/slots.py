@@ -311,9 +311,7 @@ class SlotClient:
             for slot, stream in self._busy.items():
                 if stream.abandoned:
                     self.table.cancel(slot)
-            while self._waiters[ServiceClass.LATENCY_SENSITIVE] or self._waiters[ServiceClass.BEST_EFFORT]:
-                if not self._free:
-                    break
+            for _ in range(len(self._free)):  # each free slot once: one kept for the reserve goes back to the end
                 self._release(self._free.popleft())
             log.info("path to the slot table restored", epoch=int(self.table.header["epoch"]))
             self.transport_lost = None

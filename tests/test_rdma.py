@@ -283,3 +283,31 @@ def test_serve_over_a_loopback_queue_pair_and_reconnect_after_an_engine_restart(
             time.sleep(0.5)
         assert ready["transport"] == "rdma"  # reconnected, not degraded
         assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=30).status_code == 200
+
+
+def test_restoring_the_path_hands_free_slots_to_waiters_and_keeps_the_reserve(table):
+    """A best-effort waiter held back by the latency-sensitive reserve stays waiting after a restore (which must
+    return, not spin on the reserved slot), and a latency-sensitive waiter gets that slot."""
+    replica = ReplicaTable(MappedMemory(table.path), table.geometry)
+
+    def relink():
+        replica.rebind(MappedMemory(table.path))
+
+    async def run():
+        client = SlotClient(replica, max_waiting=4, reserved_slots=1, relink=relink)
+        client.start()
+        try:
+            for _ in range(3):
+                await client.submit(Request([1], 4, service_class=1))  # three of four slots
+            held = asyncio.ensure_future(client.submit(Request([1], 4, service_class=1)))
+            await asyncio.sleep(0.05)
+            replica.remote.close()  # lost: the poller restores it
+            await asyncio.sleep(0.3)
+            assert client.transport_lost is None and not held.done()
+            urgent = await asyncio.wait_for(client.submit(Request([1], 4, service_class=0)), 2)
+            assert table.slots[urgent.slot]["state"] == SlotState.SUBMITTED
+            held.cancel()
+        finally:
+            await client.stop()
+
+    asyncio.run(asyncio.wait_for(run(), 20))
