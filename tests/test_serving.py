@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import uuid
 
 import httpx
 import openai
@@ -19,7 +21,10 @@ from blink.engine import LLM, SamplingParams
 from blink.engine.default_model import ensure_default_model
 from blink.ingress.chat import render_chat
 from blink.ingress.protocol import ChatMessage
+from blink.ingress.slots import Overloaded, SlotClient
 from blink.shared import control
+from blink.shared.service_class import ServiceClass
+from blink.shared.slot_table import Finish, Geometry, Request, SlotTable
 
 MODEL = "blink-tiny-llama-v1"
 PROMPTS = ["Once upon a time", "The quick brown fox", "Question: What is two plus two?", "Dear team,"]
@@ -317,17 +322,23 @@ def test_zmq_api_answers_odd_frames(server):
         sock.close()
 
 
+@contextlib.asynccontextmanager
+async def _table_client(num_slots: int, **options):
+    """A fresh slot table with a started SlotClient on it; both gone afterwards."""
+    table = SlotTable.create(f"test-{uuid.uuid4().hex[:10]}", Geometry(num_slots, 8, 4))
+    client = SlotClient(table, **options)
+    client.start()
+    try:
+        yield table, client
+    finally:
+        await client.stop()
+        table.close()
+        table.unlink()
+
+
 def test_a_late_cancel_never_touches_the_slot_s_next_owner():
-    import uuid
-
-    from blink.ingress.slots import SlotClient
-    from blink.shared.slot_table import Finish, Geometry, Request, SlotTable
-
     async def run():
-        table = SlotTable.create(f"test-{uuid.uuid4().hex[:10]}", Geometry(1, 8, 4))
-        client = SlotClient(table, max_waiting=4)
-        client.start()
-        try:
+        async with _table_client(1, max_waiting=4) as (table, client):
             first = await client.submit(Request([1], 4))
             outputs = client.outputs(first)
             table.admit(0)
@@ -338,29 +349,16 @@ def test_a_late_cancel_never_touches_the_slot_s_next_owner():
             assert second.done() and table.slots[0]["state"] == 1
             await outputs.aclose()  # the first consumer leaves without having read its finish
             return int(table.slots[0]["cancel"])
-        finally:
-            await client.stop()
-            table.close()
-            table.unlink()
 
     assert asyncio.run(run()) == 0
 
 
 def test_latency_sensitive_requests_take_reserved_slots_and_wait_first():
-    import uuid
-
-    from blink.ingress.slots import SlotClient
-    from blink.shared.service_class import ServiceClass
-    from blink.shared.slot_table import Finish, Geometry, Request, SlotTable
-
     def request(service_class: ServiceClass) -> Request:
         return Request([1], 4, service_class=int(service_class), ttft_slo_ms=1000.0)
 
     async def run():
-        table = SlotTable.create(f"test-{uuid.uuid4().hex[:10]}", Geometry(3, 8, 4))
-        client = SlotClient(table, max_waiting=4, reserved_slots=1)
-        client.start()
-        try:
+        async with _table_client(3, max_waiting=4, reserved_slots=1) as (table, client):
             best_effort = [await client.submit(request(ServiceClass.BEST_EFFORT)) for _ in range(2)]
             third = asyncio.ensure_future(client.submit(request(ServiceClass.BEST_EFFORT)))
             await asyncio.sleep(0.05)
@@ -375,10 +373,6 @@ def test_latency_sensitive_requests_take_reserved_slots_and_wait_first():
             await asyncio.wait_for(waiting_urgent, 1)
             assert not third.done()
             third.cancel()
-        finally:
-            await client.stop()
-            table.close()
-            table.unlink()
 
     asyncio.run(run())
 
@@ -433,17 +427,8 @@ def test_bad_classes_and_slos_are_400s(server, extra, headers, param):
 
 
 def test_a_latency_sensitive_arrival_displaces_the_newest_best_effort_waiter_when_the_line_is_full():
-    import uuid
-
-    from blink.ingress.slots import Overloaded, SlotClient
-    from blink.shared.service_class import ServiceClass
-    from blink.shared.slot_table import Geometry, Request, SlotTable
-
     async def run():
-        table = SlotTable.create(f"test-{uuid.uuid4().hex[:10]}", Geometry(1, 8, 4))
-        client = SlotClient(table, max_waiting=2)
-        client.start()
-        try:
+        async with _table_client(1, max_waiting=2) as (_, client):
             await client.submit(Request([1], 4, service_class=int(ServiceClass.BEST_EFFORT)))  # takes the slot
             older, newer = (asyncio.ensure_future(client.submit(Request([1], 4, service_class=1))) for _ in range(2))
             await asyncio.sleep(0.05)
@@ -454,9 +439,5 @@ def test_a_latency_sensitive_arrival_displaces_the_newest_best_effort_waiter_whe
                 await client.submit(Request([1], 4, service_class=1))
             for waiter in (older, urgent):
                 waiter.cancel()
-        finally:
-            await client.stop()
-            table.close()
-            table.unlink()
 
     asyncio.run(run())
