@@ -77,12 +77,13 @@ class Policy:
 
 class StepCostModel:
     """Host side: fits step seconds = a + b * tokens to the steps the driver timed, forgetting old ones, and
-    keeps [a, b, seconds since the previous plan] in a device tensor the step reads (the last for the time
-    requests spend waiting)."""
+    before each plan writes [a, b, seconds since the previous plan] into the device tensor the step reads (the
+    last for the time requests spend waiting): one small copy per step."""
 
     def __init__(self, cost: torch.Tensor, forget: float = 0.98):
         self.cost, self.forget = cost, forget
         self._n = self._x = self._y = self._xx = self._xy = 0.0
+        self._a = self._b = 0.0
 
     def observe(self, tokens: int, seconds: float) -> None:
         f = self.forget
@@ -90,9 +91,8 @@ class StepCostModel:
         self._xx, self._xy = f * self._xx + tokens * tokens, f * self._xy + tokens * seconds
         var = self._n * self._xx - self._x ** 2
         b = (self._n * self._xy - self._x * self._y) / var if var > 1e-9 * max(1.0, self._n * self._xx) else 0.0
-        b = max(b, 0.0)
-        a = max(0.0, (self._y - b * self._x) / self._n)
-        self.cost[:2].copy_(torch.tensor([a, b], dtype=self.cost.dtype), non_blocking=True)
+        self._b = max(b, 0.0)
+        self._a = max(0.0, (self._y - self._b * self._x) / self._n)
 
     def planning(self, since_last_plan: float) -> None:
-        self.cost[2].fill_(since_last_plan)
+        self.cost.copy_(torch.tensor([self._a, self._b, since_last_plan], dtype=self.cost.dtype), non_blocking=True)
