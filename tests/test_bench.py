@@ -193,7 +193,7 @@ def test_figures_match_the_servers_own_timestamps(tmp_path, tokenizer_dir):
     data = write_sharegpt(tmp_path / "sg.json", NORMAL + FAILING)
     tokenizer = load_tokenizer(str(tokenizer_dir), "scripted")
     seed = next(s for s in range(50) if sharegpt(data, tokenizer, 11, LengthLimits(), s)[0].prompt in NORMAL)
-    script = Script(ttft_s=0.2, gap_s=0.05)
+    script = Script(ttft_s=0.2, gap_s=0.15)
     with scripted_server(script) as url:
         assert bench_cli.main(["serve", "--base-url", url, "--dataset", str(data), "--tokenizer", str(tokenizer_dir),
                                "--num-prompts", "11", "--output-len", "6", "--seed", str(seed), "--no-energy",
@@ -214,7 +214,9 @@ def test_figures_match_the_servers_own_timestamps(tmp_path, tokenizer_dir):
     client = [r for r in run["requests"] if r["error"] is None]
     client_ttfts = sorted(r["ttft_ms"] / 1000 for r in client)
     for theirs, ours in zip(server_ttfts, client_ttfts, strict=True):
-        assert theirs <= ours < theirs + 0.1  # ours also counts the request's way there and the token's way back
+        # Ours also counts the request's way there and the token's way back, which on a loaded 2-core runner (server
+        # and client share a process) took 0.4 s; a TTFT taken to the last token would be 0.75 s late.
+        assert theirs <= ours < theirs + 0.5
     gaps = [b - a for s in served for a, b in zip(s.sent, s.sent[1:], strict=False)]
     assert run["median_itl_ms"] == pytest.approx(statistics.median(gaps) * 1000, abs=15)
     tpots = [(s.sent[-1] - s.sent[0]) / 5 for s in served]
