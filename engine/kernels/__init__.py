@@ -1,0 +1,2 @@
+"""Triton kernels: the engine's hot paths on CUDA, checked against the torch reference (on the CPU through
+`TRITON_INTERPRET=1`)."""
