@@ -1,0 +1,292 @@
+"""The device's side of the slot table: admission from it and publication into it, as Triton kernels.
+
+The table is host memory the device reads and writes directly (mapped; see blink.engine.table_memory), passed as
+one byte tensor with the field offsets beside it. The ingress publishes a request by writing its state word last;
+the device reads state words with system-scope acquire loads, so the payload it reads next is complete. It writes
+a token into the output window, then releases `produced` at system scope, so the ingress never sees a counter
+ahead of its record; the finish reason and stats likewise go before the FINISHED state. Under the interpreter
+(the CPU, in tests) plain loads and stores stand in for them: Python runs each store in order.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from blink.shared.slot_table import HEADER, HEADER_BYTES, Finish, Geometry, SlotState, slot_dtype
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+# Record fields the kernels touch, in the order of the offsets tensor; K_* name their indices.
+FIELDS = ("state", "epoch", "cancel", "prompt_len", "max_tokens", "priority", "flags", "temperature", "top_p",
+          "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "logprobs", "seed",
+          "service_class", "ttft_slo_ms", "tpot_slo_ms", "num_stop_ids", "stop_ids", "prompt", "produced", "consumed",
+          "finish_reason", "preemptions", "pages_out", "pages_in", "bytes_out", "bytes_in", "wait_ms", "tokens",
+          "logprob", "top_ids", "top_logprobs")
+(K_STATE, K_EPOCH, K_CANCEL, K_PROMPT_LEN, K_MAX_TOKENS, K_PRIORITY, K_FLAGS, K_TEMPERATURE, K_TOP_P, K_TOP_K,
+ K_MIN_P, K_REPETITION, K_PRESENCE, K_FREQUENCY, K_LOGPROBS, K_SEED, K_CLASS, K_TTFT, K_TPOT, K_NUM_STOP, K_STOP_IDS,
+ K_PROMPT, K_PRODUCED, K_CONSUMED, K_FINISH, K_PREEMPTIONS, K_PAGES_OUT, K_PAGES_IN, K_BYTES_OUT, K_BYTES_IN,
+ K_WAIT_MS, K_TOKENS, K_LOGPROB, K_TOP_IDS, K_TOP_LOGPROBS) = (tl.constexpr(i) for i in range(len(FIELDS)))
+
+# The engine's slot states (blink.engine.state.SlotStatus), restated: that module imports torch-side state.
+EMPTY: tl.constexpr = tl.constexpr(0)
+ENGINE_SUBMITTED: tl.constexpr = tl.constexpr(1)
+SUBMITTED: tl.constexpr = tl.constexpr(int(SlotState.SUBMITTED))
+ADMITTED: tl.constexpr = tl.constexpr(int(SlotState.ADMITTED))
+FINISHED: tl.constexpr = tl.constexpr(int(SlotState.FINISHED))
+ABORT: tl.constexpr = tl.constexpr(int(Finish.ABORT))
+
+
+def field_offsets(geometry: Geometry, device: torch.device) -> torch.Tensor:
+    fields = slot_dtype(geometry).fields
+    return torch.tensor([fields[name][1] for name in FIELDS], dtype=torch.int64, device=device)
+
+
+def header_offset(name: str) -> int:
+    return HEADER.fields[name][1]
+
+
+@triton.jit
+def _field(record, offsets, k: tl.constexpr, dtype: tl.constexpr):
+    return (record + tl.load(offsets + k)).to(tl.pointer_type(dtype))
+
+
+@triton.jit
+def _load_acquire(ptr, INTERPRET: tl.constexpr):
+    if INTERPRET:
+        return tl.load(ptr, volatile=True)
+    else:
+        return tl.inline_asm_elementwise("ld.acquire.sys.global.u32 $0, [$1];", "=r,l", [ptr], dtype=tl.uint32,
+                                         is_pure=False, pack=1)
+
+
+@triton.jit
+def _store_release(ptr, value, INTERPRET: tl.constexpr):
+    if INTERPRET:
+        tl.store(ptr, value)
+    else:
+        tl.inline_asm_elementwise("st.release.sys.global.u32 [$1], $2; mov.u32 $0, 0;", "=r,l,r", [ptr, value],
+                                  dtype=tl.uint32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _select(table, offsets, epoch, status, cancel, paused, admit, arrival, arrivals, limit, fenced,
+            S, RECORD: tl.constexpr, HEADER_EPOCH: tl.constexpr, WINDOW: tl.constexpr, BLOCK_S: tl.constexpr,
+            INTERPRET: tl.constexpr):
+    """One program: which published slots to admit (in slot order, up to the running limit), and each resident
+    slot's cancel flag and window room."""
+    if tl.load((table + HEADER_EPOCH).to(tl.pointer_type(tl.uint64)), volatile=True) != tl.load(epoch):
+        tl.store(fenced, 1)  # a newer engine owns the table: touch nothing
+        return
+    s = tl.arange(0, BLOCK_S)
+    real = s < S
+    record = table + HEADER_BYTES + tl.minimum(s, S - 1).to(tl.int64) * RECORD
+    states = _load_acquire(_field(record, offsets, K_STATE, tl.uint32), INTERPRET)
+    tl.debug_barrier()  # every thread's payload reads come after the acquire
+    epochs = tl.load(_field(record, offsets, K_EPOCH, tl.uint32))
+    engine = tl.load(status + s, mask=real, other=EMPTY)
+    wanted = real & (states == SUBMITTED) & (epochs.to(tl.uint64) == tl.load(epoch).to(tl.uint64)) & (engine == EMPTY)
+    room = tl.load(limit) - tl.sum((engine != EMPTY).to(tl.int64))
+    rank = tl.cumsum(wanted.to(tl.int64), 0)
+    take = wanted & (rank <= room)
+    first = tl.load(arrivals)
+    tl.store(admit + s, take, mask=real)
+    tl.store(arrival + s, first + rank - 1, mask=take)
+    tl.store(arrivals, first + tl.sum(take.to(tl.int64)))
+    resident = real & (engine != EMPTY)
+    produced = tl.load(_field(record, offsets, K_PRODUCED, tl.uint32)).to(tl.int64)
+    consumed = tl.load(_field(record, offsets, K_CONSUMED, tl.uint32), volatile=True).to(tl.int64)
+    tl.store(cancel + s, tl.load(_field(record, offsets, K_CANCEL, tl.uint32), volatile=True) != 0, mask=resident)
+    tl.store(paused + s, produced - consumed >= WINDOW, mask=resident)
+
+
+@triton.jit
+def _admit(table, offsets, admit, now, status, arrival_in, arrival, priority, service_class, ttft_deadline,
+           tpot_slo, cancel, paused, prompt_len, seq_len, num_computed, max_tokens, ignore_eos, stop_ids,
+           temperature, top_p, top_k, min_p, repetition_penalty, presence_penalty, frequency_penalty, seed,
+           finish_reason, rotated, preemptions, pages_out, pages_in, wait_s, tokens, tokens_stride, stop_stride,
+           vocab, max_len, RECORD: tl.constexpr, MAX_STOP: tl.constexpr, BLOCK_P: tl.constexpr,
+           INTERPRET: tl.constexpr):
+    """One program per slot: copies an admitted request into the engine's state, or ends it when it is invalid."""
+    s = tl.program_id(0)
+    if not tl.load(admit + s):
+        return
+    record = table + HEADER_BYTES + s.to(tl.int64) * RECORD
+    n = tl.load(_field(record, offsets, K_PROMPT_LEN, tl.uint32)).to(tl.int64)
+    prompt = _field(record, offsets, K_PROMPT, tl.int32)
+    history = tokens + s.to(tl.int64) * tokens_stride
+    bad = (n <= 0) | (n >= max_len)
+    start = 0
+    while start < n:  # a while loop: the interpreter cannot range() over a loaded value
+        j = start + tl.arange(0, BLOCK_P)
+        inside = j < n
+        t = tl.load(prompt + j, mask=inside, other=0)
+        outside = (t < 0) | (t >= vocab)
+        bad |= tl.max((outside & inside).to(tl.int32), 0) != 0
+        tl.store(history + j, tl.where(outside, 0, t), mask=inside & (j < max_len))  # in range: rows index by it
+        start += BLOCK_P
+    state_word = _field(record, offsets, K_STATE, tl.uint32)
+    if bad:  # the ingress validates; a record that still fails is ended, not served
+        tl.store(_field(record, offsets, K_FINISH, tl.uint32), ABORT)
+        tl.debug_barrier()
+        _store_release(state_word, tl.full((), FINISHED, tl.uint32), INTERPRET)
+        return
+    asked = tl.maximum(tl.load(_field(record, offsets, K_MAX_TOKENS, tl.uint32)).to(tl.int64), 1)
+    ttft = tl.load(_field(record, offsets, K_TTFT, tl.float32)).to(tl.float64)
+    tpot = tl.load(_field(record, offsets, K_TPOT, tl.float32)).to(tl.float64)
+    inf = float("inf")
+    tl.store(arrival + s, tl.load(arrival_in + s))
+    tl.store(priority + s, tl.load(_field(record, offsets, K_PRIORITY, tl.int32)).to(tl.int64))
+    tl.store(service_class + s, tl.load(_field(record, offsets, K_CLASS, tl.uint32)).to(tl.int64))
+    tl.store(ttft_deadline + s, tl.where(tl.abs(ttft) < inf, tl.load(now) + ttft / 1000, inf))
+    tl.store(tpot_slo + s, tl.where((tpot < inf) & (tpot > 0), tpot / 1000, inf))
+    tl.store(prompt_len + s, n)
+    tl.store(seq_len + s, n)
+    tl.store(num_computed + s, 0)
+    tl.store(max_tokens + s, tl.minimum(asked, max_len - n))
+    tl.store(ignore_eos + s, (tl.load(_field(record, offsets, K_FLAGS, tl.uint32)) & 1) != 0)
+    k = tl.arange(0, MAX_STOP)
+    num_stop = tl.load(_field(record, offsets, K_NUM_STOP, tl.uint32)).to(tl.int64)
+    stops = tl.load(_field(record, offsets, K_STOP_IDS, tl.int32) + k, mask=k < num_stop, other=-1)
+    tl.store(stop_ids + s * stop_stride + k, stops.to(tl.int64))
+    tl.store(temperature + s, tl.load(_field(record, offsets, K_TEMPERATURE, tl.float32)))
+    tl.store(top_p + s, tl.load(_field(record, offsets, K_TOP_P, tl.float32)))
+    tl.store(top_k + s, tl.load(_field(record, offsets, K_TOP_K, tl.int32)).to(tl.int64))
+    tl.store(min_p + s, tl.load(_field(record, offsets, K_MIN_P, tl.float32)))
+    tl.store(repetition_penalty + s, tl.load(_field(record, offsets, K_REPETITION, tl.float32)))
+    tl.store(presence_penalty + s, tl.load(_field(record, offsets, K_PRESENCE, tl.float32)))
+    tl.store(frequency_penalty + s, tl.load(_field(record, offsets, K_FREQUENCY, tl.float32)))
+    tl.store(seed + s, (tl.load(_field(record, offsets, K_SEED, tl.uint64)) & 0x7FFFFFFFFFFFFFFF).to(tl.int64))
+    tl.store(finish_reason + s, 0)
+    tl.store(cancel + s, False)
+    tl.store(paused + s, False)
+    tl.store(rotated + s, False)
+    tl.store(preemptions + s, 0)
+    tl.store(pages_out + s, 0)
+    tl.store(pages_in + s, 0)
+    tl.store(wait_s + s, 0.0)
+    tl.store(status + s, ENGINE_SUBMITTED)
+    tl.debug_barrier()
+    _store_release(state_word, tl.full((), ADMITTED, tl.uint32), INTERPRET)
+
+
+@triton.jit
+def _publish(table, offsets, fenced, token, finish, logprob, top_ids, top_logprobs, top_stride, status,
+             preemptions, pages_out, pages_in, wait_s, page_bytes, RECORD: tl.constexpr, WINDOW: tl.constexpr,
+             TOP: tl.constexpr, WIDTH: tl.constexpr, BLOCK_TOP: tl.constexpr, HEADER_STEPS: tl.constexpr,
+             INTERPRET: tl.constexpr):
+    """One program per slot: its token into the output window, then `produced`; its finish, then FINISHED."""
+    s = tl.program_id(0)
+    if tl.load(fenced) != 0:
+        return
+    if s == 0:  # the engine's own counter: the watchdog sees steps advance
+        steps = (table + HEADER_STEPS).to(tl.pointer_type(tl.uint64))
+        tl.store(steps, tl.load(steps) + 1)
+    record = table + HEADER_BYTES + s.to(tl.int64) * RECORD
+    t = tl.load(token + s)
+    reason = tl.load(finish + s)
+    if t >= 0:
+        produced_word = _field(record, offsets, K_PRODUCED, tl.uint32)
+        produced = tl.load(produced_word)
+        i = (produced % WINDOW).to(tl.int64)
+        tl.store(_field(record, offsets, K_TOKENS, tl.int32) + i, t.to(tl.int32))
+        tl.store(_field(record, offsets, K_LOGPROB, tl.float32) + i, tl.load(logprob + s))
+        j = tl.arange(0, BLOCK_TOP)
+        wanted = j < tl.minimum(tl.load(_field(record, offsets, K_LOGPROBS, tl.int32)), WIDTH)
+        ids = tl.load(top_ids + s * top_stride + j, mask=wanted, other=0)
+        lps = tl.load(top_logprobs + s * top_stride + j, mask=wanted, other=0.0)
+        tl.store(_field(record, offsets, K_TOP_IDS, tl.int32) + i * TOP + j, ids.to(tl.int32), mask=wanted)
+        tl.store(_field(record, offsets, K_TOP_LOGPROBS, tl.float32) + i * TOP + j, lps, mask=wanted)
+        tl.debug_barrier()
+        _store_release(produced_word, produced + 1, INTERPRET)
+    if reason != 0:
+        out_pages = tl.load(pages_out + s)
+        in_pages = tl.load(pages_in + s)
+        tl.store(_field(record, offsets, K_PREEMPTIONS, tl.uint32), tl.load(preemptions + s).to(tl.uint32))
+        tl.store(_field(record, offsets, K_PAGES_OUT, tl.uint32), out_pages.to(tl.uint32))
+        tl.store(_field(record, offsets, K_PAGES_IN, tl.uint32), in_pages.to(tl.uint32))
+        tl.store(_field(record, offsets, K_BYTES_OUT, tl.uint64), (out_pages * page_bytes).to(tl.uint64))
+        tl.store(_field(record, offsets, K_BYTES_IN, tl.uint64), (in_pages * page_bytes).to(tl.uint64))
+        tl.store(_field(record, offsets, K_WAIT_MS, tl.float32), (tl.load(wait_s + s) * 1000).to(tl.float32))
+        tl.store(_field(record, offsets, K_FINISH, tl.uint32), reason.to(tl.uint32))
+        tl.debug_barrier()
+        _store_release(_field(record, offsets, K_STATE, tl.uint32), tl.full((), FINISHED, tl.uint32), INTERPRET)
+        tl.store(status + s, EMPTY)  # the slot is the ingress's again; the engine forgets it
+
+
+@dataclass
+class DeviceTable:
+    """The slot table as the device sees it."""
+
+    memory: torch.Tensor  # uint8, the whole mapping, device-addressable
+    offsets: torch.Tensor  # [FIELDS] byte offsets inside a record
+    geometry: Geometry
+
+    @classmethod
+    def over(cls, memory: torch.Tensor, geometry: Geometry) -> DeviceTable:
+        return cls(memory, field_offsets(geometry, memory.device), geometry)
+
+    @property
+    def record_bytes(self) -> int:
+        return slot_dtype(self.geometry).itemsize
+
+
+@dataclass
+class Inbox:
+    """Device buffers the exchange keeps between steps."""
+
+    epoch: torch.Tensor  # [1] int64: the epoch this engine serves
+    now: torch.Tensor  # [1] float64: seconds on the host's monotonic clock, for TTFT deadlines
+    limit: torch.Tensor  # [1] int64: most requests resident at once (the control plane's admission limit)
+    admit: torch.Tensor  # [S] bool: slots admitted this step
+    arrival: torch.Tensor  # [S] int64: their arrival numbers
+    arrivals: torch.Tensor  # [1] int64: requests admitted so far
+    fenced: torch.Tensor  # [1] int32: set once a newer engine's epoch is seen; nothing is written after
+
+    @classmethod
+    def create(cls, num_slots: int, epoch: int, device: torch.device) -> Inbox:
+        def one(value, dtype):
+            return torch.full((1,), value, dtype=dtype, device=device)
+
+        return cls(one(epoch, torch.int64), one(0.0, torch.float64), one(num_slots, torch.int64),
+                   torch.zeros(num_slots, dtype=torch.bool, device=device),
+                   torch.zeros(num_slots, dtype=torch.int64, device=device), one(0, torch.int64), one(0, torch.int32))
+
+
+def take_requests(table: DeviceTable, inbox: Inbox, state, vocab: int, max_len: int) -> None:
+    """Admits what the ingress published (up to the limit) into `state` (a blink.engine.state.SlotState) and
+    mirrors each resident slot's cancel flag and window room."""
+    g, S = table.geometry, state.num_slots
+    _select[(1,)](table.memory, table.offsets, inbox.epoch, state.status, state.cancel, state.paused, inbox.admit,
+                  inbox.arrival, inbox.arrivals, inbox.limit, inbox.fenced, S, RECORD=table.record_bytes,
+                  HEADER_EPOCH=header_offset("epoch"), WINDOW=g.window, BLOCK_S=next_power_of_2(S),
+                  INTERPRET=INTERPRET)
+    _admit[(S,)](table.memory, table.offsets, inbox.admit, inbox.now, state.status, inbox.arrival, state.arrival,
+                 state.priority, state.service_class, state.ttft_deadline, state.tpot_slo, state.cancel, state.paused,
+                 state.prompt_len, state.seq_len, state.num_computed, state.max_tokens, state.ignore_eos,
+                 state.stop_ids, state.temperature, state.top_p, state.top_k, state.min_p, state.repetition_penalty,
+                 state.presence_penalty, state.frequency_penalty, state.seed, state.finish_reason, state.rotated,
+                 state.preemptions, state.pages_out, state.pages_in, state.wait_s, state.tokens,
+                 state.tokens.stride(0), state.stop_ids.stride(0), vocab, max_len, RECORD=table.record_bytes,
+                 MAX_STOP=state.stop_ids.shape[1], BLOCK_P=min(1024, next_power_of_2(g.max_prompt_tokens)),
+                 INTERPRET=INTERPRET)
+
+
+def publish(table: DeviceTable, inbox: Inbox, state, out, page_bytes: int) -> None:
+    """Writes each slot's token and finish (`out`: a blink.engine.commit.StepOutput) into the table."""
+    g = table.geometry
+    top = min(g.top_logprobs, out.top_ids.shape[1])
+    _publish[(state.num_slots,)](table.memory, table.offsets, inbox.fenced, out.token, out.finish_reason,
+                                 out.logprob, out.top_ids, out.top_logprobs, out.top_ids.stride(0), state.status,
+                                 state.preemptions, state.pages_out, state.pages_in, state.wait_s, page_bytes,
+                                 RECORD=table.record_bytes, WINDOW=g.window, TOP=g.top_logprobs, WIDTH=top,
+                                 BLOCK_TOP=next_power_of_2(top), HEADER_STEPS=header_offset("steps"),
+                                 INTERPRET=INTERPRET)
+
+
+def next_power_of_2(n: int) -> int:
+    return int(triton.next_power_of_2(max(1, n)))

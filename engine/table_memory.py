@@ -1,0 +1,60 @@
+"""The slot table's memory, addressable by the engine's device.
+
+On the CPU the mapping itself. On CUDA the shared-memory segment is page-locked and mapped into the device's
+address space (`cudaHostRegister` with `cudaHostRegisterMapped`), so kernels read the ingress's records and write
+tokens back with no engine-side host copy.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from blink.shared.slot_table import SlotTable
+
+_REGISTER_PORTABLE, _REGISTER_MAPPED = 1, 2
+
+
+class TableMemory:
+    """Owns the device view of a table's mapping; `close()` unregisters it (before the table is closed)."""
+
+    def __init__(self, table: SlotTable, device: torch.device):
+        self._host = np.frombuffer(table.mapping, dtype=np.uint8)
+        self.device, self._registered = device, False
+        if device.type == "cpu":
+            self.tensor = torch.from_numpy(self._host)
+            return
+        pointer, size = self._host.ctypes.data, self._host.nbytes
+        with torch.cuda.device(device):
+            error = torch.cuda.cudart().cudaHostRegister(pointer, size, _REGISTER_PORTABLE | _REGISTER_MAPPED)
+            if int(error) != 0:
+                raise RuntimeError(f"cudaHostRegister of the slot table failed ({error}): the device cannot map it")
+            self._registered = True
+            self.tensor = torch.as_tensor(_CudaArray(_device_pointer(pointer), size), device=device)
+
+    def close(self) -> None:
+        if self._registered:
+            torch.cuda.cudart().cudaHostUnregister(self._host.ctypes.data)
+            self._registered = False
+        del self.tensor, self._host
+
+
+class _CudaArray:
+    """Lets torch wrap device-addressable memory it did not allocate."""
+
+    def __init__(self, pointer: int, size: int):
+        self.__cuda_array_interface__ = {"shape": (size,), "typestr": "|u1", "data": (pointer, False),
+                                         "strides": None, "version": 3}
+
+
+def _device_pointer(host_pointer: int) -> int:
+    """The device address of registered host memory: the same address under unified addressing (every 64-bit
+    Linux CUDA device that can use host pointers for registered memory); cuda-python asks the runtime when present."""
+    try:
+        from cuda.bindings import runtime
+    except ImportError:
+        return host_pointer
+    error, pointer = runtime.cudaHostGetDevicePointer(host_pointer, 0)
+    if error != runtime.cudaError_t.cudaSuccess:
+        raise RuntimeError(f"cudaHostGetDevicePointer failed: {error}")
+    return int(pointer)

@@ -1,0 +1,112 @@
+"""The device step (admission from the slot table, the step, publication into it: the `graph` and `persistent` modes'
+work) run eagerly on the CPU, its kernels in Triton's interpreter, against the `host` mode's table driver."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+
+from blink.engine.device_step import DeviceStep
+from blink.engine.engine import Engine, EngineConfig
+from blink.engine.table_drive import TableDriver
+from blink.shared.slot_table import Finish, Geometry, Request, SlotState, SlotTable
+
+REQUESTS = {
+    0: Request([5, 6, 7, 8], 6, temperature=0.0, ignore_eos=True, logprobs=2),
+    1: Request(list(range(10, 45)), 5, temperature=0.0, ignore_eos=True),  # prefilled over several steps
+    2: Request([99] * 7, 7, temperature=0.8, top_k=20, seed=1234, ignore_eos=True),
+    3: Request([42, 43], 9, temperature=0.0, stop_token_ids=(7,), repetition_penalty=1.3),
+}
+
+
+def _engine(checkpoint) -> Engine:
+    return Engine(EngineConfig(model=str(checkpoint("qwen3")), max_num_seqs=4, max_num_batched_tokens=32,
+                               num_pages=64, page_size=8, max_model_len=96))
+
+
+@pytest.fixture
+def table():
+    table = SlotTable.create(f"test-{uuid.uuid4().hex[:10]}", Geometry(4, 64, 3))
+    yield table
+    table.unlink()
+
+
+def _serve(table: SlotTable, step, requests: dict[int, Request], steps: int = 120) -> dict[int, tuple]:
+    """Publishes `requests`, steps until every one finished and was read; returns each slot's tokens, top
+    logprob ids and finish."""
+    for slot, request in requests.items():
+        table.publish(slot, request)
+    got = {slot: ([], [], None) for slot in requests}
+    for i in range(steps):
+        step()
+        if i % 4 != 3:
+            continue  # a slow reader: the window holds 3 tokens, so the engine pauses slots until it reads
+        for slot in requests:
+            out = table.read(slot)
+            tokens, tops, _ = got[slot]
+            got[slot] = (tokens + out.tokens, tops + [ids[:2] for ids in out.top_ids], out.finish or got[slot][2])
+        if all(finish for *_, finish in got.values()):
+            return got
+    raise AssertionError(f"not finished after {steps} steps: {got}")
+
+
+def _device(engine: Engine, table: SlotTable) -> tuple[DeviceStep, callable]:
+    device = DeviceStep(engine, table)
+
+    def step():
+        device.clock[0] = time.monotonic()
+        device.run(device.bucket_for(int(device.published[0])))
+
+    return device, step
+
+
+def test_device_step_serves_the_table_as_the_host_driver_does(checkpoint, table):
+    """Greedy, seeded, stop-id, penalised and logprob requests: identical tokens, top ids and finishes; the window
+    (3 tokens) pauses the engine without losing a token; buckets smaller than a prompt chunk its prefill."""
+    host = TableDriver(_engine(checkpoint), table)
+    expected = _serve(table, host.step, REQUESTS)
+    for slot in REQUESTS:
+        table.free(slot)
+    device, step = _device(_engine(checkpoint), table)
+    got = _serve(table, step, REQUESTS)
+    assert got == expected
+    assert [len(got[s][0]) for s in (0, 1, 2)] == [6, 5, 7]
+    assert got[0][1][0] != [0, 0] and all(ids == [0, 0] for ids in got[1][1])  # top logprobs only where asked
+    assert int(device.published[1]) == 0  # nothing resident: every slot was handed back
+
+
+def test_invalid_records_end_and_a_newer_epoch_fences_the_device(checkpoint, table):
+    engine = _engine(checkpoint)
+    device, step = _device(engine, table)
+    vocab = engine.model_config.vocab_size
+    table.publish(0, Request([1, vocab], 4))  # a token the model does not have: the ingress should have said so
+    table.publish(1, Request([1, 2, 3], 4, temperature=0.0, ignore_eos=True))
+    step()
+    assert int(table.slots[0]["state"]) == SlotState.FINISHED
+    assert table.read(0).finish == Finish.ABORT
+    assert int(table.slots[1]["state"]) == SlotState.ADMITTED and int(table.slots[1]["produced"]) == 1
+    steps = int(table.header["steps"])
+    table.fail_over()  # a watchdog declared this engine dead
+    for _ in range(3):
+        step()
+    assert device.fenced
+    assert int(table.slots[1]["produced"]) == 1 and int(table.header["steps"]) == steps
+
+
+def test_cancel_and_the_admission_limit(checkpoint, table):
+    engine = _engine(checkpoint)
+    device, step = _device(engine, table)
+    device.inbox.limit.fill_(2)
+    for slot in range(4):
+        table.publish(slot, Request([3 + slot, 4, 5], 40, temperature=0.0, ignore_eos=True))
+    step()
+    states = [int(s) for s in table.slots["state"]]
+    assert states == [SlotState.ADMITTED, SlotState.ADMITTED, SlotState.SUBMITTED, SlotState.SUBMITTED]
+    table.cancel(0)
+    step()
+    assert table.read(0).finish == Finish.ABORT
+    table.free(0)
+    step()  # slot 0's place goes to the first request still waiting
+    assert int(table.slots[2]["state"]) == SlotState.ADMITTED and int(table.slots[3]["state"]) == SlotState.SUBMITTED
