@@ -3,9 +3,9 @@ publish, with no host sync and no host work per request.
 
 `DeviceStep.run(bucket)` enqueues one step whose shapes depend on the token bucket alone, so it can be captured
 once per bucket and replayed (the `graph` mode) or looped on the device (`persistent`). The host's only inputs are
-a clock it may write into pinned memory at any time; its only outputs are the demand the device publishes
-(tokens the resident requests want next, and how many are resident), which the driver reads when it likes to
-pick the next bucket.
+a clock and an admission limit it may write into pinned memory at any time; its only output is the demand the
+device publishes there (tokens the resident requests want next, and how many are resident), which the driver reads
+when it likes, to pick the next bucket.
 """
 
 from __future__ import annotations
@@ -13,13 +13,12 @@ from __future__ import annotations
 import torch
 
 from blink.engine.engine import Engine
-from blink.engine.kernels.exchange import DeviceTable, Inbox, publish, take_requests
+from blink.engine.kernels.exchange import DeviceTable, Inbox, publish, publish_demand, take_requests
 from blink.engine.kv_cache import PagePool
 from blink.engine.sampler import SamplerFeatures
 from blink.engine.scheduler import max_chunk_rows, plan
-from blink.engine.state import SlotStatus
 from blink.engine.step import StepShape
-from blink.engine.table_memory import TableMemory
+from blink.engine.table_memory import TableMemory, device_alias
 from blink.shared.slot_table import SlotTable
 
 # Every sampling feature is on: a captured step cannot branch on the requests it will meet (neutral parameters
@@ -36,12 +35,15 @@ class DeviceStep:
         pinned = device.type == "cuda"
         self.memory = TableMemory(table, device)
         self.table = DeviceTable.over(self.memory.tensor, table.geometry)
-        self.inbox = Inbox.create(self.state.num_slots, int(table.header["epoch"]), device)
+        # The host's side, in page-locked memory the kernels read and write in place (no copy nodes in the graph):
+        self.clock = torch.zeros(1, dtype=torch.float64, pin_memory=pinned)  # the host writes time.monotonic()
+        self.limit = torch.full((1,), self.state.num_slots, dtype=torch.int64, pin_memory=pinned)  # admission limit
+        self.published = torch.zeros(2, dtype=torch.int64, pin_memory=pinned)  # [demand, resident], the device's
+        self.inbox = Inbox.create(self.state.num_slots, int(table.header["epoch"]), device_alias(self.clock, device),
+                                  device_alias(self.limit, device))
+        self._published = device_alias(self.published, device)
         self.buckets = self.step.token_buckets
         self.page_bytes = PagePool.bytes_per_page(engine.model_config, engine.pool.page_size)
-        self.clock = torch.zeros(1, dtype=torch.float64, pin_memory=pinned)  # the host writes time.monotonic()
-        self.published = torch.zeros(2, dtype=torch.int64, pin_memory=pinned)  # [demand, resident]
-        self._demand = torch.zeros(2, dtype=torch.int64, device=device)
         self._last_now = torch.zeros(1, dtype=torch.float64, device=device)
 
     @property
@@ -52,7 +54,6 @@ class DeviceStep:
     def run(self, bucket: int) -> None:
         """Enqueues one step that computes at most `bucket` tokens."""
         state, engine, inbox = self.state, self.engine, self.inbox
-        inbox.now.copy_(self.clock, non_blocking=True)
         # Seconds since the previous step: what each resident request that was not scheduled waited.
         self.step.cost[2:].copy_(torch.where(self._last_now > 0, inbox.now - self._last_now, 0.0))
         self._last_now.copy_(inbox.now)
@@ -60,7 +61,7 @@ class DeviceStep:
         planned = plan(state, engine.pool, bucket, ALL_FEATURES.penalties, self.step.policy, None, self.step.cost)
         out = self.step.run(planned, self.shape(bucket), ALL_FEATURES)
         publish(self.table, inbox, state, out, self.page_bytes)
-        self._publish_demand()
+        publish_demand(state, self._published)
 
     def shape(self, bucket: int) -> StepShape:
         S = self.state.num_slots
@@ -69,14 +70,6 @@ class DeviceStep:
 
     def bucket_for(self, demand: int) -> int:
         return next((b for b in self.buckets if b >= demand), self.buckets[-1])
-
-    def _publish_demand(self) -> None:
-        state = self.state
-        resident = state.status != SlotStatus.EMPTY
-        wants = torch.where(resident & ~state.paused, (state.seq_len - state.num_computed).clamp(min=0), 0)
-        self._demand[0] = wants.sum()
-        self._demand[1] = resident.sum()
-        self.published.copy_(self._demand, non_blocking=True)
 
     def close(self) -> None:
         self.table = None

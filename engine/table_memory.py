@@ -30,7 +30,7 @@ class TableMemory:
             if int(error) != 0:
                 raise RuntimeError(f"cudaHostRegister of the slot table failed ({error}): the device cannot map it")
             self._registered = True
-            self.tensor = torch.as_tensor(_CudaArray(_device_pointer(pointer), size), device=device)
+            self.tensor = torch.as_tensor(_CudaArray(_device_pointer(pointer), (size,), "|u1"), device=device)
 
     def close(self) -> None:
         if self._registered:
@@ -39,11 +39,22 @@ class TableMemory:
         del self.tensor, self._host
 
 
+def device_alias(pinned: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`pinned` (page-locked host memory) as a tensor on `device` over the same bytes: kernels read what the host
+    wrote last and write what the host reads, with no copy to enqueue (on the CPU: `pinned` itself). The caller
+    keeps `pinned` alive as long as the alias."""
+    if device.type == "cpu":
+        return pinned
+    typestr = torch.empty(0, dtype=pinned.dtype).numpy().dtype.str
+    return torch.as_tensor(_CudaArray(_device_pointer(pinned.data_ptr()), tuple(pinned.shape), typestr),
+                           device=device)
+
+
 class _CudaArray:
     """Lets torch wrap device-addressable memory it did not allocate."""
 
-    def __init__(self, pointer: int, size: int):
-        self.__cuda_array_interface__ = {"shape": (size,), "typestr": "|u1", "data": (pointer, False),
+    def __init__(self, pointer: int, shape: tuple[int, ...], typestr: str):
+        self.__cuda_array_interface__ = {"shape": shape, "typestr": typestr, "data": (pointer, False),
                                          "strides": None, "version": 3}
 
 

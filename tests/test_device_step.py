@@ -98,7 +98,7 @@ def test_invalid_records_end_and_a_newer_epoch_fences_the_device(checkpoint, tab
 def test_cancel_and_the_admission_limit(checkpoint, table):
     engine = _engine(checkpoint)
     device, step = _device(engine, table)
-    device.inbox.limit.fill_(2)
+    device.limit[0] = 2  # the control plane's admission limit, written where the device reads it
     for slot in range(4):
         table.publish(slot, Request([3 + slot, 4, 5], 40, temperature=0.0, ignore_eos=True))
     step()

@@ -248,12 +248,13 @@ class Inbox:
     fenced: torch.Tensor  # [1] int32: set once a newer engine's epoch is seen; nothing is written after
 
     @classmethod
-    def create(cls, num_slots: int, epoch: int, device: torch.device) -> Inbox:
+    def create(cls, num_slots: int, epoch: int, now: torch.Tensor, limit: torch.Tensor) -> Inbox:
+        device = now.device
+
         def one(value, dtype):
             return torch.full((1,), value, dtype=dtype, device=device)
 
-        return cls(one(epoch, torch.int64), one(0.0, torch.float64), one(num_slots, torch.int64),
-                   torch.zeros(num_slots, dtype=torch.bool, device=device),
+        return cls(one(epoch, torch.int64), now, limit, torch.zeros(num_slots, dtype=torch.bool, device=device),
                    torch.zeros(num_slots, dtype=torch.int64, device=device), one(0, torch.int64), one(0, torch.int32))
 
 
@@ -286,6 +287,25 @@ def publish(table: DeviceTable, inbox: Inbox, state, out, page_bytes: int) -> No
                                  RECORD=table.record_bytes, WINDOW=g.window, TOP=g.top_logprobs, WIDTH=top,
                                  BLOCK_TOP=next_power_of_2(top), HEADER_STEPS=header_offset("steps"),
                                  INTERPRET=INTERPRET)
+
+
+@triton.jit
+def _demand(status, paused, seq_len, num_computed, published, S, BLOCK_S: tl.constexpr):
+    s = tl.arange(0, BLOCK_S)
+    real = s < S
+    resident = real & (tl.load(status + s, mask=real, other=EMPTY) != EMPTY)
+    waiting = resident & ~tl.load(paused + s, mask=real, other=False)
+    computed = tl.load(num_computed + s, mask=waiting, other=0)
+    wants = tl.maximum(tl.load(seq_len + s, mask=waiting, other=0) - computed, 0)
+    tl.store(published, tl.sum(wants))
+    tl.store(published + 1, tl.sum(resident.to(tl.int64)))
+
+
+def publish_demand(state, published: torch.Tensor) -> None:
+    """[tokens the resident requests want next step, requests resident] into `published` (host memory the driver
+    reads when it likes; a kernel, not a copy, so it may sit inside a conditional graph node)."""
+    _demand[(1,)](state.status, state.paused, state.seq_len, state.num_computed, published, state.num_slots,
+                  BLOCK_S=next_power_of_2(state.num_slots))
 
 
 def next_power_of_2(n: int) -> int:
