@@ -47,12 +47,20 @@ def _drive_modes() -> list[Capability]:
         return [device, host, *_device_modes("torch is not installed")]
     import torch
 
+    from blink.engine.drive_modes import unavailable
+
     if not torch.cuda.is_available():
         cpu = Capability("device", "cpu", True, "no CUDA device: the engine runs on the CPU (degraded)")
         return [cpu, host, *_device_modes("needs a CUDA GPU; torch sees none")]
     name = torch.cuda.get_device_name(0)
     gpu = Capability("device", "cuda", True, f"{torch.cuda.device_count()} CUDA device(s): {name}")
-    return [gpu, host, *_device_modes("not built yet: the device-resident loop is issue 4 (host mode runs)")]
+    device = torch.device("cuda")
+    why = {mode: unavailable(mode, device) for mode in ("graph", "persistent")}
+    return [gpu, host,
+            Capability("drive", "graph", why["graph"] is None,
+                       why["graph"] or "the step captured as CUDA graphs, replayed ahead by a host thread"),
+            Capability("drive", "persistent", why["persistent"] is None,
+                       why["persistent"] or "the step loops on the GPU in a CUDA graph WHILE node: no host work")]
 
 
 def _device_modes(why: str) -> list[Capability]:

@@ -44,6 +44,10 @@ class Settings(BaseSettings):
     watchdog_deadline: float = Field(2.0, gt=0, description="seconds without a heartbeat or an answer before "
                                      "the watchdog declares a service stalled")
     engine_start_timeout: float = Field(600.0, gt=0, description="seconds an engine may take to load and answer")
+    drive: Literal["auto", "host", "graph", "persistent"] = Field(
+        "auto", description="how the engine's step is driven: persistent (a loop on the GPU, no host work per "
+        "token), graph (CUDA graph replays queued ahead by a host thread), host (a host loop; the CPU path), auto "
+        "(the best this machine supports)")
     scheduling_policy: Literal["fcfs", "priority", "slo"] = Field(
         "slo", description="slo: latency-sensitive before best-effort, then priority, then TTFT deadline, with "
         "decodes kept within their TPOT SLOs; priority: vLLM's; fcfs: arrival order")

@@ -1,0 +1,103 @@
+"""The `graph` drive mode: the device step captured as CUDA graphs, one per token bucket, replayed ahead by a host
+thread that never waits for a step's result.
+
+The thread picks each replay's bucket from the demand the device published (a few steps stale: a step planned
+at a smaller bucket than its demand just computes fewer tokens, a chunked prefill). It keeps up to `ahead` replays
+queued, so a host thread that is descheduled by a noisy neighbour does not stall the GPU. When the device reports
+nothing resident and the table holds nothing new, it backs off (50 µs up to 1 ms) instead of replaying.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+
+import numpy as np
+import structlog
+import torch
+
+from blink.engine.device_step import DeviceStep
+from blink.shared.slot_table import SlotState, SlotTable
+
+log = structlog.get_logger()
+
+IDLE_BACKOFF_S = (50e-6, 1e-3)
+
+
+def capture_buckets(step: DeviceStep, stream: torch.cuda.Stream, keep_graph: bool = False
+                    ) -> dict[int, torch.cuda.CUDAGraph]:
+    """One graph per token bucket, largest first, sharing one memory pool: a step's intermediates die inside it
+    and the graphs never run concurrently. Each bucket runs twice first (Triton compiles, allocator warms)."""
+    with torch.cuda.stream(stream):
+        for bucket in step.buckets:
+            for _ in range(2):
+                step.run(bucket)
+    stream.synchronize()
+    pool = torch.cuda.graph_pool_handle()
+    graphs = {}
+    for bucket in reversed(step.buckets):
+        graph = torch.cuda.CUDAGraph(keep_graph=keep_graph) if keep_graph else torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
+            step.run(bucket)
+        graphs[bucket] = graph
+    stream.synchronize()
+    return graphs
+
+
+class GraphDriver:
+    mode = "graph"
+
+    def __init__(self, step: DeviceStep, table: SlotTable, ahead: int = 4):
+        if step.engine.device.type != "cuda":
+            raise RuntimeError("the graph drive mode needs a CUDA device")
+        self.step, self.table, self.ahead = step, table, ahead
+        self.stream = torch.cuda.Stream(step.engine.device)
+        started = time.perf_counter()
+        self.graphs = capture_buckets(step, self.stream)
+        log.info("step graphs captured", buckets=step.buckets, seconds=round(time.perf_counter() - started, 2))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="graph-drive", daemon=True)
+        self.replays = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Returns once every replay it queued has run."""
+        self._stop.set()
+        self._thread.join()
+        self.stream.synchronize()
+
+    @property
+    def resident(self) -> int:
+        return int(self.step.published[1])
+
+    def _loop(self) -> None:
+        step, queued = self.step, deque()
+        torch.cuda.set_device(step.engine.device)
+        backoff = IDLE_BACKOFF_S[0]
+        while not self._stop.is_set():
+            step.clock[0] = time.monotonic()
+            demand, resident = step.published.tolist()
+            if resident == 0 and not self._submitted():
+                time.sleep(backoff)
+                backoff = min(backoff * 2, IDLE_BACKOFF_S[1])
+                continue
+            backoff = IDLE_BACKOFF_S[0]
+            while len(queued) >= self.ahead and not queued[0].query():
+                time.sleep(20e-6)  # the device is `ahead` steps behind: let it catch up, without blocking on it
+            while queued and queued[0].query():
+                queued.popleft()
+            with torch.cuda.stream(self.stream):
+                self.graphs[step.bucket_for(demand)].replay()
+                done = torch.cuda.Event()
+                done.record(self.stream)
+            queued.append(done)
+            self.replays += 1
+            if demand == 0:  # resident but paused (slow readers) or just admitted: no need to spin
+                time.sleep(IDLE_BACKOFF_S[0])
+
+    def _submitted(self) -> bool:
+        """Whether the ingress published a request no step has admitted yet (a read of host memory)."""
+        return bool(np.any(self.table.slots["state"] == SlotState.SUBMITTED))
