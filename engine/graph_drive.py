@@ -69,6 +69,12 @@ class GraphDriver:
         self._thread.join()
         self.stream.synchronize()
 
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self.stop()
+        self.graphs.clear()
+        self.step.close()
+
     @property
     def resident(self) -> int:
         return int(self.step.published[1])

@@ -33,10 +33,11 @@ class TableMemory:
             self.tensor = torch.as_tensor(_CudaArray(_device_pointer(pointer), (size,), "|u1"), device=device)
 
     def close(self) -> None:
+        """Idempotent."""
         if self._registered:
             torch.cuda.cudart().cudaHostUnregister(self._host.ctypes.data)
             self._registered = False
-        del self.tensor, self._host
+        self.tensor = self._host = None
 
 
 def device_alias(pinned: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -127,7 +127,7 @@ class EngineService:
             if self.rdma is not None:
                 self.rdma.close()
             if self.drive != "host":
-                self.driver.step.close()
+                self.driver.close()  # unmaps the table from the device before it is closed
             self.table.close()
 
     def _drive_host(self) -> None:

@@ -75,7 +75,7 @@ def test_graph_mode_gives_the_host_modes_greedy_tokens(checkpoint):
             if mode == "graph":
                 driver.stop()
                 assert driver.replays > 0
-                driver.step.close()
+                driver.close()
         finally:
             table.unlink()
     assert results["graph"] == results["host"]
