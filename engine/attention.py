@@ -8,7 +8,7 @@ pages at a time, into a [rows, context] grid. All shapes come from the step's bu
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -28,10 +28,14 @@ class RowGroup:
 
 @dataclass
 class AttentionBatch:
-    """Per-step indexing shared by every layer."""
+    """Per-step indexing shared by every layer: `groups` for the torch reference, `rows` for the Triton kernels."""
 
     write_rows: torch.Tensor  # [B] flat cache row each token's K/V is written to (padding: the null page)
     groups: list[RowGroup]
+    # The plan's row groups at a capacity fixed by the bucket, with their queries per row; the kernels read each
+    # group's count on the device.
+    rows: list[tuple[QueryRows, int]] = field(default_factory=list)
+    block_table: torch.Tensor | None = None  # [slots, pages per sequence + 1]
 
 
 def build_row_group(rows: QueryRows, block_table: torch.Tensor, page_size: int, queries: int, context: int,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,6 +50,17 @@ def checkpoint_tensor_names(cfg: ModelConfig) -> list[str]:
     return names
 
 
+KERNELS = ("torch", "triton")
+
+
+def choose_kernels(device: torch.device) -> str:
+    """Triton on CUDA, torch elsewhere, unless BLINK_KERNELS says which."""
+    kernels = os.environ.get("BLINK_KERNELS") or ("triton" if device.type == "cuda" else "torch")
+    if kernels not in KERNELS:
+        raise ValueError(f"BLINK_KERNELS must be one of {', '.join(KERNELS)}, got {kernels!r}")
+    return kernels
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # As transformers does it: normalise in float32, cast back, then scale.
     x32 = x.float()
@@ -91,6 +103,17 @@ class Transformer:
         self.lm_head = self.embed if cfg.tie_word_embeddings else get("lm_head.weight")
         self.cos, self.sin = rope_tables(cfg, max_len, device)
         self.scale = cfg.head_dim ** -0.5
+        self.kernels = choose_kernels(device)
+        if self.kernels == "triton":
+            # Imported only when chosen: Triton is a Linux-only dependency, and without CUDA its interpreter must
+            # be picked before a kernel is defined.
+            if device.type != "cuda":
+                os.environ.setdefault("TRITON_INTERPRET", "1")
+            from blink.engine.kernels import attention as attention_kernel
+            from blink.engine.kernels import rms_norm as norm_kernel
+            from blink.engine.kernels import rope_kv as rope_kernel
+
+            self._attention_kernel, self._norm_kernel, self._rope_kernel = attention_kernel, norm_kernel, rope_kernel
 
     @classmethod
     def from_checkpoint(cls, model_dir: Path, cfg: ModelConfig, max_len: int, device: torch.device) -> Transformer:
@@ -108,9 +131,11 @@ class Transformer:
         """input_ids, positions: [B]; caches: [layers, pages, page_size, kv_heads, head_dim]. Returns [B, hidden]."""
         cfg = self.cfg
         x = F.embedding(input_ids, self.embed)
-        cos, sin = self.cos[positions], self.sin[positions]
+        if self.kernels == "torch":
+            cos, sin = self.cos[positions], self.sin[positions]
+        delta = None  # each sublayer's output, added to x by the next norm
         for i, w in enumerate(self.layers):
-            h = rms_norm(x, w.input_norm, cfg.rms_norm_eps)
+            x, h = self._add_norm(x, delta, w.input_norm)
             q, k, v = F.linear(h, w.qkv, w.qkv_bias).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
             q = q.view(-1, cfg.num_heads, cfg.head_dim)
             k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
@@ -118,14 +143,41 @@ class Transformer:
             if w.q_norm is not None:
                 q = rms_norm(q, w.q_norm, cfg.rms_norm_eps)
                 k = rms_norm(k, w.k_norm, cfg.rms_norm_eps)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            attn = paged_attention(q, k, v, k_cache[i], v_cache[i], batch, self.scale)
-            x = x + F.linear(attn.reshape(-1, cfg.q_size), w.o_proj, w.o_proj_bias)
-            h = rms_norm(x, w.post_norm, cfg.rms_norm_eps)
+            if self.kernels == "triton":
+                attn = self._triton_attention(q, k, v, positions, batch, k_cache[i], v_cache[i])
+            else:
+                q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+                attn = paged_attention(q, k, v, k_cache[i], v_cache[i], batch, self.scale)
+            x, h = self._add_norm(x, F.linear(attn.reshape(-1, cfg.q_size), w.o_proj, w.o_proj_bias), w.post_norm)
             gate, up = F.linear(h, w.gate_up).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, w.down)
-        return x
+            delta = F.linear(F.silu(gate) * up, w.down)
+        return x if delta is None else x + delta
+
+    def _add_norm(self, x: torch.Tensor, delta: torch.Tensor | None,
+                  weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream x + delta and its RMSNorm."""
+        if delta is None:
+            return x, self._norm(x, weight)
+        if self.kernels == "triton":
+            return self._norm_kernel.add_rms_norm(x, delta, weight, self.cfg.rms_norm_eps)
+        x = x + delta
+        return x, rms_norm(x, weight, self.cfg.rms_norm_eps)
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.kernels == "triton":
+            return self._norm_kernel.rms_norm(x, weight, self.cfg.rms_norm_eps)
+        return rms_norm(x, weight, self.cfg.rms_norm_eps)
+
+    def _triton_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                          batch: AttentionBatch, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        q = self._rope_kernel.rope_and_cache(q, k, v, self.cos, self.sin, positions, batch.write_rows, k_cache,
+                                             v_cache)
+        out = torch.zeros_like(q)  # padding tokens belong to no row: they keep zeros, as in the reference
+        for rows, queries in batch.rows:
+            self._attention_kernel.paged_attention(q, k_cache, v_cache, rows, queries, batch.block_table, self.scale,
+                                                   self.cfg.sliding_window, out)
+        return out
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [R, hidden] rows that sample. Returns float32 logits [R, vocab]."""
-        return F.linear(rms_norm(hidden, self.norm, self.cfg.rms_norm_eps), self.lm_head).float()
+        return F.linear(self._norm(hidden, self.norm), self.lm_head).float()

@@ -97,6 +97,11 @@ class Step:
         table = self.state.block_table
         pages = table[plan.token_slot[:B]].gather(1, (plan.token_pos[:B] // page)[:, None])[:, 0]
         write_rows = torch.where(plan.token_valid[:B], pages * page + plan.token_pos[:B] % page, 0)
+        if self.model.kernels == "triton":
+            # The kernels read each group's count on the device; a row holds at least one token, so B rows (or
+            # the group's capacity) cover every real one whatever the counts are.
+            kernel_rows = [(plan.decode_rows.head(B), 1), (plan.chunk_rows.head(B), QUERY_BLOCK)]
+            return AttentionBatch(write_rows, [], kernel_rows, table)
         groups = []
         for rows, n, queries in ((plan.decode_rows, shape.decode_rows, 1),
                                  (plan.chunk_rows, shape.chunk_rows, QUERY_BLOCK)):

@@ -1,0 +1,135 @@
+"""Paged attention over ragged query rows as one Triton kernel; engine/attention.py is the reference it must match.
+
+A program takes one row (consecutive batch tokens of one sequence) and one KV head, or a slice of that head's query
+heads: the row's queries times those heads form one tile of queries, which sweeps the row's context in tiles of
+keys with an online softmax, finding each key's cache row through the block table. Programs past the row count
+(read on the device) return at once, so the grid depends only on the rows' capacity: no host sync, graph-safe.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from blink.engine.scheduler import QueryRows
+
+LOG2E = 1.4426950408889634
+MIN_DOT = 16  # tl.dot needs M, N and K of at least 16 on the GPU
+ACCUMULATOR = 128 * 128  # fp32 accumulator elements one program holds (queries x heads x head_dim) at most
+KEY_TILE = 64
+
+
+@triton.jit
+def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    if UPCAST:  # Triton 3.6's interpreter multiplies bfloat16 tiles as integers; their float32 products are exact
+        a, b = a.to(tl.float32), b.to(tl.float32)
+    return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, out_ptr, k_ptr, v_ptr, table_ptr,
+    start_ptr, length_ptr, first_pos_ptr, slot_ptr, count_ptr,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_table,
+    scale_log2, window,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    row = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    if row >= tl.load(count_ptr):
+        return
+    start = tl.load(start_ptr + row)
+    length = tl.load(length_ptr + row)
+    first_pos = tl.load(first_pos_ptr + row)
+    slot = tl.load(slot_ptr + row)
+
+    # Tile row m is query m // BLOCK_H of the row, for query head (m % BLOCK_H) of this program's slice.
+    m = tl.arange(0, BLOCK_M)
+    query = m // BLOCK_H
+    in_group = tl.program_id(2) * BLOCK_H + m % BLOCK_H
+    head = kv_head * GROUP + in_group
+    live = (query < length) & (in_group < GROUP)
+    pos = first_pos + query
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    q_mask = live[:, None] & d_ok[None, :]
+    q = tl.load(q_ptr + (start + query)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=q_mask, other=0.0)
+
+    end = first_pos + length  # the row's last query sees keys up to end - 1
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(first_pos - window + 1, 0)
+    # A finite floor keeps rows that see no key in a tile (or padding rows) free of inf - inf.
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    # A while loop, not `for range(lo, end, ...)`: Triton 3.6's interpreter cannot take a loaded bound with numpy 2.4.
+    n0 = lo
+    while n0 < end:
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = n < end
+        page = tl.load(table_ptr + slot * stride_table + n // PAGE_SIZE, mask=n_ok, other=0)
+        offset = n % PAGE_SIZE
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_ptr + (page * stride_kp + offset * stride_ks + kv_head * stride_kh)[:, None] + d[None, :],
+                    mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + (page * stride_vp + offset * stride_vs + kv_head * stride_vh)[:, None] + d[None, :],
+                    mask=kv_mask, other=0.0)
+        s = _dot(q, tl.trans(k), DOT_PRECISION, UPCAST) * scale_log2
+        visible = n[None, :] <= pos[:, None]
+        if HAS_WINDOW:
+            visible &= n[None, :] > pos[:, None] - window
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, UPCAST)
+        m_i = m_new
+        n0 += BLOCK_N
+    acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + (start + query)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: QueryRows,
+                    queries_per_row: int, block_table: torch.Tensor, scale: float, sliding_window: int | None,
+                    out: torch.Tensor) -> torch.Tensor:
+    """Writes attention for the tokens of `rows` into out and returns it; other tokens of out are left alone.
+
+    q, out: [B, Hq, D]; caches: one layer's [pages, page_size, Hkv, D] (K/V of this step already written);
+    block_table: [slots, pages per sequence]; every real row is at most `queries_per_row` tokens long.
+    """
+    _, page_size, kv_heads, head_dim = k_cache.shape
+    heads = q.shape[1]
+    group = heads // kv_heads
+    capacity = rows.start.shape[0]
+    assert heads == group * kv_heads and q.stride(-1) == out.stride(-1) == 1
+    assert k_cache.stride(-1) == v_cache.stride(-1) == 1 and block_table.stride(-1) == 1
+    assert queries_per_row & (queries_per_row - 1) == 0 and page_size & (page_size - 1) == 0
+    if capacity == 0 or q.shape[0] == 0:
+        return out
+    # Decode rows take a whole GQA group per program; long rows split it so the accumulator stays in registers.
+    block_d = max(MIN_DOT, triton.next_power_of_2(head_dim))
+    block_h = min(triton.next_power_of_2(group), max(1, ACCUMULATOR // (queries_per_row * block_d)))
+    block_m = max(MIN_DOT, queries_per_row * block_h)
+    grid = (capacity, kv_heads, triton.cdiv(group, block_h))
+    _paged_attention_kernel[grid](
+        q, out, k_cache, v_cache, block_table,
+        rows.start, rows.length, rows.first_pos, rows.slot, rows.count,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        *k_cache.stride()[:3], *v_cache.stride()[:3], block_table.stride(0),
+        scale * LOG2E, sliding_window or 0,
+        GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size, HAS_WINDOW=sliding_window is not None,
+        BLOCK_H=block_h, BLOCK_M=block_m, BLOCK_N=KEY_TILE, BLOCK_D=block_d,
+        # float32 through three TF32 products: about float32's accuracy on tensor cores (ieee spills on Hopper).
+        DOT_PRECISION="tf32x3" if q.dtype == torch.float32 else "tf32",
+        UPCAST=q.dtype == torch.bfloat16 and q.device.type == "cpu",  # on the CPU Triton only interprets
+        num_warps=4 if block_m * block_d <= ACCUMULATOR // 2 else 8,
+    )
+    return out

@@ -1,0 +1,228 @@
+"""The Triton kernels against the torch reference (in Triton's interpreter without a GPU), and the engine's greedy
+tokens with the Triton kernels against those with torch's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from blink.engine import LLM, SamplingParams
+from blink.engine.attention import AttentionBatch, build_row_group
+from blink.engine.attention import paged_attention as reference_attention
+from blink.engine.kernels import attention as attention_kernel
+from blink.engine.kernels import rms_norm as norm_kernel
+from blink.engine.kernels import rope_kv as rope_kernel
+from blink.engine.kernels.attention import paged_attention
+from blink.engine.kernels.rms_norm import add_rms_norm, rms_norm
+from blink.engine.kernels.rope_kv import rope_and_cache
+from blink.engine.model import rms_norm as reference_rms_norm
+from blink.engine.rope import apply_rope
+from blink.engine.sampler import SamplerFeatures
+from blink.engine.scheduler import QUERY_BLOCK, QueryRows
+from tests.test_step import host_reads_forbidden
+
+TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3),
+             torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+# Elementwise kernels round as torch does: exact in float16. Triton 3.6's interpreter truncates when it narrows
+# float32 to bfloat16 (the GPU rounds to nearest), so bfloat16 is allowed an ulp of values up to about 4 here.
+ELEMENTWISE = {torch.float32: dict(atol=1e-6, rtol=1e-6), torch.float16: dict(atol=0, rtol=0),
+               torch.bfloat16: dict(atol=2**-5, rtol=2**-7)}
+
+# (tokens already in the cache, tokens computed this step) per sequence: decodes (1), a prompt's first chunk longer
+# than QUERY_BLOCK, chunks that continue a long context, a two-token chunk, and rows ending on page boundaries.
+SEQUENCES = [(37, 1), (0, 70), (5, 1), (100, 20), (0, 2), (63, 1), (64, 1), (15, 65)]
+
+
+def _rows(runs: list[tuple[int, int, int, int]], capacity: int, batch: int, gen: torch.Generator) -> QueryRows:
+    """runs: (start, length, first_pos, slot) of the real rows; the rest of the capacity holds plausible junk that a
+    kernel reading past `count` would attend with."""
+    junk = capacity - len(runs)
+    start = torch.tensor([r[0] for r in runs] + torch.randint(0, batch, (junk,), generator=gen).tolist())
+    length = torch.tensor([r[1] for r in runs] + [1] * junk)
+    first_pos = torch.tensor([r[2] for r in runs] + torch.randint(0, 8, (junk,), generator=gen).tolist())
+    slot = torch.tensor([r[3] for r in runs] + [0] * junk)
+    return QueryRows(start, length, first_pos, slot, torch.tensor(len(runs)))
+
+
+def _scene(sequences, page_size, kv_heads, group, head_dim, dtype, padding=3, seed=0):
+    """A step over random caches: q, k and v of every batch token, where their K/V go, and the two row groups."""
+    gen = torch.Generator().manual_seed(seed)
+    S = len(sequences)
+    pages_per_seq = max(-(-(done + take) // page_size) for done, take in sequences)
+    num_pages = S * pages_per_seq + 3
+    table = torch.zeros(S, pages_per_seq + 1, dtype=torch.int64)
+    shuffled = torch.randperm(num_pages - 1, generator=gen) + 1  # page 0 is the null page
+    for s in range(S):
+        table[s, :pages_per_seq] = shuffled[s * pages_per_seq:(s + 1) * pages_per_seq]
+    B = sum(take for _, take in sequences) + padding
+    shape = (num_pages, page_size, kv_heads, head_dim)
+    k_cache, v_cache = (torch.randn(shape, generator=gen).to(dtype) for _ in range(2))
+    q = torch.randn(B, kv_heads * group, head_dim, generator=gen).to(dtype)
+    k, v = (torch.randn(B, kv_heads, head_dim, generator=gen).to(dtype) for _ in range(2))
+    write_rows = torch.zeros(B, dtype=torch.int64)
+    decodes, chunks, start = [], [], 0
+    for s, (done, take) in enumerate(sequences):
+        pos = torch.arange(done, done + take)
+        write_rows[start:start + take] = table[s, pos // page_size] * page_size + pos % page_size
+        if take == 1:
+            decodes.append((start, 1, done, s))
+        for j in range(0, take if take > 1 else 0, QUERY_BLOCK):
+            chunks.append((start + j, min(QUERY_BLOCK, take - j), done + j, s))
+        start += take
+    decode_rows = _rows(decodes, len(decodes) + 2, B, gen)
+    chunk_rows = _rows(chunks, len(chunks) + 2, B, gen)
+    return q, k, v, k_cache, v_cache, table, write_rows, decode_rows, chunk_rows
+
+
+def _check_attention(sequences, page_size, kv_heads, group, dtype, window=None, head_dim=16):
+    q, k, v, k_cache, v_cache, table, write_rows, decode_rows, chunk_rows = _scene(
+        sequences, page_size, kv_heads, group, head_dim, dtype)
+    B, scale = q.shape[0], head_dim ** -0.5
+    context = table.shape[1] * page_size
+    groups = [build_row_group(rows, table, page_size, queries, context, window, B)
+              for rows, queries in ((decode_rows, 1), (chunk_rows, QUERY_BLOCK)) if int(rows.count)]
+    # The reference writes this step's K/V into the caches; the kernel then reads the same caches.
+    expected = reference_attention(q, k, v, k_cache, v_cache, AttentionBatch(write_rows, groups), scale)
+    out = torch.zeros_like(q)
+    for rows, queries in ((decode_rows, 1), (chunk_rows, QUERY_BLOCK)):
+        paged_attention(q, k_cache, v_cache, rows, queries, table, scale, window, out)
+    torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize(("page_size", "kv_heads", "group", "window", "head_dim"), [
+    (1, 2, 1, None, 16),
+    (4, 2, 2, None, 16),
+    (16, 1, 4, 10, 16),
+    (32, 2, 3, None, 24),  # a group and a head_dim that are not powers of two
+    (128, 1, 2, 40, 16),  # pages longer than the key tile
+])
+def test_attention_matches_the_reference_in_float32(page_size, kv_heads, group, window, head_dim):
+    _check_attention(SEQUENCES, page_size, kv_heads, group, torch.float32, window, head_dim)
+
+
+@pytest.mark.parametrize(("dtype", "page_size", "group", "window"), [
+    (torch.bfloat16, 4, 2, None), (torch.bfloat16, 16, 4, 24), (torch.float16, 8, 2, 7)])
+def test_attention_matches_the_reference_in_16_bits(dtype, page_size, group, window):
+    _check_attention(SEQUENCES, page_size, 2, group, dtype, window)
+
+
+def test_attention_with_only_decodes_or_only_chunks():
+    _check_attention([(9, 1), (30, 1), (0, 1)], 4, 2, 2, torch.float32)
+    _check_attention([(0, 130), (50, 3)], 8, 2, 2, torch.float32)
+
+
+def test_attention_of_an_empty_batch_touches_nothing():
+    q, _, _, k_cache, v_cache, table, _, decode_rows, chunk_rows = _scene(SEQUENCES, 4, 2, 2, 16, torch.float32)
+    out = torch.full_like(q, 7.0)
+    for rows, queries in ((decode_rows, 1), (chunk_rows, QUERY_BLOCK)):
+        rows.count.zero_()  # the capacity keeps its junk rows
+        paged_attention(q, k_cache, v_cache, rows, queries, table, 0.25, None, out)
+    assert bool((out == 7.0).all())
+
+
+def _rope_tables(max_len: int, head_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    freqs = torch.arange(max_len).float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+@pytest.mark.parametrize(("dtype", "heads", "kv_heads", "head_dim"), [
+    (torch.float32, 4, 2, 16), (torch.bfloat16, 4, 2, 16), (torch.float16, 8, 8, 32),
+    (torch.bfloat16, 6, 2, 24),  # half a head_dim that is not a power of two
+])
+def test_rope_and_cache_write_match_the_reference(dtype, heads, kv_heads, head_dim):
+    gen = torch.Generator().manual_seed(1)
+    B, padding, num_pages, page_size = 21, 4, 12, 4
+    q_size, kv_size = heads * head_dim, kv_heads * head_dim
+    qkv = torch.randn(B, q_size + 2 * kv_size, generator=gen).to(dtype)
+    # Strided views of the fused projection, as the model hands them over.
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    q, k, v = q.view(B, heads, head_dim), k.view(B, kv_heads, head_dim), v.view(B, kv_heads, head_dim)
+    cos, sin = _rope_tables(64, head_dim, dtype)
+    positions = torch.randint(0, 64, (B,), generator=gen)
+    rows = torch.randperm((num_pages - 1) * page_size, generator=gen)[:B] + page_size  # never the null page
+    rows[B - padding:] = 0  # padding tokens write the null page
+    positions[B - padding:] = 0
+    shape = (num_pages, page_size, kv_heads, head_dim)
+    k_cache, v_cache = torch.randn(shape, generator=gen).to(dtype), torch.randn(shape, generator=gen).to(dtype)
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    expected_q = apply_rope(q, cos[positions], sin[positions])
+    real = slice(0, B - padding)
+    expected_k.view(-1, kv_heads, head_dim)[rows[real]] = apply_rope(k, cos[positions], sin[positions])[real]
+    expected_v.view(-1, kv_heads, head_dim)[rows[real]] = v[real]
+
+    roped = rope_and_cache(q, k, v, cos, sin, positions, rows, k_cache, v_cache)
+    torch.testing.assert_close(roped, expected_q, **ELEMENTWISE[dtype])
+    torch.testing.assert_close(k_cache[1:], expected_k[1:], **ELEMENTWISE[dtype])  # page 0: the padding's writes
+    torch.testing.assert_close(v_cache[1:], expected_v[1:], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(7, 64), (3, 5, 80)])
+def test_rms_norm_and_its_residual_add_match_the_reference(dtype, shape):
+    gen = torch.Generator().manual_seed(2)
+    x = (3 * torch.randn(shape, generator=gen)).to(dtype)
+    delta = torch.randn(shape, generator=gen).to(dtype)
+    weight = (1 + 0.2 * torch.randn(shape[-1], generator=gen)).to(dtype)
+    # A float32 sum in another order may move a 16-bit result by an ulp.
+    close = ELEMENTWISE[dtype] if dtype != torch.float16 else dict(atol=2**-8, rtol=2**-10)
+    torch.testing.assert_close(rms_norm(x, weight, 1e-6), reference_rms_norm(x, weight, 1e-6), **close)
+    total, normed = add_rms_norm(x, delta, weight, 1e-6)
+    torch.testing.assert_close(total, x + delta, **ELEMENTWISE[dtype])
+    torch.testing.assert_close(normed, reference_rms_norm(x + delta, weight, 1e-6), **close)
+    assert rms_norm(x[:0], weight, 1e-6).shape == x[:0].shape
+
+
+@pytest.mark.parametrize("kind", ["mistral", "qwen3"])  # a sliding window and GQA; q/k norms and head_dim 32
+def test_greedy_tokens_are_the_same_with_triton_kernels(kind, checkpoint, monkeypatch):
+    prompts = [list(range(3, 8)), list(range(10, 110)), list(range(200, 240)), [7] * 17]
+    params = SamplingParams(temperature=0, max_tokens=6, logprobs=1)
+    results = {}
+    for kernels in ("torch", "triton"):
+        monkeypatch.setenv("BLINK_KERNELS", kernels)
+        # A 96-token budget: the 100-token prompt prefills in two chunks, the first longer than QUERY_BLOCK, while
+        # the others decode; 8-token pages make every row cross pages.
+        llm = LLM(str(checkpoint(kind)), max_num_seqs=4, max_num_batched_tokens=96, num_pages=80, page_size=8,
+                  max_model_len=128)
+        assert llm.engine.model.kernels == kernels
+        results[kernels] = llm.generate(prompts, params)
+    for torch_out, triton_out in zip(results["torch"], results["triton"], strict=True):
+        assert triton_out.token_ids == torch_out.token_ids
+        for expected, got in zip(torch_out.logprobs, triton_out.logprobs, strict=True):
+            assert got.keys() == expected.keys()
+            for token, logprob in expected.items():
+                assert got[token] == pytest.approx(logprob, abs=1e-4)
+
+
+class _Launches:
+    """Stands in for a kernel: records each launch's grid instead of running it (the interpreter reads tensors)."""
+
+    def __init__(self, name: str, log: list):
+        self.name, self.log = name, log
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.log.append((self.name, grid))
+
+
+def test_the_triton_path_reads_nothing_on_the_host(checkpoint, monkeypatch):
+    monkeypatch.setenv("BLINK_KERNELS", "triton")
+    llm = LLM(str(checkpoint("mistral")), max_num_seqs=4, max_num_batched_tokens=32, num_pages=40, page_size=8,
+              max_model_len=64)
+    log: list = []
+    for module, name in ((attention_kernel, "_paged_attention_kernel"), (rope_kernel, "_rope_and_cache_kernel"),
+                         (norm_kernel, "_rms_norm_kernel")):
+        monkeypatch.setattr(module, name, _Launches(name, log))
+    driver = llm._driver
+    for i, n in enumerate((3, 50)):
+        driver.add_request(str(i), list(range(1, n + 1)), SamplingParams(temperature=0, max_tokens=4), 4)
+    features = SamplerFeatures(penalties=False, filtering=False, random=False, logprobs=False)
+    for _ in range(3):  # a chunk and a prompt's start, then a decode beside a chunk
+        driver._fill_slots()
+        with host_reads_forbidden():
+            plan = llm.engine.step.plan(features)
+        shape = llm.engine.step.shape_for(plan.sizes.tolist())
+        with host_reads_forbidden():
+            llm.engine.step.run(plan, shape, features)
+    assert {name for name, _ in log} == {"_paged_attention_kernel", "_rope_and_cache_kernel", "_rms_norm_kernel"}
+    assert all(isinstance(n, int) for _, grid in log for n in grid)
