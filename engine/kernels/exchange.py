@@ -33,12 +33,13 @@ FIELDS = ("state", "epoch", "cancel", "prompt_len", "max_tokens", "priority", "f
  K_WAIT_MS, K_TOKENS, K_LOGPROB, K_TOP_IDS, K_TOP_LOGPROBS) = (tl.constexpr(i) for i in range(len(FIELDS)))
 
 # The engine's slot states (blink.engine.state.SlotStatus), restated: that module imports torch-side state.
-EMPTY: tl.constexpr = tl.constexpr(0)
-ENGINE_SUBMITTED: tl.constexpr = tl.constexpr(1)
-SUBMITTED: tl.constexpr = tl.constexpr(int(SlotState.SUBMITTED))
-ADMITTED: tl.constexpr = tl.constexpr(int(SlotState.ADMITTED))
-FINISHED: tl.constexpr = tl.constexpr(int(SlotState.FINISHED))
-ABORT: tl.constexpr = tl.constexpr(int(Finish.ABORT))
+EMPTY = tl.constexpr(0)
+ENGINE_SUBMITTED = tl.constexpr(1)
+SUBMITTED = tl.constexpr(int(SlotState.SUBMITTED))
+ADMITTED = tl.constexpr(int(SlotState.ADMITTED))
+FINISHED = tl.constexpr(int(SlotState.FINISHED))
+ABORT = tl.constexpr(int(Finish.ABORT))
+RECORDS_AT = tl.constexpr(HEADER_BYTES)  # the first record's byte offset
 
 
 def field_offsets(geometry: Geometry, device: torch.device) -> torch.Tensor:
@@ -79,12 +80,12 @@ def _select(table, offsets, epoch, status, cancel, paused, admit, arrival, arriv
             INTERPRET: tl.constexpr):
     """One program: which published slots to admit (in slot order, up to the running limit), and each resident
     slot's cancel flag and window room."""
-    if tl.load((table + HEADER_EPOCH).to(tl.pointer_type(tl.uint64)), volatile=True) != tl.load(epoch):
+    if tl.load((table + HEADER_EPOCH).to(tl.pointer_type(tl.uint64)), volatile=True).to(tl.int64) != tl.load(epoch):
         tl.store(fenced, 1)  # a newer engine owns the table: touch nothing
         return
     s = tl.arange(0, BLOCK_S)
     real = s < S
-    record = table + HEADER_BYTES + tl.minimum(s, S - 1).to(tl.int64) * RECORD
+    record = table + RECORDS_AT + tl.minimum(s, S - 1).to(tl.int64) * RECORD
     states = _load_acquire(_field(record, offsets, K_STATE, tl.uint32), INTERPRET)
     tl.debug_barrier()  # every thread's payload reads come after the acquire
     epochs = tl.load(_field(record, offsets, K_EPOCH, tl.uint32))
@@ -115,7 +116,7 @@ def _admit(table, offsets, admit, now, status, arrival_in, arrival, priority, se
     s = tl.program_id(0)
     if not tl.load(admit + s):
         return
-    record = table + HEADER_BYTES + s.to(tl.int64) * RECORD
+    record = table + RECORDS_AT + s.to(tl.int64) * RECORD
     n = tl.load(_field(record, offsets, K_PROMPT_LEN, tl.uint32)).to(tl.int64)
     prompt = _field(record, offsets, K_PROMPT, tl.int32)
     history = tokens + s.to(tl.int64) * tokens_stride
@@ -186,7 +187,7 @@ def _publish(table, offsets, fenced, token, finish, logprob, top_ids, top_logpro
     if s == 0:  # the engine's own counter: the watchdog sees steps advance
         steps = (table + HEADER_STEPS).to(tl.pointer_type(tl.uint64))
         tl.store(steps, tl.load(steps) + 1)
-    record = table + HEADER_BYTES + s.to(tl.int64) * RECORD
+    record = table + RECORDS_AT + s.to(tl.int64) * RECORD
     t = tl.load(token + s)
     reason = tl.load(finish + s)
     if t >= 0:
