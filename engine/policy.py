@@ -68,7 +68,7 @@ class Policy:
         """The most tokens a step may run so that it ends within the tightest TPOT SLO of the sequences decoding
         in it, by the step-time model cost = [seconds per step, seconds per token, ...]."""
         if self.name != "slo":
-            return torch.tensor(budget, device=cost.device)
+            return torch.full((), budget, device=cost.device)  # a fill, not a host copy: capturable
         tightest = torch.where(decoding, s.tpot_slo, math.inf).amin()
         tokens = ((tightest - cost[0]) / cost[1]).nan_to_num(nan=budget, posinf=budget).floor()
         floor = min(budget, max(s.num_slots, MIN_CAPPED_TOKENS))
