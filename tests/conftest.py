@@ -81,3 +81,27 @@ def checkpoint(tmp_path_factory, tokenizer_dir):
         return made[key]
 
     return get
+
+
+@pytest.fixture
+def tiny_engine(checkpoint):
+    """Builds a small engine (4 slots, 32-token budget) on the qwen3 checkpoint, a new one per call."""
+    from blink.engine.engine import Engine, EngineConfig
+
+    def make() -> Engine:
+        return Engine(EngineConfig(model=str(checkpoint("qwen3")), max_num_seqs=4, max_num_batched_tokens=32,
+                                   num_pages=64, page_size=8, max_model_len=96))
+
+    return make
+
+
+@pytest.fixture
+def small_table():
+    """A 4-slot table with a 3-token window, removed afterwards."""
+    import uuid
+
+    from blink.shared.slot_table import Geometry, SlotTable
+
+    table = SlotTable.create(f"test-{uuid.uuid4().hex[:10]}", Geometry(4, 64, 3))
+    yield table
+    table.unlink()

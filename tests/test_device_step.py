@@ -4,14 +4,13 @@ work) run eagerly on the CPU, its kernels in Triton's interpreter, against the `
 from __future__ import annotations
 
 import time
-import uuid
 
 import pytest
 
 from blink.engine.device_step import DeviceStep
-from blink.engine.engine import Engine, EngineConfig
+from blink.engine.engine import Engine
 from blink.engine.table_drive import TableDriver
-from blink.shared.slot_table import Finish, Geometry, Request, SlotState, SlotTable
+from blink.shared.slot_table import Finish, Request, SlotState, SlotTable
 
 REQUESTS = {
     0: Request([5, 6, 7, 8], 6, temperature=0.0, ignore_eos=True, logprobs=2),
@@ -21,16 +20,9 @@ REQUESTS = {
 }
 
 
-def _engine(checkpoint) -> Engine:
-    return Engine(EngineConfig(model=str(checkpoint("qwen3")), max_num_seqs=4, max_num_batched_tokens=32,
-                               num_pages=64, page_size=8, max_model_len=96))
-
-
 @pytest.fixture
-def table():
-    table = SlotTable.create(f"test-{uuid.uuid4().hex[:10]}", Geometry(4, 64, 3))
-    yield table
-    table.unlink()
+def table(small_table):
+    return small_table
 
 
 def _serve(table: SlotTable, step, requests: dict[int, Request], steps: int = 120) -> dict[int, tuple]:
@@ -62,14 +54,14 @@ def _device(engine: Engine, table: SlotTable) -> tuple[DeviceStep, callable]:
     return device, step
 
 
-def test_device_step_serves_the_table_as_the_host_driver_does(checkpoint, table):
+def test_device_step_serves_the_table_as_the_host_driver_does(tiny_engine, table):
     """Greedy, seeded, stop-id, penalised and logprob requests: identical tokens, top ids and finishes; the window
     (3 tokens) pauses the engine without losing a token; buckets smaller than a prompt chunk its prefill."""
-    host = TableDriver(_engine(checkpoint), table)
+    host = TableDriver(tiny_engine(), table)
     expected = _serve(table, host.step, REQUESTS)
     for slot in REQUESTS:
         table.free(slot)
-    device, step = _device(_engine(checkpoint), table)
+    device, step = _device(tiny_engine(), table)
     got = _serve(table, step, REQUESTS)
     assert got == expected
     assert [len(got[s][0]) for s in (0, 1, 2)] == [6, 5, 7]
@@ -77,8 +69,8 @@ def test_device_step_serves_the_table_as_the_host_driver_does(checkpoint, table)
     assert int(device.published[1]) == 0  # nothing resident: every slot was handed back
 
 
-def test_invalid_records_end_and_a_newer_epoch_fences_the_device(checkpoint, table):
-    engine = _engine(checkpoint)
+def test_invalid_records_end_and_a_newer_epoch_fences_the_device(tiny_engine, table):
+    engine = tiny_engine()
     device, step = _device(engine, table)
     vocab = engine.model_config.vocab_size
     table.publish(0, Request([1, vocab], 4))  # a token the model does not have: the ingress should have said so
@@ -95,8 +87,8 @@ def test_invalid_records_end_and_a_newer_epoch_fences_the_device(checkpoint, tab
     assert int(table.slots[1]["produced"]) == 1 and int(table.header["steps"]) == steps
 
 
-def test_cancel_and_the_admission_limit(checkpoint, table):
-    engine = _engine(checkpoint)
+def test_cancel_and_the_admission_limit(tiny_engine, table):
+    engine = tiny_engine()
     device, step = _device(engine, table)
     device.limit[0] = 2  # the control plane's admission limit, written where the device reads it
     for slot in range(4):

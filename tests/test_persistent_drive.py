@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import sys
 import time
-import uuid
 from collections.abc import Callable
 from types import SimpleNamespace
 
@@ -14,10 +13,9 @@ import torch
 
 from blink.engine import persistent_drive
 from blink.engine.device_step import DeviceStep
-from blink.engine.engine import Engine, EngineConfig
 from blink.engine.persistent_drive import PersistentDriver, PersistentUnavailable, unavailable_reason
 from blink.engine.table_drive import TableDriver
-from blink.shared.slot_table import Finish, Geometry, Request, SlotTable
+from blink.shared.slot_table import Finish, Request, SlotTable
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU machine's reason")
@@ -33,16 +31,9 @@ LONG = {slot: Request([3 + slot, 4, 5], 40, temperature=0.0, ignore_eos=True) fo
 Served = dict[int, tuple[list[int], Finish]]
 
 
-def _engine(checkpoint) -> Engine:
-    return Engine(EngineConfig(model=str(checkpoint("qwen3")), max_num_seqs=4, max_num_batched_tokens=32,
-                               num_pages=64, page_size=8, max_model_len=96))
-
-
 @pytest.fixture
-def table():
-    table = SlotTable.create(f"test-{uuid.uuid4().hex[:10]}", Geometry(4, 64, 3))
-    yield table
-    table.unlink()
+def table(small_table):
+    return small_table
 
 
 # -- without a GPU: why not ------------------------------------------------------------------------------------
@@ -55,8 +46,8 @@ def test_without_cuda_the_reason_says_so():
 
 
 @cpu_only
-def test_a_cpu_engine_is_refused_with_the_reason(checkpoint, table):
-    step = DeviceStep(_engine(checkpoint), table)
+def test_a_cpu_engine_is_refused_with_the_reason(tiny_engine, table):
+    step = DeviceStep(tiny_engine(), table)
     with pytest.raises(PersistentUnavailable, match="CUDA"):
         PersistentDriver(step, table)
     step.close()
@@ -99,8 +90,8 @@ def test_a_gpu_without_nanosleep_is_refused(monkeypatch):
 
 
 @pytest.fixture
-def persistent(checkpoint, table):
-    step = DeviceStep(_engine(checkpoint), table)
+def persistent(tiny_engine, table):
+    step = DeviceStep(tiny_engine(), table)
     try:
         driver = PersistentDriver(step, table)
     except PersistentUnavailable as e:
@@ -132,9 +123,9 @@ def _read_until(table: SlotTable, got: Served, done: Callable[[], bool], seconds
     raise AssertionError(f"not done after {seconds} s: {got}")
 
 
-def _host_reference(checkpoint, table: SlotTable, requests: dict[int, Request]) -> Served:
+def _host_reference(tiny_engine, table: SlotTable, requests: dict[int, Request]) -> Served:
     """What the host driver serves for `requests`; frees their slots again."""
-    driver = TableDriver(_engine(checkpoint), table)
+    driver = TableDriver(tiny_engine(), table)
     for slot, request in requests.items():
         table.publish(slot, request)
     got = {slot: ([], Finish.NONE) for slot in requests}
@@ -150,8 +141,8 @@ def _host_reference(checkpoint, table: SlotTable, requests: dict[int, Request]) 
 
 @needs_gpu
 @pytest.mark.gpu
-def test_the_loop_serves_the_table_as_the_host_driver_does(checkpoint, table, persistent):
-    expected = _host_reference(checkpoint, table, GREEDY)
+def test_the_loop_serves_the_table_as_the_host_driver_does(tiny_engine, table, persistent):
+    expected = _host_reference(tiny_engine, table, GREEDY)
     assert _finished(expected)
     persistent.start()
     for slot, request in GREEDY.items():
@@ -175,8 +166,8 @@ def test_the_loop_serves_the_table_as_the_host_driver_does(checkpoint, table, pe
 
 @needs_gpu
 @pytest.mark.gpu
-def test_stopping_and_restarting_the_loop_loses_no_token(checkpoint, table, persistent):
-    expected = _host_reference(checkpoint, table, LONG)
+def test_stopping_and_restarting_the_loop_loses_no_token(tiny_engine, table, persistent):
+    expected = _host_reference(tiny_engine, table, LONG)
     for slot, request in LONG.items():
         table.publish(slot, request)
     got = {slot: ([], Finish.NONE) for slot in LONG}
