@@ -31,6 +31,9 @@ class DeviceStep:
         if table.geometry.num_slots != engine.state.num_slots:
             raise ValueError("the slot table and the engine must have as many slots")
         self.engine, self.state, self.step = engine, engine.state, engine.step
+        # KV rotation needs the host to read move counts between plan and forward: off in the device modes, so
+        # the captured step carries none of its work. close() gives the mirror back (a fallback to `host`).
+        self._mirror, engine.mirror, self.step.mirror = engine.mirror, None, None
         device = engine.device
         pinned = device.type == "cuda"
         self.memory = TableMemory(table, device)
@@ -74,3 +77,6 @@ class DeviceStep:
     def close(self) -> None:
         self.table = None
         self.memory.close()
+        if self._mirror is not None:
+            self.engine.mirror = self.step.mirror = self._mirror
+            self._mirror = None
