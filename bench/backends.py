@@ -132,12 +132,12 @@ class OpenAIBackend:
 class ZmqBackend:
     """Blink's ZeroMQ API; one DEALER socket per request, as the client requires."""
 
-    def __init__(self, endpoint: str, options: RequestOptions):
+    def __init__(self, endpoint: str, options: RequestOptions, api_key: str | None = None):
         from blink.ingress.zmq_client import AsyncClient, BlinkError
 
         if endpoint.startswith("ipc://") and not Path(endpoint.removeprefix("ipc://")).exists():
             raise SystemExit(f"{endpoint}: no such socket; is the ingress running with this deployment name?")
-        self.endpoint, self.options = endpoint, options
+        self.endpoint, self.options, self.api_key = endpoint, options, api_key
         self._client_class, self._error_class = AsyncClient, BlinkError
         zmq.asyncio.Context.instance().set(zmq.MAX_SOCKETS, 1 << 16)  # a socket per request in flight
 
@@ -147,7 +147,7 @@ class ZmqBackend:
                   "ignore_eos": self.options.ignore_eos, **class_fields(sample, self.options)}
         client = None
         try:
-            client = self._client_class(self.endpoint)
+            client = self._client_class(self.endpoint, api_key=self.api_key)
             async with asyncio.timeout(self.options.timeout_s):
                 async for chunk in client.stream(sample.prompt, **params):
                     record.chunk_times.append(time.perf_counter())

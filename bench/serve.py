@@ -106,7 +106,7 @@ async def sweep(args: argparse.Namespace, goodput: dict[str, float], load: Inter
     if args.class_mix:
         samples = assign(samples, args.class_mix, args.seed)
     options = RequestOptions(model, args.temperature, args.ignore_eos, args.request_timeout, args.class_slo)
-    backend: Backend = (ZmqBackend(args.zmq_endpoint, options) if args.backend == "blink-zmq" else
+    backend: Backend = (ZmqBackend(args.zmq_endpoint, options, args.api_key) if args.backend == "blink-zmq" else
                         OpenAIBackend(args.base_url, options, args.backend == "openai-chat", args.api_key))
     result = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),

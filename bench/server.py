@@ -11,22 +11,61 @@ import time
 import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import httpx
+
+from blink.shared.settings import Settings
 
 
 @dataclass
 class Server:
     url: str
     process: subprocess.Popen
-    zmq_endpoint: str
-    control_endpoint: str
-    deployment: str
-    runtime_dir: Path
+    settings: Settings  # the deployment's, as its services read them
+
+    @property
+    def deployment(self) -> str:
+        return self.settings.deployment
+
+    @property
+    def runtime_dir(self) -> Path:
+        return Path(self.settings.runtime_dir)
+
+    @property
+    def zmq_endpoint(self) -> str:
+        return self.settings.zmq_endpoint
+
+    @property
+    def control_endpoint(self) -> str:
+        return self.settings.control_endpoint
 
     def endpoint(self, name: str) -> str:
-        return f"ipc://{self.runtime_dir}/blink-{self.deployment}-{name}"
+        return f"ipc://{self.settings.private_dir}/{name}"
+
+    @cached_property
+    def keys(self):
+        from blink.shared.sockets import load_keys
+
+        return load_keys(self.settings)
+
+    def request(self, endpoint: str, message, timeout_s: float = 1.0):
+        """A control-plane request as a member of the deployment (its key)."""
+        from blink.shared import control
+
+        return control.request(endpoint, message, self.keys, timeout_s)
+
+
+def _settings(flags: list[str]) -> Settings:
+    """The deployment's settings, read from `blink serve`'s flags as the services read them."""
+    import argparse
+
+    from blink.services.cli import add_settings_flags, settings_from_args
+
+    parser = argparse.ArgumentParser()
+    add_settings_flags(parser)
+    return settings_from_args(parser.parse_args(flags))
 
 
 def free_port() -> int:
@@ -55,8 +94,7 @@ def running_server(tmp_path, *flags: str, timeout_s: float = 120):
                 pass
             assert time.monotonic() < deadline, "server did not become ready"
             time.sleep(0.2)
-        yield Server(url, proc, f"ipc://{tmp_path}/blink-{deployment}-api",
-                     f"ipc://{tmp_path}/blink-{deployment}-control", deployment, Path(tmp_path))
+        yield Server(url, proc, _settings(cmd[4:]))
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -17,15 +16,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from blink.ingress.chat import render_chat
 from blink.ingress.errors import (
     APIError,
     api_error_handler,
-    error_response,
     http_error_handler,
     validation_error_handler,
 )
 from blink.ingress.generate import Delta, choice_deltas, merged, slot_request
+from blink.ingress.guard import RequestGuard, declare_security
 from blink.ingress.protocol import (
     ChatRequest,
     CompletionRequest,
@@ -35,7 +33,7 @@ from blink.ingress.protocol import (
 )
 from blink.ingress.slots import Overloaded
 from blink.ingress.state import IngressState
-from blink.ingress.validation import check_model, check_token_ids, completion_prompts, context_room
+from blink.ingress.validation import chat_prompt, check_model, check_token_ids, completion_prompts, context_room
 from blink.shared.service_class import CLASS_NAMES
 from blink.shared.tokenizer import Tokenizer
 
@@ -50,7 +48,9 @@ def create_app(state: IngressState) -> FastAPI:
     app.add_exception_handler(APIError, api_error_handler)
     app.add_exception_handler(RequestValidationError, validation_error_handler)
     app.add_exception_handler(StarletteHTTPException, http_error_handler)
-    app.add_middleware(RequestContext, state=state)
+    app.add_middleware(RequestGuard, state=state)
+    if state.api_key is not None:
+        declare_security(app)
 
     @app.get("/health")
     async def health() -> Response:
@@ -59,9 +59,16 @@ def create_app(state: IngressState) -> FastAPI:
     @app.get("/ready")
     async def ready() -> JSONResponse:
         health = state.client.health()
-        ok = not state.draining and health.state == "ready" and health.heartbeat_age_s < READY_HEARTBEAT_S
         age_s = health.heartbeat_age_s
-        body = {"ready": ok, "engine": health.state, "heartbeat_age_s": round(age_s, 3) if age_s < 1e9 else None,
+        reason = ("the ingress is draining" if state.draining else
+                  f"the engine is {health.state}" if health.state != "ready" else
+                  f"no engine heartbeat for {age_s:.1f} s" if age_s >= READY_HEARTBEAT_S else
+                  "the engine's admission limit is 0 (set_limits): it admits no request" if health.admission_limit == 0
+                  else None)
+        ok = reason is None
+        body = {"ready": ok, **({"reason": reason} if reason else {}), "engine": health.state,
+                "heartbeat_age_s": round(age_s, 3) if age_s < 1e9 else None,
+                "admission_limit": health.admission_limit,
                 "draining": state.draining, "drive": state.info.drive, "transport": state.transport,
                 "degraded": state.degraded, "device": state.info.device, "epoch": health.epoch,
                 "failovers": health.failovers, "scheduling_policy": state.info.scheduling_policy,
@@ -80,17 +87,17 @@ def create_app(state: IngressState) -> FastAPI:
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
-        ids = state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        ids = await state.off_loop(state.tokenizer.encode, body.prompt, body.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": state.info.max_model_len}
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:
         check_token_ids(state, body.tokens, "tokens")
-        return {"prompt": state.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+        return {"prompt": await state.off_loop(state.tokenizer.decode, body.tokens, False)}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        prompts = completion_prompts(state, body)
+        prompts = await completion_prompts(state, body)
         if len(prompts) * body.n > 16:
             raise APIError(400, "at most 16 choices (prompts times n) per request", param="n")
         jobs = [(p, i * body.n + j) for i, p in enumerate(prompts) for j in range(body.n)]
@@ -98,53 +105,13 @@ def create_app(state: IngressState) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
-        if state.tokenizer.chat_template is None:
-            raise APIError(400, "this model has no chat template", param="messages")
-        text = render_chat(state.tokenizer, body.messages, body.add_generation_prompt)
-        prompt = state.tokenizer.encode(text, add_special_tokens=False)
+        prompt = await chat_prompt(state, body)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         jobs = [(prompt, j) for j in range(body.n)]
         return await _respond(state, request, body, jobs, body.max_completion_tokens or body.max_tokens, logprobs,
                               chat=True)
 
     return app
-
-
-class RequestContext:
-    """Pure ASGI middleware (streaming-safe): request ids, the API key and draining for /v1/ routes."""
-
-    def __init__(self, app, state: IngressState):
-        self.app, self.state = app, state
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        headers = dict(scope["headers"])
-        request_id = (headers.get(b"x-request-id") or uuid.uuid4().hex.encode())[:128]
-        structlog.contextvars.bind_contextvars(request_id=request_id.decode("latin-1"))
-
-        async def send_with_id(message) -> None:
-            if message["type"] == "http.response.start":
-                message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id)]
-            await send(message)
-
-        error = self._refusal(scope["path"], headers.get(b"authorization", b""))
-        if error is not None:
-            await error_response(error.status, error.message, error.type, code=error.code)(scope, receive,
-                                                                                          send_with_id)
-        else:
-            await self.app(scope, receive, send_with_id)
-        structlog.contextvars.unbind_contextvars("request_id")
-
-    def _refusal(self, path: str, authorization: bytes) -> APIError | None:
-        if not path.startswith("/v1/"):
-            return None
-        key = self.state.api_key
-        if key is not None and not secrets.compare_digest(authorization, f"Bearer {key}".encode()):
-            return APIError(401, "invalid or missing API key", "authentication_error", code="invalid_api_key")
-        if self.state.draining:
-            return APIError(503, "the server is shutting down", "service_unavailable", code="draining")
-        return None
 
 
 class _ClientGone(Exception):

@@ -8,13 +8,14 @@ from blink.shared.rdma import RdmaUnavailable, VerbsMemory
 from blink.shared.replica_table import ReplicaTable
 from blink.shared.settings import Settings
 from blink.shared.slot_table import Geometry
+from blink.shared.sockets import Keys
 
 HANDSHAKE_S = 2.0
 
 
 class RdmaLink:
-    def __init__(self, settings: Settings):
-        self.settings = settings
+    def __init__(self, settings: Settings, keys: Keys):
+        self.settings, self.keys = settings, keys
         self.table: ReplicaTable | None = None
 
     def open(self) -> ReplicaTable:
@@ -36,7 +37,7 @@ class RdmaLink:
         s = self.settings
         memory = VerbsMemory(s.rdma_device, s.rdma_gid_index, name=f"rdma:{s.engine_host}/{s.deployment}")
         try:
-            reply = control.request(s.control_endpoint, control.RdmaConnect(peer=memory.peer()), timeout_s=HANDSHAKE_S)
+            reply = control.request(s.control_endpoint, control.RdmaConnect(peer=memory.peer()), self.keys, HANDSHAKE_S)
             if not isinstance(reply, control.RdmaAccept):
                 raise RdmaUnavailable(reply.message if isinstance(reply, control.Failure) else f"engine answered "
                                       f"{reply.type!r} to rdma_connect")

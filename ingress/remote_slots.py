@@ -22,6 +22,7 @@ import zmq.asyncio
 from blink.ingress.errors import engine_unreachable
 from blink.ingress.slots import EngineHealth, Overloaded, Stream, stream_outputs
 from blink.shared import relay_protocol as wire
+from blink.shared import sockets
 from blink.shared.slot_table import EngineState, Finish, Output, Request
 
 log = structlog.get_logger()
@@ -31,12 +32,12 @@ PROBE_S = 0.2
 class RemoteSlotClient:
     transport = "zmq"
 
-    def __init__(self, endpoint: str, num_slots: int, max_waiting: int, deadline_s: float):
+    def __init__(self, endpoint: str, keys: sockets.Keys, num_slots: int, max_waiting: int, deadline_s: float):
         self.endpoint, self.num_slots, self.max_waiting, self.deadline_s = endpoint, num_slots, max_waiting, deadline_s
         self.sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTING_ID, uuid.uuid4().bytes)  # the same name after a reconnect
-        self.sock.connect(endpoint)
+        sockets.connect(self.sock, endpoint, keys)
         self._streams: dict[str, Stream] = {}
         self._accepted: dict[str, asyncio.Future[int]] = {}
         self._health = EngineHealth("unreachable", math.inf, 0, 0)
@@ -135,7 +136,7 @@ class RemoteSlotClient:
             if "health" in message:
                 h = message["health"]
                 self._health = EngineHealth(EngineState(h["state"]).name.lower(), h["heartbeat_age_s"], h["epoch"],
-                                            h["failovers"])
+                                            h["failovers"], h.get("admission_limit"))
                 self._heard_at = time.monotonic()
                 if h["relay"] != self._relay:
                     self._relay = h["relay"]

@@ -82,6 +82,7 @@ class EngineHealth:
     heartbeat_age_s: float
     epoch: int
     failovers: int
+    admission_limit: int | None = None  # the control plane's cap on requests admitted at once; None: none
 
 
 class SlotClient:
@@ -144,7 +145,7 @@ class SlotClient:
             return EngineHealth("unreachable", math.inf, self._epoch_seen, 0)
         h = self.table.header
         return EngineHealth(EngineState(int(h["engine_state"])).name.lower(), self.table.heartbeat_age_s(),
-                            int(h["epoch"]), int(h["failovers"]))
+                            int(h["epoch"]), int(h["failovers"]), self.table.admission_limit())
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._poll())

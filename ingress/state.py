@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from blink.ingress.metrics import Metrics
 from blink.ingress.remote_slots import RemoteSlotClient
@@ -13,6 +16,9 @@ from blink.shared.control import EngineInfo, EngineStatus
 from blink.shared.service_class import ClassDefaults
 from blink.shared.tokenizer import Tokenizer
 
+T = TypeVar("T")
+WORKERS = 4  # threads for a request's heavy work (tokenizers release the GIL: they run side by side)
+
 
 @dataclass
 class IngressState:
@@ -20,11 +26,23 @@ class IngressState:
     tokenizer: Tokenizer
     client: SlotClient | RemoteSlotClient
     metrics: Metrics
+    max_request_bytes: int = 4 << 20
+    body_timeout_s: float = 30.0
     api_key: str | None = None
     engine_status: Callable[[], EngineStatus | None] = lambda: None
     draining: bool = False
     seeds: secrets.SystemRandom = field(default_factory=secrets.SystemRandom)
     classes: ClassDefaults = field(default_factory=ClassDefaults)  # the control plane may replace it
+    workers: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(WORKERS, thread_name_prefix="ingress-work"))
+
+    async def off_loop(self, fn: Callable[..., T], *args) -> T:
+        """Runs a request's heavy work (tokenizing, templating, decoding a large input) off the event loop, which
+        must stay free to stream tokens and answer the watchdog's pings."""
+        return await asyncio.get_running_loop().run_in_executor(self.workers, fn, *args)
+
+    def close(self) -> None:
+        self.workers.shutdown(wait=False, cancel_futures=True)
 
     @property
     def degraded(self) -> bool:

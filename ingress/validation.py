@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from blink.ingress.chat import render_chat
 from blink.ingress.errors import APIError
-from blink.ingress.protocol import CompletionRequest
+from blink.ingress.protocol import ChatRequest, CompletionRequest
 from blink.ingress.state import IngressState
 
 
@@ -14,16 +15,31 @@ def check_model(state: IngressState, model: str) -> None:
 
 
 def check_token_ids(state: IngressState, ids: list[int], param: str) -> None:
-    if any(not 0 <= t < state.info.vocab_size for t in ids):
+    if ids and (min(ids) < 0 or max(ids) >= state.info.vocab_size):
         raise APIError(400, f"token ids must be in [0, {state.info.vocab_size})", param=param)
 
 
-def completion_prompts(state: IngressState, body: CompletionRequest) -> list[list[int]]:
+def check_text_fits(state: IngressState, text: str, param: str) -> None:
+    """Refuses, without tokenizing it, a text that cannot fit in the context whatever its tokens."""
+    limit = state.info.max_model_len
+    if state.tokenizer.surely_longer_than(text, limit):
+        raise APIError(400, f"this model's maximum context length is {limit} tokens, and a text of {len(text)} "
+                       "characters is longer", param=param, code="context_length_exceeded")
+
+
+def _check_ids_fit(state: IngressState, ids: list[int], param: str) -> None:
+    if len(ids) >= state.info.max_model_len:  # before checking each id: a long list costs the loop time
+        context_room(state, ids, None, param)
+    check_token_ids(state, ids, param)
+
+
+async def completion_prompts(state: IngressState, body: CompletionRequest) -> list[list[int]]:
     p = body.prompt
-    if isinstance(p, str):
-        prompts = [state.tokenizer.encode(p)]
-    elif p and isinstance(p[0], str):
-        prompts = [state.tokenizer.encode(s) for s in p]
+    if isinstance(p, str) or (p and isinstance(p[0], str)):
+        texts = [p] if isinstance(p, str) else list(p)
+        for text in texts:
+            check_text_fits(state, text, "prompt")
+        prompts = await state.off_loop(lambda: [state.tokenizer.encode(text) for text in texts])
     elif p and isinstance(p[0], list):
         prompts = [list(x) for x in p]
     else:
@@ -31,8 +47,20 @@ def completion_prompts(state: IngressState, body: CompletionRequest) -> list[lis
     if not prompts or any(not x for x in prompts):
         raise APIError(400, "the prompt is empty", param="prompt")
     for x in prompts:
-        check_token_ids(state, x, "prompt")
+        _check_ids_fit(state, x, "prompt")
     return prompts
+
+
+async def chat_prompt(state: IngressState, body: ChatRequest) -> list[int]:
+    if state.tokenizer.chat_template is None:
+        raise APIError(400, "this model has no chat template", param="messages")
+    check_text_fits(state, "".join(m.text() for m in body.messages), "messages")
+
+    def render() -> list[int]:
+        text = render_chat(state.tokenizer, body.messages, body.add_generation_prompt)
+        return state.tokenizer.encode(text, add_special_tokens=False)
+
+    return await state.off_loop(render)
 
 
 def context_room(state: IngressState, prompt: list[int], max_tokens: int | None, prompt_param: str) -> int:

@@ -1,7 +1,8 @@
 """The ZeroMQ client API: a ROUTER endpoint on the ingress that streams a request's tokens back.
 
 Wire format, one JSON frame each way after the DEALER's empty delimiter: the client sends a completion
-request (the OpenAI completions body plus an `id` the client picks; `model` may be left out); the ingress
+request (the OpenAI completions body plus an `id` the client picks, and `api_key` when the server has one;
+`model` may be left out; at most --max-request-bytes, or libzmq drops the connection); the ingress
 answers with chunks `{"id", "text", "token_ids", "finish_reason"}` until one carries a finish reason, or one
 `{"id", "error": {...}}` with OpenAI's error object.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 
 import structlog
 import zmq
@@ -22,6 +24,7 @@ from blink.ingress.protocol import CompletionRequest
 from blink.ingress.slots import Overloaded
 from blink.ingress.state import IngressState
 from blink.ingress.validation import check_model, completion_prompts, context_room
+from blink.shared.sockets import unlink_ipc
 
 log = structlog.get_logger()
 
@@ -35,6 +38,7 @@ class ZmqApi:
         # gone (ROUTER_MANDATORY raises instead of discarding), so its request is cancelled.
         self._sock.setsockopt(zmq.SNDHWM, 0)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, state.max_request_bytes)
         self._tasks: set[asyncio.Task] = set()
 
     async def serve(self) -> None:
@@ -48,6 +52,7 @@ class ZmqApi:
                 task.add_done_callback(self._tasks.discard)
         finally:
             self._sock.close()
+            unlink_ipc(self.endpoint)
 
     async def _send(self, identity: bytes, body: dict) -> None:
         await self._sock.send_multipart([identity, b"", json.dumps(body).encode()])
@@ -59,6 +64,7 @@ class ZmqApi:
             if not isinstance(raw, dict):
                 raise APIError(400, "the request must be a JSON object")
             request_id = raw.pop("id", None)
+            self._check_key(raw.pop("api_key", None))
             raw.setdefault("model", self.state.info.model)
             body = CompletionRequest.model_validate(raw)
             await self._generate(identity, request_id, body)
@@ -79,6 +85,11 @@ class ZmqApi:
             log.exception("zmq request failed", request_id=request_id)
             await self._error(identity, request_id, APIError(500, "internal error", "internal_error"))
 
+    def _check_key(self, given: object) -> None:
+        key = self.state.api_key
+        if key is not None and not (isinstance(given, str) and secrets.compare_digest(given.encode(), key.encode())):
+            raise APIError(401, "invalid or missing API key", "authentication_error", code="invalid_api_key")
+
     async def _error(self, identity: bytes, request_id, e: APIError) -> None:
         await self._send(identity, {"id": request_id, "error": {"message": e.message, "type": e.type,
                                                                  "param": e.param, "code": e.code}})
@@ -90,7 +101,7 @@ class ZmqApi:
         check_model(state, body.model)
         if body.n != 1 or (isinstance(body.prompt, list) and body.prompt and not isinstance(body.prompt[0], int)):
             raise APIError(400, "the ZeroMQ API takes one prompt and n=1 per request", param="prompt")
-        prompt = completion_prompts(state, body)[0]
+        prompt = (await completion_prompts(state, body))[0]
         room = context_room(state, prompt, body.max_tokens, "prompt")
         seed = body.seed if body.seed is not None else state.seeds.getrandbits(63)
         request = slot_request(prompt, body, body.max_tokens or room, body.logprobs, seed, state.classes)

@@ -24,9 +24,10 @@ class Chunk:
     finish_reason: str | None
 
 
-def _request(prompt: str | list[int], params: dict) -> tuple[str, bytes]:
+def _request(prompt: str | list[int], params: dict, api_key: str | None) -> tuple[str, bytes]:
     request_id = uuid.uuid4().hex
-    return request_id, json.dumps({"id": request_id, "prompt": prompt, **params}).encode()
+    key = {"api_key": api_key} if api_key is not None else {}
+    return request_id, json.dumps({"id": request_id, "prompt": prompt, **key, **params}).encode()
 
 
 def _chunk(request_id: str, frame: bytes) -> Chunk | None:
@@ -41,14 +42,15 @@ def _chunk(request_id: str, frame: bytes) -> Chunk | None:
 class Client:
     """`for chunk in Client(endpoint).stream("Hello", max_tokens=8): ...`"""
 
-    def __init__(self, endpoint: str, timeout_s: float = 60.0):
+    def __init__(self, endpoint: str, timeout_s: float = 60.0, api_key: str | None = None):
+        self.api_key = api_key
         self._sock = zmq.Context.instance().socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.connect(endpoint)
         self.timeout_ms = int(timeout_s * 1000)
 
     def stream(self, prompt: str | list[int], **params) -> Iterator[Chunk]:
-        request_id, frame = _request(prompt, params)
+        request_id, frame = _request(prompt, params, self.api_key)
         self._sock.send_multipart([b"", frame])
         while True:
             if not self._sock.poll(self.timeout_ms):
@@ -71,13 +73,14 @@ class Client:
 class AsyncClient:
     """One request at a time per client; open one client per concurrent stream."""
 
-    def __init__(self, endpoint: str):
+    def __init__(self, endpoint: str, api_key: str | None = None):
+        self.api_key = api_key
         self._sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.connect(endpoint)
 
     async def stream(self, prompt: str | list[int], **params) -> AsyncIterator[Chunk]:
-        request_id, frame = _request(prompt, params)
+        request_id, frame = _request(prompt, params, self.api_key)
         await self._sock.send_multipart([b"", frame])
         while True:
             chunk = _chunk(request_id, (await self._sock.recv_multipart())[-1])

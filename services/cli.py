@@ -14,13 +14,13 @@ from blink.shared.service_class import parse_class
 from blink.shared.settings import Settings
 
 
-def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
+def add_settings_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per Settings field; what is not given comes from BLINK_* variables or the defaults."""
     for name, field in Settings.model_fields.items():
         parser.add_argument(f"--{name.replace('_', '-')}", dest=name, default=None, help=field.description)
 
 
-def _settings(args: argparse.Namespace) -> Settings:
+def settings_from_args(args: argparse.Namespace) -> Settings:
     given = {name: getattr(args, name) for name in Settings.model_fields if getattr(args, name, None) is not None}
     return Settings(**given)
 
@@ -32,11 +32,11 @@ def main(argv: list[str] | None = None) -> int:
     for name, text in (("serve", "run the engine and the ingress (the OpenAI API), watched by the watchdog"),
                        ("engine", "run the engine service alone"), ("ingress", "run the ingress service alone"),
                        ("watchdog", "watch an engine and an ingress started elsewhere (compose)")):
-        _add_settings_flags(commands.add_parser(name, help=text))
+        add_settings_flags(commands.add_parser(name, help=text))
 
     probe = commands.add_parser("probe", help="exit 0 if the service answers its control socket (healthchecks)")
     probe.add_argument("service", choices=["engine", "ingress"])
-    _add_settings_flags(probe)
+    add_settings_flags(probe)
 
     doctor = commands.add_parser("doctor", help="list the transports and drive modes this machine supports, and why "
                                  "not the others")
@@ -45,12 +45,16 @@ def main(argv: list[str] | None = None) -> int:
 
     classes = commands.add_parser("classes", help="show the running ingress's service-class defaults, or change "
                                   "them with --default-class and --ls-/--be-ttft-/tpot-slo-ms (0 clears one)")
-    _add_settings_flags(classes)
+    add_settings_flags(classes)
 
     model = commands.add_parser("model", help="manage checkpoints").add_subparsers(dest="model_command",
                                                                                    required=True)
     init = model.add_parser("init", help="write the default random-weight model (to DIR or the cache)")
     init.add_argument("dir", nargs="?", type=Path)
+
+    keygen = commands.add_parser("keygen", help="write a new control-plane key to FILE (mode 0600), for "
+                                 "--control-key-file on every host of a deployment (a compose secret)")
+    keygen.add_argument("file", type=Path)
 
     gen = commands.add_parser("generate", help="generate offline on the engine (host drive mode)")
     gen.add_argument("prompt", nargs="*", help="prompts (default: three examples)")
@@ -75,11 +79,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "model":
         return _model_init(args.dir)
+    if args.command == "keygen":
+        return _keygen(args.file)
     if args.command == "generate":
         return _generate(args)
 
     if args.command == "probe":
-        return _probe(args.service, _settings(args))
+        return _probe(args.service, settings_from_args(args))
     if args.command == "classes":
         return _classes(args)
     if args.command == "doctor":
@@ -92,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     from blink.shared.logs import configure_logging
 
     configure_logging(args.command)
-    settings = _settings(args)
+    settings = settings_from_args(args)
     if args.command == "engine":
         from blink.services.engine_service import run_engine
 
@@ -113,17 +119,21 @@ def main(argv: list[str] | None = None) -> int:
 def _serve(settings: Settings) -> int:
     """Starts the engine, waits for its handshake, starts the ingress, then watches both (restarting what fails)
     until SIGTERM or ^C; then stops, in order, the watchdog, the ingress (which drains) and the engine."""
+    import shutil
+
     from blink.services.ingress_service import handshake
     from blink.services.watchdog import ENGINE, INGRESS, ProcessSupervisor, Watchdog
     from blink.shared.slot_table import SlotTable
+    from blink.shared.sockets import load_keys
 
+    keys = load_keys(settings, create=True)  # before the services start: they all read the one it makes
     supervisor = ProcessSupervisor(settings)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     engine = supervisor.start(ENGINE)
     try:
-        handshake(settings, timeout_s=settings.engine_start_timeout,
+        handshake(settings, keys, timeout_s=settings.engine_start_timeout,
                   alive=lambda: engine.poll() is None and not stop.is_set())
         ingress = supervisor.start(INGRESS)
         print(f"blink serving at http://{settings.host}:{settings.port}/v1 (engine pid {engine.pid}, ingress pid "
@@ -134,17 +144,19 @@ def _serve(settings: Settings) -> int:
         supervisor.stop(ENGINE, 30)
         # An engine stopped while it was still starting never installed its handlers to remove the segment.
         SlotTable.path_for(settings.deployment).unlink(missing_ok=True)
+        shutil.rmtree(settings.private_dir, ignore_errors=True)  # the sockets' files and the generated key
     return 0
 
 
 def _probe(service: str, settings: Settings) -> int:
     from blink.shared import control
+    from blink.shared.sockets import load_keys
 
     endpoint, ask = ((settings.control_endpoint, control.GetStatus()) if service == "engine" else
                      (settings.ingress_control_endpoint, control.Ping()))
     try:
-        reply = control.request(endpoint, ask, timeout_s=settings.watchdog_deadline)
-    except TimeoutError as e:
+        reply = control.request(endpoint, ask, load_keys(settings), timeout_s=settings.watchdog_deadline)
+    except (TimeoutError, OSError, ValueError) as e:
         print(e, file=sys.stderr)
         return 1
     print(reply.model_dump_json())
@@ -156,11 +168,14 @@ def _probe(service: str, settings: Settings) -> int:
 def _classes(args: argparse.Namespace) -> int:
     """Reads the ingress's defaults, changes what the flags name, and sends them back whole."""
     from blink.shared import control
+    from blink.shared.sockets import load_keys
 
-    settings = _settings(argparse.Namespace(**{k: v for k, v in vars(args).items()
-                                               if k in ("deployment", "runtime_dir", "engine_host")}))
+    settings = settings_from_args(argparse.Namespace(**{k: v for k, v in vars(args).items()
+                                               if k in ("deployment", "runtime_dir", "engine_host", "control_key",
+                                                        "control_key_file")}))
     try:
-        reply = control.request(settings.ingress_control_endpoint, control.SetClassDefaults(), timeout_s=2.0)
+        keys = load_keys(settings)
+        reply = control.request(settings.ingress_control_endpoint, control.SetClassDefaults(), keys, timeout_s=2.0)
         if isinstance(reply, control.ClassDefaultsNow):
             change: dict = {"default_class": args.default_class}
             for prefix, name in (("ls", "latency_sensitive"), ("be", "best_effort")):
@@ -170,12 +185,24 @@ def _classes(args: argparse.Namespace) -> int:
                         slo[field] = float(value) or None
                 change[name] = slo
             reply = control.request(settings.ingress_control_endpoint, control.SetClassDefaults.model_validate(change),
-                                    timeout_s=2.0)
-    except (ValueError, TimeoutError) as e:
+                                    keys, timeout_s=2.0)
+    except (ValueError, TimeoutError, OSError) as e:
         print(e, file=sys.stderr)
         return 1
     print(reply.model_dump_json())
     return 0 if isinstance(reply, control.ClassDefaultsNow) else 1
+
+
+def _keygen(target: Path) -> int:
+    from blink.shared.sockets import write_key
+
+    try:
+        write_key(target)
+    except FileExistsError:
+        print(f"{target} exists: a key is never overwritten (remove it first)", file=sys.stderr)
+        return 1
+    print(target)
+    return 0
 
 
 def _model_init(target: Path | None) -> int:

@@ -14,7 +14,7 @@ from blink.engine.drive_modes import candidates
 from blink.engine.engine import Engine, EngineConfig
 from blink.engine.table_drive import Fenced, TableDriver
 from blink.services.relay import Relay
-from blink.shared import control
+from blink.shared import control, sockets
 from blink.shared.rdma import RdmaUnavailable, TableTarget
 from blink.shared.remote_memory import TransportLost
 from blink.shared.settings import Settings
@@ -55,6 +55,7 @@ class EngineService:
         ))
         geometry = Geometry(num_slots=self.engine.state.num_slots, max_prompt_tokens=self.engine.max_model_len,
                             window=settings.window)
+        self.keys = sockets.load_keys(settings, create=True)
         self.table = open_table(settings.deployment, geometry)
         self.drive, self.driver = self._start_drive()
         self.rdma, self.rdma_missing = self._rdma_target()
@@ -102,8 +103,9 @@ class EngineService:
         control_thread.start()
         relay = None
         if self.settings.transport != "shm":
-            relay = Relay(self.table, self.settings.relay_endpoint, self.settings.max_waiting,
-                          self.settings.reserved_slots(self.engine.state.num_slots), self.settings.by_class)
+            relay = Relay(self.table, self.settings.bind_address(self.settings.relay_endpoint), self.keys,
+                          self.settings.max_waiting, self.settings.reserved_slots(self.engine.state.num_slots),
+                          self.settings.by_class)
             relay.start()
         self.table.heartbeat()  # the first one of this life: the header may still hold a dead engine's
         self.table.header["engine_state"] = EngineState.READY
@@ -160,7 +162,8 @@ class EngineService:
         ctx = zmq.Context.instance()
         sock = ctx.socket(zmq.REP)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.bind(Settings.bind_address(self.settings.control_endpoint))
+        endpoint = self.settings.bind_address(self.settings.control_endpoint)
+        sockets.bind(sock, endpoint, self.keys)
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         while not self._stop.is_set():
@@ -172,6 +175,7 @@ class EngineService:
                 reply = control.Failure(message=str(e)[:200])
             sock.send(control.encode(reply))
         sock.close()
+        sockets.unlink_ipc(endpoint)
 
     def _handle(self, message: control.Message) -> control.Message:
         if isinstance(message, control.Hello):
@@ -195,9 +199,13 @@ class EngineService:
             else:  # host memory the device reads each step
                 limit = message.max_running
                 self.driver.step.limit[0] = self.engine.state.num_slots if limit is None else limit
+            self.table.set_admission_limit(message.max_running)  # what /ready tells of it
+            log.warning("admission limit set", max_running=message.max_running)
             return control.Ack()
-        if isinstance(message, control.Drain):
-            self.table.header["engine_state"] = EngineState.DRAINING
+        if isinstance(message, control.Drain | control.Resume):
+            draining = isinstance(message, control.Drain)
+            self.table.header["engine_state"] = EngineState.DRAINING if draining else EngineState.READY
+            log.warning("draining" if draining else "resumed")
             return control.Ack()
         if isinstance(message, control.Stop):
             self._stop.set()

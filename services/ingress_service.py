@@ -20,7 +20,7 @@ from blink.ingress.remote_slots import RemoteSlotClient
 from blink.ingress.slots import SlotClient
 from blink.ingress.state import IngressState
 from blink.ingress.zmq_api import ZmqApi
-from blink.shared import control
+from blink.shared import control, sockets
 from blink.shared.rdma import RdmaUnavailable
 from blink.shared.remote_memory import TransportLost
 from blink.shared.settings import Settings
@@ -30,14 +30,14 @@ from blink.shared.tokenizer import Tokenizer
 log = structlog.get_logger()
 
 
-def handshake(settings: Settings, timeout_s: float, alive=lambda: True) -> control.EngineInfo:
+def handshake(settings: Settings, keys: sockets.Keys, timeout_s: float, alive=lambda: True) -> control.EngineInfo:
     """Asks the engine for its info until it answers; gives up at the deadline or when `alive()` turns false."""
     deadline = time.monotonic() + timeout_s
     while True:
         if not alive():
             raise RuntimeError("the engine exited before it answered the handshake")
         try:
-            reply = control.request(settings.control_endpoint, control.Hello(), timeout_s=1.0)
+            reply = control.request(settings.control_endpoint, control.Hello(), keys, timeout_s=1.0)
             if isinstance(reply, control.EngineInfo):
                 return reply
         except TimeoutError:
@@ -79,7 +79,7 @@ class DrainingServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def connect(settings: Settings, info: control.EngineInfo) -> SlotClient | RemoteSlotClient:
+def connect(settings: Settings, keys: sockets.Keys, info: control.EngineInfo) -> SlotClient | RemoteSlotClient:
     """The transport to the engine: the slot table in shared memory when it is on this host (and not fed by the
     relay); else one-sided RDMA into it through the NIC; else the engine host's relay over ZeroMQ (degraded)."""
     options = dict(max_waiting=settings.max_waiting, reserved_slots=settings.reserved_slots(info.num_slots),
@@ -92,21 +92,22 @@ def connect(settings: Settings, info: control.EngineInfo) -> SlotClient | Remote
                 raise
             log.info("no shared-memory path to the engine", reason=str(e))
     if settings.transport in ("auto", "rdma"):
-        link = RdmaLink(settings)
+        link = RdmaLink(settings, keys)
         try:
             return SlotClient(link.open(), relink=link.relink, **options)
         except (RdmaUnavailable, TransportLost, TimeoutError) as e:
             log.warning("no rdma path to the engine: degraded to the zmq transport", reason=str(e))
-    return RemoteSlotClient(settings.relay_endpoint, info.num_slots, settings.max_waiting, settings.watchdog_deadline)
+    return RemoteSlotClient(settings.relay_endpoint, keys, info.num_slots, settings.max_waiting,
+                            settings.watchdog_deadline)
 
 
-async def serve(settings: Settings, info: control.EngineInfo) -> None:
-    client = connect(settings, info)
+async def serve(settings: Settings, keys: sockets.Keys, info: control.EngineInfo) -> None:
+    client = connect(settings, keys, info)
     client.start()
 
     def engine_status() -> control.EngineStatus | None:
         try:
-            reply = control.request(settings.control_endpoint, control.GetStatus(), timeout_s=0.5)
+            reply = control.request(settings.control_endpoint, control.GetStatus(), keys, timeout_s=0.5)
         except TimeoutError:
             return None
         return reply if isinstance(reply, control.EngineStatus) else None
@@ -114,82 +115,94 @@ async def serve(settings: Settings, info: control.EngineInfo) -> None:
     # On another host the engine's model directory may not exist: --model names a local copy of the tokenizer.
     state = IngressState(info=info, tokenizer=Tokenizer(settings.model or info.model_dir), client=client,
                          metrics=Metrics(info.model, info.drive, client.transport),
+                         max_request_bytes=settings.max_request_bytes, body_timeout_s=settings.body_timeout,
                          api_key=settings.api_key, engine_status=engine_status, classes=settings.class_defaults())
     log.info("ingress transport", transport=client.transport, degraded=state.degraded)
     config = uvicorn.Config(create_app(state), host=settings.host, port=settings.port, loop="none",
                             log_config=None, access_log=False, timeout_graceful_shutdown=settings.shutdown_timeout)
     server = DrainingServer(config, state, settings.shutdown_timeout)
     zmq_api = asyncio.create_task(ZmqApi(state, settings.zmq_endpoint).serve())
-    pings = asyncio.create_task(answer_pings(state, settings))
+    orders = asyncio.create_task(IngressControl(state, settings, keys).serve())
     try:
         await server.serve()
     finally:
         zmq_api.cancel()
-        pings.cancel()
+        orders.cancel()
         await state.client.stop()
+        state.close()
         if isinstance(state.client, SlotClient):
             state.client.table.remove_if_abandoned()  # when the engine stopped first
 
 
-async def switch_to_zmq(state: IngressState, settings: Settings) -> control.Message:
-    """Moves to the relay: once it answers, the shared-memory client stops, the relay adopts the requests in
-    flight (read on from what was consumed, into the same queues) and those waiting for a slot go to it."""
-    old = state.client
-    if old.transport == "zmq":
+class IngressControl:
+    """The ingress's control socket: the watchdog's probe (answered from the event loop, so a blocked or stopped
+    loop goes unanswered) and the deployment's orders, from its members only (CURVE)."""
+
+    def __init__(self, state: IngressState, settings: Settings, keys: sockets.Keys):
+        self.state, self.settings, self.keys = state, settings, keys
+
+    async def serve(self) -> None:
+        endpoint = self.settings.ingress_control_endpoint
+        sock = zmq.asyncio.Context.instance().socket(zmq.REP)
+        sock.setsockopt(zmq.LINGER, 0)
+        sockets.bind(sock, endpoint, self.keys)
+        try:
+            while True:
+                frame = await sock.recv()
+                try:
+                    reply = await self._answer(control.decode(frame))
+                except Exception as e:  # a bad order must not silence the watchdog's pings
+                    reply = control.Failure(message=f"{type(e).__name__}: {e}"[:200])
+                await sock.send(control.encode(reply))
+        finally:
+            sock.close()
+            sockets.unlink_ipc(endpoint)
+
+    async def _answer(self, message: control.Message) -> control.Message:
+        state = self.state
+        if isinstance(message, control.Ping):
+            client = state.client
+            return control.IngressStatus(pid=os.getpid(), running=client.running, waiting=client.waiting,
+                                         failovers=client.failed_over, draining=state.draining,
+                                         transport=client.transport,
+                                         transport_lost=getattr(client, "transport_lost", None))
+        if isinstance(message, control.SwitchTransport):
+            return await self.switch_to_zmq()
+        if isinstance(message, control.SetClassDefaults):
+            state.classes = message.applied_to(state.classes)
+            log.info("class defaults changed", **state.classes.model_dump())
+            return control.ClassDefaultsNow(defaults=state.classes)
+        return control.Failure(message=f"unexpected message {message.type!r}")
+
+    async def switch_to_zmq(self) -> control.Message:
+        """Moves to the relay: once it answers, the shared-memory client stops, the relay adopts the requests in
+        flight (read on from what was consumed, into the same queues) and those waiting for a slot go to it."""
+        state, settings = self.state, self.settings
+        old = state.client
+        if old.transport == "zmq":
+            return control.Ack()
+        new = RemoteSlotClient(settings.relay_endpoint, self.keys, old.num_slots, settings.max_waiting,
+                               settings.watchdog_deadline)
+        new.start()
+        # Pings wait meanwhile: stay well inside the watchdog's deadline.
+        deadline = time.monotonic() + min(1.0, settings.watchdog_deadline / 2)
+        while new.health().state == "unreachable":
+            if time.monotonic() > deadline:
+                await new.stop()
+                return control.Failure(message=f"the relay at {settings.relay_endpoint} did not answer")
+            await asyncio.sleep(0.02)
+        new.expect_adoption()  # new requests wait until the relay has adopted the ones in flight
+        state.client = new
+        busy = await old.hand_over(new)
+        await new.adopt(busy)
+        state.metrics.set_transport(new.transport)
+        log.warning("transport switched to zmq", adopted=len(busy))
         return control.Ack()
-    new = RemoteSlotClient(settings.relay_endpoint, old.num_slots, settings.max_waiting, settings.watchdog_deadline)
-    new.start()
-    # Pings wait meanwhile: stay well inside the watchdog's deadline.
-    deadline = time.monotonic() + min(1.0, settings.watchdog_deadline / 2)
-    while new.health().state == "unreachable":
-        if time.monotonic() > deadline:
-            await new.stop()
-            return control.Failure(message=f"the relay at {settings.relay_endpoint} did not answer")
-        await asyncio.sleep(0.02)
-    new.expect_adoption()  # new requests wait until the relay has adopted the ones in flight
-    state.client = new
-    busy = await old.hand_over(new)
-    await new.adopt(busy)
-    state.metrics.set_transport(new.transport)
-    log.warning("transport switched to zmq", adopted=len(busy))
-    return control.Ack()
-
-
-async def answer_pings(state: IngressState, settings: Settings) -> None:
-    """The watchdog's probe (answered from the event loop, so a blocked or stopped loop goes unanswered), and its
-    orders."""
-    sock = zmq.asyncio.Context.instance().socket(zmq.REP)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.bind(settings.ingress_control_endpoint)
-    try:
-        while True:
-            frame = await sock.recv()
-            try:
-                reply = await _answer(state, settings, control.decode(frame))
-            except Exception as e:  # a bad order must not silence the watchdog's pings
-                reply = control.Failure(message=f"{type(e).__name__}: {e}"[:200])
-            await sock.send(control.encode(reply))
-    finally:
-        sock.close()
-
-
-async def _answer(state: IngressState, settings: Settings, message: control.Message) -> control.Message:
-    if isinstance(message, control.Ping):
-        client = state.client
-        return control.IngressStatus(pid=os.getpid(), running=client.running, waiting=client.waiting,
-                                     failovers=client.failed_over, draining=state.draining,
-                                     transport=client.transport, transport_lost=getattr(client, "transport_lost", None))
-    if isinstance(message, control.SwitchTransport):
-        return await switch_to_zmq(state, settings)
-    if isinstance(message, control.SetClassDefaults):
-        state.classes = message.applied_to(state.classes)
-        log.info("class defaults changed", **state.classes.model_dump())
-        return control.ClassDefaultsNow(defaults=state.classes)
-    return control.Failure(message=f"unexpected message {message.type!r}")
 
 
 def run_ingress(settings: Settings, engine_timeout_s: float = 600.0) -> None:
-    info = handshake(settings, engine_timeout_s)
+    keys = sockets.load_keys(settings, create=True)
+    info = handshake(settings, keys, engine_timeout_s)
     log.info("ingress starting", url=f"http://{settings.host}:{settings.port}", model=info.model, epoch=info.epoch,
              drive=info.drive, device=info.device)
-    uvloop.run(serve(settings, info))
+    uvloop.run(serve(settings, keys, info))

@@ -20,16 +20,17 @@ import zmq.asyncio
 
 from blink.ingress.slots import Overloaded, SlotClient
 from blink.shared import relay_protocol as wire
-from blink.shared.settings import Settings
+from blink.shared import sockets
 from blink.shared.slot_table import Client, SlotTable
 
 log = structlog.get_logger()
 
 
 class Relay:
-    def __init__(self, table: SlotTable, endpoint: str, max_waiting: int, reserved_slots: int = 0,
+    def __init__(self, table: SlotTable, endpoint: str, keys: sockets.Keys, max_waiting: int, reserved_slots: int = 0,
                  by_class: bool = True):
-        self.table, self.endpoint, self.max_waiting = table, endpoint, max_waiting
+        """endpoint: what to bind; keys: the deployment's (only its members' frames get through)."""
+        self.table, self.endpoint, self.keys, self.max_waiting = table, endpoint, keys, max_waiting
         self.reserved_slots, self.by_class = reserved_slots, by_class
         self.client: SlotClient | None = None
         self.instance = uuid.uuid4().hex  # a remote ingress fails what a previous relay (engine) accepted
@@ -46,7 +47,9 @@ class Relay:
         self.sock = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply to a vanished ingress raises, not vanishes
-        self.sock.bind(Settings.bind_address(self.endpoint))
+        # A submit frame holds a whole prompt: room for the longest the table takes, as JSON.
+        sockets.bind(self.sock, self.endpoint, self.keys,
+                     max_frame_bytes=sockets.CONTROL_FRAME_BYTES + 16 * self.table.geometry.max_prompt_tokens)
         log.info("relay listening", endpoint=self.endpoint)
         try:
             while not self._stopped.is_set():
@@ -63,6 +66,7 @@ class Relay:
             if self.client is not None:
                 await self.client.stop()
             self.sock.close()
+            sockets.unlink_ipc(self.endpoint)
 
     async def _handle(self, identity: bytes, message: dict) -> None:
         op = message["op"]
@@ -71,6 +75,7 @@ class Relay:
             age_s = (time.monotonic_ns() - int(h["last_step_ns"])) / 1e9
             await self._send(identity, {"health": {"state": int(h["engine_state"]), "heartbeat_age_s": age_s,
                                                    "epoch": int(h["epoch"]), "failovers": int(h["failovers"]),
+                                                   "admission_limit": self.table.admission_limit(),
                                                    "relay": self.instance}})
         elif op == "submit":
             key = (identity, str(message["id"]))

@@ -25,8 +25,9 @@ from typing import Protocol
 
 import structlog
 import zmq
+from pydantic import SecretStr
 
-from blink.shared import control
+from blink.shared import control, sockets
 from blink.shared.settings import Settings
 from blink.shared.slot_table import EngineState, SlotTable
 
@@ -50,8 +51,9 @@ class ProcessSupervisor:
     reaches only `blink serve`, which stops them in order."""
 
     def __init__(self, settings: Settings):
-        self.env = os.environ | {f"BLINK_{k.upper()}": str(v) for k, v in settings.model_dump().items()
-                                 if v is not None}
+        values = {k: getattr(settings, k) for k in Settings.model_fields}
+        self.env = os.environ | {f"BLINK_{k.upper()}": str(v.get_secret_value() if isinstance(v, SecretStr) else v)
+                                 for k, v in values.items() if v is not None}
         self.procs: dict[str, subprocess.Popen] = {}
 
     def start(self, service: str) -> subprocess.Popen:
@@ -142,9 +144,10 @@ class Watchdog:
         self.table: SlotTable | None = None
         self._table_inode: int | None = None
         self._engine_ready_at = -float("inf")
+        self.keys = sockets.load_keys(settings, create=True)
         self.events = zmq.Context.instance().socket(zmq.PUB)
         self.events.setsockopt(zmq.LINGER, 0)
-        self.events.bind(settings.events_endpoint)
+        sockets.bind(self.events, settings.events_endpoint, self.keys)  # subscribers are members too
         self._ping: zmq.Socket | None = None
         self._ping_sent = 0.0
         self._last_answer = 0.0
@@ -193,7 +196,7 @@ class Watchdog:
         self._engine_ready_at = time.monotonic()
         if isinstance(self.supervisor, PidSupervisor):  # it learns pids from the handshake
             try:
-                info = control.request(self.settings.control_endpoint, control.Hello(), timeout_s=0.5)
+                info = control.request(self.settings.control_endpoint, control.Hello(), self.keys, timeout_s=0.5)
             except TimeoutError:
                 info = None
             if isinstance(info, control.EngineInfo):
@@ -265,7 +268,7 @@ class Watchdog:
         self.publish("transport_lost", transport=status.transport, reason=status.transport_lost)
         try:
             reply = control.request(self.settings.ingress_control_endpoint, control.SwitchTransport(transport="zmq"),
-                                    timeout_s=self.deadline_s)
+                                    self.keys, timeout_s=self.deadline_s)
         except TimeoutError as e:
             reply = control.Failure(message=str(e))
         switched = isinstance(reply, control.Ack)
@@ -287,7 +290,7 @@ class Watchdog:
                 self._ping.close()  # a REQ socket with a lost request cannot send again
             self._ping = zmq.Context.instance().socket(zmq.REQ)
             self._ping.setsockopt(zmq.LINGER, 0)
-            self._ping.connect(self.settings.ingress_control_endpoint)
+            sockets.connect(self._ping, self.settings.ingress_control_endpoint, self.keys)
             self._ping.send(control.encode(control.Ping()))
             self._ping_sent = now
         return None
@@ -313,6 +316,7 @@ class Watchdog:
         if self._ping is not None:
             self._ping.close()
         self.events.close()
+        sockets.unlink_ipc(self.settings.events_endpoint)
         if self.table is not None:
             self.table.close()
 

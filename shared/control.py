@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 from pydantic import BaseModel, Field, TypeAdapter
 
 from blink.shared.service_class import ClassDefaults, ClassName, ClassSLO
+
+if TYPE_CHECKING:
+    from blink.shared.sockets import Keys
 
 
 class Hello(BaseModel):
@@ -78,7 +81,13 @@ class RdmaAccept(BaseModel):
 
 
 class Drain(BaseModel):
+    """The engine reports itself draining (/ready answers 503) until a Resume."""
+
     type: Literal["drain"] = "drain"
+
+
+class Resume(BaseModel):
+    type: Literal["resume"] = "resume"
 
 
 class Stop(BaseModel):
@@ -149,8 +158,8 @@ class Failure(BaseModel):
 
 
 Message = Annotated[Hello | GetStatus | SetLimits | SetClassDefaults | ClassDefaultsNow | RdmaConnect | RdmaAccept
-                    | Drain | Stop | Ping | SwitchTransport | IngressStatus | EngineInfo | EngineStatus | Ack | Failure,
-                    Field(discriminator="type")]
+                    | Drain | Resume | Stop | Ping | SwitchTransport | IngressStatus | EngineInfo | EngineStatus
+                    | Ack | Failure, Field(discriminator="type")]
 _adapter: TypeAdapter[Message] = TypeAdapter(Message)
 
 
@@ -162,14 +171,17 @@ def decode(frame: bytes) -> Message:
     return _adapter.validate_json(frame)
 
 
-def request(endpoint: str, message: BaseModel, timeout_s: float = 1.0) -> Message:
-    """One request/reply over a fresh REQ socket; raises TimeoutError when nobody answers in time."""
+def request(endpoint: str, message: BaseModel, keys: Keys, timeout_s: float = 1.0) -> Message:
+    """One request/reply over a fresh REQ socket, as a member of the deployment (`keys`); raises TimeoutError when
+    nobody answers in time (or the server turned the key away)."""
     import zmq
+
+    from blink.shared import sockets
 
     sock = zmq.Context.instance().socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
     try:
-        sock.connect(endpoint)
+        sockets.connect(sock, endpoint, keys)
         sock.send(encode(message))
         if not sock.poll(int(timeout_s * 1000)):
             raise TimeoutError(f"no answer from {endpoint} within {timeout_s} s")

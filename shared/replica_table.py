@@ -18,7 +18,7 @@ from pathlib import Path
 from blink.shared.remote_memory import Region, RemoteMemory
 from blink.shared.slot_table import HEADER, HEADER_BYTES, Client, Geometry, Output, Request, SlotTable, slot_dtype
 
-_HEADER_FIELDS = ("engine_state", "failovers", "epoch", "steps", "last_step_ns", "client")
+_HEADER_FIELDS = ("engine_state", "failovers", "epoch", "steps", "last_step_ns", "client", "admission_limit")
 
 
 class ReplicaTable(SlotTable):

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from blink.shared.service_class import ClassDefaults, ClassName, ClassSLO
@@ -26,9 +28,20 @@ class Settings(BaseSettings):
     num_pages: int | None = Field(None, ge=2)
     window: int = Field(64, ge=1, description="output tokens a slot buffers before the engine pauses it")
     max_waiting: int = Field(256, ge=0, description="requests that may wait for a slot before 429")
-    api_key: str | None = None
+    api_key: str | None = Field(None, description="the key every client entry point asks for (HTTP `Authorization: "
+                                "Bearer KEY`, the ZeroMQ API's `api_key`); /health, /ready and /metrics stay open")
+    max_request_bytes: int = Field(4 << 20, ge=1024, description="the largest request body the ingress reads; "
+                                   "larger ones are answered 413 before they are read")
+    body_timeout: float = Field(30.0, gt=0, description="seconds a client may take to send a request's body; a "
+                                "slower one is answered 408 and dropped")
     shutdown_timeout: float = Field(30.0, ge=0)
-    runtime_dir: str = "/tmp"
+    runtime_dir: str | None = Field(None, description="where the deployment's private directory (0700: IPC sockets, "
+                                    "the generated control key) is made (default: $XDG_RUNTIME_DIR, else /tmp)")
+    control_key: SecretStr | None = Field(None, description="the deployment's control-plane key: a z85 CURVE secret "
+                                          "key (40 characters; `blink keygen`); every service of the deployment "
+                                          "needs the same one")
+    control_key_file: str | None = Field(None, description="a file holding the control key (compose: a secret; "
+                                         "default: generated on first start into the private directory)")
     zmq_port: int | None = Field(None, ge=1, le=65535, description="TCP port of the ZeroMQ API (default: ipc)")
     transport: Literal["auto", "shm", "rdma", "zmq"] = Field(
         "auto", description="how the ingress reaches the slot table: shm (same host), rdma (one-sided RDMA through "
@@ -37,6 +50,8 @@ class Settings(BaseSettings):
     rdma_device: str | None = Field(None, description="RDMA device for the rdma transport (default: the first)")
     rdma_gid_index: int = Field(0, ge=0, description="GID index of the RDMA port (RoCE: the RoCEv2 entry)")
     engine_host: str = Field("127.0.0.1", description="where the engine runs, for --control-port/--relay-port")
+    bind_host: str | None = Field(None, description="the interface the engine's TCP control and relay sockets "
+                                  "listen on (default: --engine-host; 0.0.0.0 for every interface)")
     control_port: int | None = Field(None, ge=1, le=65535, description="TCP port of the engine's control socket "
                                      "(default: ipc, same host only)")
     relay_port: int | None = Field(None, ge=1, le=65535, description="TCP port of the engine host's relay for the "
@@ -61,7 +76,8 @@ class Settings(BaseSettings):
     ls_reserved_slots: int | None = Field(None, ge=0, description="slots only latency-sensitive requests may take "
                                           "(default: an eighth of them)")
 
-    @field_validator("model", "served_model_name", "api_key", "rdma_device", mode="before")
+    @field_validator("model", "served_model_name", "api_key", "rdma_device", "runtime_dir", "control_key",
+                     "control_key_file", "bind_host", mode="before")
     @classmethod
     def _empty_is_unset(cls, value: object) -> object:
         """BLINK_MODEL= (as compose writes an unset ${BLINK_MODEL:-}) means the default, not a model named ''."""
@@ -82,6 +98,12 @@ class Settings(BaseSettings):
     @property
     def by_class(self) -> bool:
         return self.scheduling_policy == "slo"
+
+    @property
+    def private_dir(self) -> Path:
+        """The deployment's runtime directory: its IPC sockets and generated key (blink.shared.sockets)."""
+        parent = self.runtime_dir or os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
+        return Path(parent) / f"blink-{self.deployment}"
 
     @property
     def control_endpoint(self) -> str:
@@ -106,12 +128,13 @@ class Settings(BaseSettings):
         return f"tcp://{self.host}:{self.zmq_port}" if self.zmq_port else self._endpoint("api")
 
     def _endpoint(self, name: str, port: int | None = None) -> str:
-        """A socket of the engine host: TCP when it has a port, else ipc in the runtime directory (same host)."""
+        """A socket of the engine host: TCP when it has a port, else IPC in the private directory (same host)."""
         if port:
             return f"tcp://{self.engine_host}:{port}"
-        return f"ipc://{self.runtime_dir}/blink-{self.deployment}-{name}"
+        return f"ipc://{self.private_dir}/{name}"
 
-    @staticmethod
-    def bind_address(endpoint: str) -> str:
-        """What the serving side binds for an endpoint others connect to: every interface, for TCP."""
-        return f"tcp://*:{endpoint.rsplit(':', 1)[1]}" if endpoint.startswith("tcp://") else endpoint
+    def bind_address(self, endpoint: str) -> str:
+        """What the engine binds for an endpoint others connect to: --bind-host, for TCP, when given."""
+        if self.bind_host is None or not endpoint.startswith("tcp://"):
+            return endpoint
+        return f"tcp://{self.bind_host}:{endpoint.rsplit(':', 1)[1]}"

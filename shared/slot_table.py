@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 MAGIC = 0x424C494E4B534C54  # "BLINKSLT"
-VERSION = 3
+VERSION = 4  # 4: the header carries the admission limit
 SHM_DIR = Path(os.environ.get("BLINK_SHM_DIR", "/dev/shm"))  # another directory stands for another host in tests
 
 
@@ -78,7 +78,9 @@ HEADER = np.dtype([
     ("magic", "<u8"), ("version", "<u4"), ("num_slots", "<u4"), ("max_prompt_tokens", "<u4"), ("window", "<u4"),
     ("top_logprobs", "<u4"), ("max_stop_ids", "<u4"), ("engine_state", "<u4"), ("failovers", "<u4"),
     ("epoch", "<u8"), ("steps", "<u8"), ("last_step_ns", "<u8"), ("client", "<u4"),
+    ("admission_limit", "<u4"),  # requests the engine admits at once (the control plane's set_limits)
 ], align=True)
+NO_LIMIT = 0xFFFFFFFF
 HEADER_BYTES = 256
 
 
@@ -184,7 +186,8 @@ class SlotTable:
         for field, value in (("version", VERSION), ("num_slots", geometry.num_slots),
                              ("max_prompt_tokens", geometry.max_prompt_tokens), ("window", geometry.window),
                              ("top_logprobs", geometry.top_logprobs), ("max_stop_ids", geometry.max_stop_ids),
-                             ("epoch", epoch), ("engine_state", EngineState.STARTING)):
+                             ("epoch", epoch), ("engine_state", EngineState.STARTING),
+                             ("admission_limit", NO_LIMIT)):
             h[field] = value
         h["magic"] = MAGIC  # last: an attacher that sees the magic sees the geometry
         return table
@@ -315,6 +318,10 @@ class SlotTable:
     def heartbeat_age_s(self) -> float:
         return (time.monotonic_ns() - int(self.header["last_step_ns"])) / 1e9
 
+    def admission_limit(self) -> int | None:
+        limit = int(self.header["admission_limit"])
+        return None if limit == NO_LIMIT else limit
+
     # -- the watchdog's side -----------------------------------------------------------------------------
 
     def remove_if_abandoned(self) -> None:
@@ -338,7 +345,11 @@ class SlotTable:
         """A new engine's start on a table a dead one left: a new epoch, and a heartbeat of its own."""
         self.header["engine_state"] = EngineState.STARTING
         self.header["epoch"] = int(self.header["epoch"]) + 1
+        self.set_admission_limit(None)  # a new engine admits as many as it has slots
         self.heartbeat()
+
+    def set_admission_limit(self, limit: int | None) -> None:
+        self.header["admission_limit"] = NO_LIMIT if limit is None else limit
 
     def submitted(self) -> np.ndarray:
         """Slots published under the current epoch and not yet admitted."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from functools import cached_property
 from pathlib import Path
 
 from tokenizers import Tokenizer as _HFTokenizer
@@ -48,11 +49,23 @@ class Tokenizer:
     def token_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
+    # The batch calls release the GIL while they work (the single ones hold it: seconds for a few MB), so a
+    # thread tokenizing a large prompt leaves the ingress's event loop running.
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+        return self._tok.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
+
+    @cached_property
+    def max_token_chars(self) -> int:
+        """The longest text one token stands for (byte-level vocabularies spell a byte per character)."""
+        return max(map(len, self._tok.get_vocab(with_added_tokens=True)), default=1)
+
+    def surely_longer_than(self, text: str, num_tokens: int) -> bool:
+        """True when `text` cannot encode to `num_tokens` tokens or fewer, decided without encoding it. Each token
+        covers at most max_token_chars characters; the factor 4 leaves room for normalizers that shrink text."""
+        return len(text) > 4 * num_tokens * self.max_token_chars
 
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)

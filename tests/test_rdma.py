@@ -21,7 +21,7 @@ from blink.bench.server import running_server
 from blink.engine import Engine, EngineConfig
 from blink.engine.table_drive import TableDriver
 from blink.ingress.slots import SlotClient
-from blink.shared import control
+from blink.shared import control, sockets
 from blink.shared.remote_memory import MappedMemory, TransportLost
 from blink.shared.replica_table import ReplicaTable
 from blink.shared.slot_table import HEADER_BYTES, Finish, Geometry, Request, SlotState, SlotTable
@@ -207,10 +207,11 @@ def test_the_watchdog_moves_an_ingress_whose_path_stays_lost_to_zmq(tmp_path):
     from blink.shared.settings import Settings
 
     settings = Settings(deployment=f"t{uuid.uuid4().hex[:8]}", runtime_dir=str(tmp_path), watchdog_deadline=0.5)
+    keys = sockets.load_keys(settings, create=True)
     ingress = zmq.Context.instance().socket(zmq.REP)
-    ingress.bind(settings.ingress_control_endpoint)
+    sockets.bind(ingress, settings.ingress_control_endpoint, keys)
     events = zmq.Context.instance().socket(zmq.SUB)
-    events.connect(settings.events_endpoint)
+    sockets.connect(events, settings.events_endpoint, keys)
     events.setsockopt(zmq.SUBSCRIBE, b"")
     got: list = []
 
@@ -273,7 +274,7 @@ def test_serve_over_a_loopback_queue_pair_and_reconnect_after_an_engine_restart(
         body = {"model": "blink-tiny-llama-v1", "prompt": "Hello", "max_tokens": 8, "ignore_eos": True}
         assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=30).json()["usage"][
             "completion_tokens"] == 8
-        info = control.request(server.control_endpoint, control.Hello(), timeout_s=2)
+        info = server.request(server.control_endpoint, control.Hello(), timeout_s=2)
         os.kill(info.pid, signal.SIGKILL)  # the watchdog restarts it in a new epoch
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:

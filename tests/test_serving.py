@@ -135,28 +135,28 @@ def test_a_client_that_disconnects_frees_its_slot(server):
         time.sleep(0.05)
     else:
         pytest.fail("the slot was not freed within a second")
-    status = control.request(server.control_endpoint, control.GetStatus())
+    status = server.request(server.control_endpoint, control.GetStatus())
     assert status.running == 0  # the engine is not computing for it either
     assert httpx.get(f"{server.url}/ready").status_code == 200
 
 
 def test_admission_limit_over_the_control_plane(server):
     """With a limit of 0 nothing is admitted; lifting it lets the waiting request through."""
-    assert isinstance(control.request(server.control_endpoint, control.SetLimits(max_running=0)), control.Ack)
+    assert isinstance(server.request(server.control_endpoint, control.SetLimits(max_running=0)), control.Ack)
 
     async def run():
         aclient = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused")
         pending = asyncio.ensure_future(aclient.completions.create(model=MODEL, prompt="x", max_tokens=3,
                                                                    extra_body={"ignore_eos": True}))
         await asyncio.sleep(0.5)
-        held = not pending.done() and control.request(server.control_endpoint, control.GetStatus()).running == 0
-        control.request(server.control_endpoint, control.SetLimits(max_running=None))
+        held = not pending.done() and server.request(server.control_endpoint, control.GetStatus()).running == 0
+        server.request(server.control_endpoint, control.SetLimits(max_running=None))
         return held, await pending
 
     try:
         held, result = asyncio.run(run())
     finally:
-        control.request(server.control_endpoint, control.SetLimits(max_running=None))
+        server.request(server.control_endpoint, control.SetLimits(max_running=None))
     assert held and result.usage.completion_tokens == 3
 
 
@@ -290,7 +290,7 @@ def test_a_non_streaming_client_that_leaves_cancels_its_request(server):
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server.url}/v1/completions", json=body, timeout=0.5)
     deadline = time.monotonic() + 2.0
-    while control.request(server.control_endpoint, control.GetStatus()).running:
+    while server.request(server.control_endpoint, control.GetStatus()).running:
         assert time.monotonic() < deadline, "the engine kept generating for a client that left"
         time.sleep(0.05)
 

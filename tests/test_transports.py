@@ -53,7 +53,7 @@ def test_a_client_that_leaves_frees_its_slot_through_the_relay(zmq_server):
     body = {"model": MODEL, "prompt": "leave early", "max_tokens": 1500, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{zmq_server.url}/v1/completions", json=body, timeout=0.5)
-    wait_until(lambda: control.request(zmq_server.control_endpoint, control.GetStatus()).running == 0, 3,
+    wait_until(lambda: zmq_server.request(zmq_server.control_endpoint, control.GetStatus()).running == 0, 3,
                "the engine to drop the abandoned request")
 
 
@@ -64,7 +64,7 @@ def test_engine_failover_reaches_zmq_clients(zmq_server):
 
     with ThreadPoolExecutor(4) as pool:
         futures = [pool.submit(stream, zmq_server.url, "decode a while", 1500) for _ in range(4)]
-        wait_until(lambda: control.request(zmq_server.control_endpoint, control.GetStatus()).running == 4, 30,
+        wait_until(lambda: zmq_server.request(zmq_server.control_endpoint, control.GetStatus()).running == 4, 30,
                    "4 running requests")
         time.sleep(0.3)
         killed_at = time.monotonic()
@@ -123,7 +123,7 @@ def test_switching_to_zmq_mid_run_loses_nothing(tmp_path):
             with ThreadPoolExecutor(8) as pool:
                 futures = [pool.submit(streamed, server.url, p) for p in prompts]
                 wait_until(decoding(table, 8), 60, "8 decoding requests")
-                reply = control.request(server.endpoint("ingress"), control.SwitchTransport(transport="zmq"),
+                reply = server.request(server.endpoint("ingress"), control.SwitchTransport(transport="zmq"),
                                         timeout_s=10)
                 assert isinstance(reply, control.Ack), reply
                 results = [f.result(timeout=120) for f in futures]

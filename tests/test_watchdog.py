@@ -18,7 +18,7 @@ import pytest
 import zmq
 
 from blink.bench.server import running_server
-from blink.shared import control
+from blink.shared import control, sockets
 from blink.shared.slot_table import SlotState, SlotTable
 
 MODEL = "blink-tiny-llama-v1"
@@ -66,7 +66,7 @@ def stream(url: str, prompt: str | list[int], max_tokens: int) -> StreamResult:
 
 
 def engine_pid(server) -> int:
-    info = control.request(server.control_endpoint, control.Hello(), timeout_s=5)
+    info = server.request(server.control_endpoint, control.Hello(), timeout_s=5)
     assert isinstance(info, control.EngineInfo)
     return info.pid
 
@@ -142,7 +142,7 @@ def test_sigkill_the_engine(server, table, phase):
     wait_ready_and_serving(server)
     states, produced = table.slots["state"], table.slots["produced"]
     if phase == "queued":  # the engine admits nothing: every request waits in its slot
-        assert isinstance(control.request(server.control_endpoint, control.SetLimits(max_running=0)), control.Ack)
+        assert isinstance(server.request(server.control_endpoint, control.SetLimits(max_running=0)), control.Ack)
         prompts, max_tokens = ["a queued request"] * 16, 8
         when = lambda t: (states == SlotState.SUBMITTED).sum() == 16  # noqa: E731
     elif phase == "prefilling":
@@ -192,7 +192,7 @@ def test_sigstop_the_engine_is_a_stall(server, table):
     wait_ready_and_serving(server)
     events = zmq.Context.instance().socket(zmq.SUB)
     events.setsockopt(zmq.SUBSCRIBE, b"")
-    events.connect(server.endpoint("events"))
+    sockets.connect(events, server.endpoint("events"), server.keys)
     pid = engine_pid(server)
     try:
         results, stopped_at, _ = run_and_kill(server, table, ["stall"] * 16, 1500, decoding(table, 16),
@@ -215,7 +215,7 @@ def test_sigstop_the_engine_is_a_stall(server, table):
 
 def test_sigkill_the_ingress(server, table):
     wait_ready_and_serving(server)
-    status = control.request(server.endpoint("ingress"), control.Ping(), timeout_s=5)
+    status = server.request(server.endpoint("ingress"), control.Ping(), timeout_s=5)
     assert isinstance(status, control.IngressStatus)
     with ThreadPoolExecutor(8) as pool:
         futures = [pool.submit(stream, server.url, "orphan me", 1500) for _ in range(8)]
@@ -225,7 +225,7 @@ def test_sigkill_the_ingress(server, table):
             with pytest.raises(httpx.HTTPError):  # their connections died with the ingress
                 f.result(timeout=30)
     wait_ready_and_serving(server)
-    restarted = control.request(server.endpoint("ingress"), control.Ping(), timeout_s=5)
+    restarted = server.request(server.endpoint("ingress"), control.Ping(), timeout_s=5)
     assert restarted.pid != status.pid
     wait_until(lambda: table_empty(table), 10, "the engine to abort the orphans and the ingress to free them")
 
@@ -233,7 +233,7 @@ def test_sigkill_the_ingress(server, table):
 def test_sigterm_to_serve_drains_then_stops_everything_in_order(tmp_path):
     with running_server(tmp_path, "--shutdown-timeout", "20") as server:
         engine = engine_pid(server)
-        ingress = control.request(server.endpoint("ingress"), control.Ping(), timeout_s=5).pid
+        ingress = server.request(server.endpoint("ingress"), control.Ping(), timeout_s=5).pid
         segment = SlotTable.path_for(server.deployment)
         assert segment.exists()
         body = {"model": MODEL, "prompt": "drain me", "max_tokens": 200, "ignore_eos": True, "stream": True}
@@ -258,11 +258,14 @@ def test_standalone_watchdog_kills_a_stalled_engine_for_the_orchestrator_to_rest
     import sys
     import uuid
 
-    from blink.bench.server import free_port
+    from blink.bench.server import Server, free_port
+    from blink.shared.settings import Settings
+    from blink.shared.sockets import write_key
 
     deployment, port = f"test-{uuid.uuid4().hex[:10]}", free_port()
+    write_key(tmp_path / "control.key")  # provisioned, as a compose secret is
     flags = ["--deployment", deployment, "--runtime-dir", str(tmp_path), "--port", str(port),
-             "--watchdog-deadline", str(DEADLINE_S)]
+             "--watchdog-deadline", str(DEADLINE_S), "--control-key-file", str(tmp_path / "control.key")]
     log = open(tmp_path / "services.log", "w")  # noqa: SIM115 - closed below
 
     def start(service: str) -> subprocess.Popen:
@@ -274,9 +277,9 @@ def test_standalone_watchdog_kills_a_stalled_engine_for_the_orchestrator_to_rest
     events.setsockopt(zmq.RCVTIMEO, 30_000)
     procs = {name: start(name) for name in ("engine", "ingress", "watchdog")}
     try:
-        events.connect(f"ipc://{tmp_path}/blink-{deployment}-events")
-        server = type("Deployment", (), {"url": f"http://127.0.0.1:{port}",
-                                         "control_endpoint": f"ipc://{tmp_path}/blink-{deployment}-control"})
+        server = Server(f"http://127.0.0.1:{port}", procs["ingress"], Settings(
+            deployment=deployment, runtime_dir=str(tmp_path), control_key_file=str(tmp_path / "control.key")))
+        sockets.connect(events, server.endpoint("events"), server.keys)
         wait_ready_and_serving(server)
         seen = [json.loads(events.recv())["event"] for _ in range(2)]
         assert sorted(seen) == ["engine_ready", "ingress_ready"]
@@ -306,7 +309,7 @@ def test_standalone_watchdog_kills_a_stalled_engine_for_the_orchestrator_to_rest
 
 def test_sigstop_the_ingress_is_a_stall(server, table):
     wait_ready_and_serving(server)
-    stopped = control.request(server.endpoint("ingress"), control.Ping(), timeout_s=5).pid
+    stopped = server.request(server.endpoint("ingress"), control.Ping(), timeout_s=5).pid
     stopped_at = time.monotonic()
     os.kill(stopped, signal.SIGSTOP)
     try:
@@ -322,7 +325,7 @@ def test_sigstop_the_ingress_is_a_stall(server, table):
 
 def test_killing_blink_serve_leaves_nothing_behind(tmp_path):
     with running_server(tmp_path) as server:
-        children = [engine_pid(server), control.request(server.endpoint("ingress"), control.Ping(), timeout_s=5).pid]
+        children = [engine_pid(server), server.request(server.endpoint("ingress"), control.Ping(), timeout_s=5).pid]
         server.process.kill()
         server.process.wait(10)
         wait_until(lambda: all(map(gone, children)), 30, "the engine and the ingress to stop with their parent")
