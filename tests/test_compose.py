@@ -59,6 +59,21 @@ def test_the_rdma_hosts():
     assert any("5550" in port for port in engine["ports"])
 
 
+def test_the_rdma_hosts_share_one_control_key():
+    """The control port listens beyond the container (asked for, by BLINK_BIND_HOST) and takes only the holders of
+    the deployment's key: every service on both hosts mounts the same secret and points its key file at it."""
+    engine_host = load(COMPOSE / "docker-compose.rdma.yml")
+    ingress_host = load(COMPOSE / "docker-compose.rdma-ingress.yml")
+    assert engine_host["services"]["engine"]["environment"]["BLINK_BIND_HOST"] == "0.0.0.0"
+    services = [*engine_host["services"].values(), ingress_host["services"]["ingress"]]
+    assert len(services) == 4
+    for service in services:
+        assert service["secrets"] == ["blink_control_key"]
+        assert service["environment"]["BLINK_CONTROL_KEY_FILE"] == "/run/secrets/blink_control_key"
+    for stack in (engine_host, ingress_host):
+        assert "BLINK_CONTROL_KEY_SOURCE" in stack["secrets"]["blink_control_key"]["file"]
+
+
 @pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
 def test_valid_against_the_compose_schema(path, validator):
     errors = sorted(validator.iter_errors(load(path)), key=lambda e: list(e.path))
