@@ -25,15 +25,18 @@ from blink.shared.slot_table import SlotTable
 # leave tokens unchanged).
 ALL_FEATURES = SamplerFeatures(penalties=True, filtering=True, random=True, logprobs=True)
 
+# What the device modes do not do yet (the host mode does both), said at start-up and in /ready.
+LIMITATIONS = (
+    "no KV rotation: preempted requests are recomputed (the rotation's copies are not in the captured step yet)",
+    "no TPOT SLO cap: the step-cost model is not fed from device timings yet, so decodes are not capped",
+)
+
 
 class DeviceStep:
     def __init__(self, engine: Engine, table: SlotTable):
         if table.geometry.num_slots != engine.state.num_slots:
             raise ValueError("the slot table and the engine must have as many slots")
         self.engine, self.state, self.step = engine, engine.state, engine.step
-        # KV rotation needs the host to read move counts between plan and forward: off in the device modes, so
-        # the captured step carries none of its work. close() gives the mirror back (a fallback to `host`).
-        self._mirror, engine.mirror, self.step.mirror = engine.mirror, None, None
         device = engine.device
         pinned = device.type == "cuda"
         self.memory = TableMemory(table, device)
@@ -61,8 +64,9 @@ class DeviceStep:
         self.step.cost[2:].copy_(torch.where(self._last_now > 0, inbox.now - self._last_now, 0.0))
         self._last_now.copy_(inbox.now)
         take_requests(self.table, inbox, state, engine.model_config.vocab_size, engine.max_model_len)
+        # No KV rotation (mirror None): its copies need the host to read move counts between plan and forward.
         planned = plan(state, engine.pool, bucket, ALL_FEATURES.penalties, self.step.policy, None, self.step.cost)
-        out = self.step.run(planned, self.shape(bucket), ALL_FEATURES)
+        out = self.step.run(planned, self.shape(bucket), ALL_FEATURES, None)
         publish(self.table, inbox, state, out, self.page_bytes)
         publish_demand(state, self._published)
 
@@ -77,6 +81,20 @@ class DeviceStep:
     def close(self) -> None:
         self.table = None
         self.memory.close()
-        if self._mirror is not None:
-            self.engine.mirror = self.step.mirror = self._mirror
-            self._mirror = None
+
+
+class DeviceDriver:
+    """What the `graph` and `persistent` drivers share (blink.engine.driver.Driver): the device step, and the
+    host-memory words through which the host sets the admission limit and reads what is resident."""
+
+    limitations = LIMITATIONS
+    mirror = None
+    failure: BaseException | None = None
+    step: DeviceStep
+
+    @property
+    def resident(self) -> int:
+        return int(self.step.published[1])
+
+    def set_admission_limit(self, limit: int | None) -> None:
+        self.step.limit[0] = self.step.state.num_slots if limit is None else limit  # read by the next step

@@ -1,10 +1,15 @@
-"""Which drive mode the engine runs: the best the machine supports, or the one asked for when it can."""
+"""Which drive mode the engine runs: the best the machine supports, or the one asked for when it can; and the
+driver (blink.engine.driver.Driver) each mode is."""
 
 from __future__ import annotations
 
 import importlib.util
 
 import torch
+
+from blink.engine.driver import Driver
+from blink.engine.engine import Engine
+from blink.shared.slot_table import SlotTable
 
 BEST_FIRST = ("persistent", "graph", "host")
 
@@ -36,3 +41,25 @@ def candidates(requested: str, device: torch.device) -> tuple[list[str], list[st
         else:
             reasons.append(f"{mode}: {why}")
     return modes, reasons
+
+
+def build(mode: str, engine: Engine, table: SlotTable) -> Driver:
+    """The driver of `mode` over `table`, ready to start; raises when the mode cannot start here."""
+    if mode == "host":
+        from blink.engine.host_drive import HostDriver
+
+        return HostDriver(engine, table)
+    from blink.engine.device_step import DeviceStep
+
+    step = DeviceStep(engine, table)
+    try:
+        if mode == "persistent":
+            from blink.engine.persistent_drive import PersistentDriver
+
+            return PersistentDriver(step, table)
+        from blink.engine.graph_drive import GraphDriver
+
+        return GraphDriver(step, table)
+    except BaseException:
+        step.close()
+        raise

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 from blink.engine.checkpoint import load_config, read_generation_defaults
@@ -92,12 +93,18 @@ class Engine:
         self.state = SlotState(num_slots, max_len, pages_per_seq, cfg.vocab_size, self.device)
         mirror_pages = min(int(config.swap_space * 2**30) // PagePool.bytes_per_page(cfg, page),
                            num_slots * pages_per_seq) + 1
-        self.mirror = HostMirror(self.pool, mirror_pages) if config.swap_space > 0 and mirror_pages > 1 else None
+        self._mirror_pages = mirror_pages if config.swap_space > 0 and mirror_pages > 1 else 0
         self.step = Step(self.model, self.pool, self.state, list(self.generation.eos_token_ids), budget,
-                         Policy(config.scheduling_policy), self.mirror)
+                         Policy(config.scheduling_policy))
         log.info("engine ready: %s on %s, %d slots, %d-token budget, %d KV pages of %d, context %d, %s scheduling, "
                  "%d host pages for KV rotation", cfg.architecture, self.device, num_slots, budget, num_pages, page,
-                 max_len, config.scheduling_policy, mirror_pages - 1 if self.mirror else 0)
+                 max_len, config.scheduling_policy, max(0, self._mirror_pages - 1))
+
+    @cached_property
+    def mirror(self) -> HostMirror | None:
+        """The host memory KV pages rotate to (--swap-space), made when a driver that rotates first asks for it:
+        the device modes do not, and do not hold its pinned memory."""
+        return HostMirror(self.pool, self._mirror_pages) if self._mirror_pages else None
 
     def _pages_that_fit(self, cfg: ModelConfig, page: int, useful: int) -> int:
         fraction = self.config.kv_memory_fraction or (0.9 if self.device.type == "cuda" else 0.25)

@@ -17,7 +17,7 @@ import numpy as np
 import structlog
 import torch
 
-from blink.engine.device_step import DeviceStep
+from blink.engine.device_step import DeviceDriver, DeviceStep
 from blink.shared.slot_table import SlotState, SlotTable
 
 log = structlog.get_logger()
@@ -45,7 +45,7 @@ def capture_buckets(step: DeviceStep, stream: torch.cuda.Stream, keep_graph: boo
     return graphs
 
 
-class GraphDriver:
+class GraphDriver(DeviceDriver):
     mode = "graph"
 
     def __init__(self, step: DeviceStep, table: SlotTable, ahead: int = 4):
@@ -75,11 +75,13 @@ class GraphDriver:
         self.graphs.clear()
         self.step.close()
 
-    @property
-    def resident(self) -> int:
-        return int(self.step.published[1])
-
     def _loop(self) -> None:
+        try:
+            self._replay()
+        except BaseException as e:  # the service learns of it and exits; the watchdog restarts the engine
+            self.failure = e
+
+    def _replay(self) -> None:
         step, queued = self.step, deque()
         torch.cuda.set_device(step.engine.device)
         backoff = IDLE_BACKOFF_S[0]

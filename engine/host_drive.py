@@ -1,28 +1,33 @@
 """The `host` drive mode: a host loop that calls the step and syncs once per step.
 
 It is the CPU path and the baseline the device loops are measured against. `HostLoop` runs one step over
-whatever requests are resident in the engine's slots and reads its outputs back; `HostDriver` feeds it
-from an in-process queue (the offline API), `blink.engine.table_drive` from the shared slot table.
+whatever requests are resident in the engine's slots and reads its outputs back. `HostDriver` feeds it from the
+shared slot table, in a thread of the engine service: engine slot i is slot-table slot i; each step admits the
+slots the ingress published, mirrors their cancel flags and window room into the step's state, steps, and writes
+each slot's token, logprobs and finish into the slot's output window. (`blink.engine.offline_drive` feeds the same
+loop from an in-process queue.)
 """
 
 from __future__ import annotations
 
-import random
+import math
+import threading
 import time
-from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from blink.engine.commit import StepOutput
+from blink.engine.driver import Fenced
 from blink.engine.engine import Engine
 from blink.engine.kv_cache import PagePool
 from blink.engine.policy import StepCostModel
 from blink.engine.sampler import GREEDY_BELOW, SamplerFeatures
 from blink.engine.sampling_params import SamplingParams
 from blink.engine.state import FinishReason, SlotRequest, SlotState
-from blink.shared.slot_table import RequestStats
+from blink.shared.slot_table import FLAG_IGNORE_EOS, Finish, RequestStats, SlotTable
 
 FINISH_NAMES = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort"}
 
@@ -41,6 +46,7 @@ class SlotEvent:
 class HostLoop:
     def __init__(self, engine: Engine):
         self.engine = engine
+        self.mirror = engine.mirror  # KV rotation: the host reads the plan's move counts between its halves
         self.last_output: StepOutput | None = None  # kept for inspection (tests, debugging)
         self.ran = False  # whether the last call ran a step (False: nothing resident, or all paused)
         self.cost_model = StepCostModel(engine.step.cost)
@@ -58,8 +64,8 @@ class HostLoop:
         self.cost_model.planning(started - (self._planned_at or started))
         self._planned_at = started
         features = sampler_features(resident.values())
-        step, mirror = self.engine.step, self.engine.step.mirror
-        plan = step.plan(features)
+        step, mirror = self.engine.step, self.mirror
+        plan = step.plan(features, mirror)
         sizes = plan.sizes.tolist()
         if mirror and (sizes[4] or sizes[5]):
             mirror.begin(plan.moves, sizes[4], sizes[5])
@@ -67,7 +73,7 @@ class HostLoop:
             if mirror:
                 mirror.end()
             return {}  # every resident sequence is paused or waiting; a cancelled one needs the commit to end it
-        out = step.run(plan, step.shape_for(sizes), features)
+        out = step.run(plan, step.shape_for(sizes), features, mirror)
         if mirror:
             mirror.end()
         self.last_output, self.ran = out, True
@@ -114,83 +120,145 @@ def _events(out: StepOutput, resident: Mapping[int, SamplingParams], features: S
     return events
 
 
-@dataclass
-class TokenEvent(SlotEvent):
-    request_id: str = ""
-
-
-@dataclass
-class _Pending:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    max_tokens: int
-    received: float = field(default_factory=time.monotonic)
+IDLE_BACKOFF_S = (0.0002, 0.005)  # an idle loop naps this long, doubling: wakes within ~5 ms
 
 
 class HostDriver:
-    """Feeds the host loop from an in-process queue: requests wait there until a slot is free."""
+    """The `host` drive mode over the slot table (a Driver)."""
 
-    def __init__(self, engine: Engine):
-        self.engine = engine
-        self.state = engine.state
+    mode = "host"
+    limitations = ()
+
+    def __init__(self, engine: Engine, table: SlotTable):
+        if table.geometry.num_slots != engine.state.num_slots:
+            raise ValueError("the slot table and the engine must have as many slots")
+        self.engine, self.table = engine, table
+        self.epoch = int(table.header["epoch"])
         self.loop = HostLoop(engine)
-        self._queue: deque[_Pending] = deque()
-        self._resident: dict[int, _Pending] = {}  # slot -> request
-        self._free_slots = list(range(self.state.num_slots - 1, -1, -1))
+        self.mirror = self.loop.mirror
+        self.params: dict[int, SamplingParams] = {}  # resident slot -> its request's parameters
+        self.max_running: int | None = None  # admission limit set over the control plane
+        self.failure: BaseException | None = None
         self._arrivals = 0
-        self._seeds = random.Random(engine.config.seed)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
 
     @property
-    def last_output(self) -> StepOutput | None:
-        return self.loop.last_output
+    def resident(self) -> int:
+        return len(self.params)
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    max_tokens: int) -> None:
-        self._queue.append(_Pending(request_id, prompt_token_ids, params, max_tokens))
+    def set_admission_limit(self, limit: int | None) -> None:
+        self.max_running = limit
 
-    def abort(self, request_id: str) -> list[TokenEvent]:
-        """Queued requests end at once; resident ones are cancelled by the next step."""
-        for pending in list(self._queue):
-            if pending.request_id == request_id:
-                self._queue.remove(pending)
-                return [TokenEvent(None, finish_reason="abort", request_id=request_id)]
-        for slot, pending in self._resident.items():
-            if pending.request_id == request_id:
-                self.state.cancel[slot] = True
-        return []
+    def start(self) -> None:
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="host-drive", daemon=True)
+        self._thread.start()
 
-    def abort_all(self) -> None:
-        for pending in list(self._queue) + list(self._resident.values()):
-            self.abort(pending.request_id)
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
 
-    def has_work(self) -> bool:
-        return bool(self._queue or self._resident)
+    def close(self) -> None:
+        self.stop()
 
-    def step(self) -> list[TokenEvent]:
-        self._fill_slots()
-        slot_events = self.loop.step({slot: p.params for slot, p in self._resident.items()})
-        events = []
-        for slot, e in slot_events.items():
-            request_id = self._resident[slot].request_id
-            if e.finish_reason:
-                del self._resident[slot]
-                self.state.release_slot(slot)
-                self._free_slots.append(slot)
-            events.append(TokenEvent(e.token, e.logprob, e.top_logprobs, e.finish_reason, e.stats,
-                                     request_id=request_id))
-        return events
+    def _run(self) -> None:
+        nap = 0.0
+        try:
+            while not self._stop.is_set():
+                if self.step():
+                    nap = 0.0
+                    continue
+                self.table.heartbeat()  # idle is alive too (step() checked the epoch)
+                nap = min(IDLE_BACKOFF_S[1], nap * 2 or IDLE_BACKOFF_S[0])
+                time.sleep(nap)
+        except BaseException as e:  # the service learns of it and exits; the watchdog restarts the engine
+            self.failure = e
 
-    def _fill_slots(self) -> None:
-        while self._queue and self._free_slots:
-            pending = self._queue.popleft()
-            slot = self._free_slots.pop()
-            params = pending.params
-            self.state.write(slot, SlotRequest(
-                prompt_token_ids=pending.prompt_token_ids, params=params,
-                seed=self._seeds.getrandbits(63) if params.seed is None else params.seed,
-                arrival=self._arrivals, max_tokens=pending.max_tokens,
-                ttft_deadline=pending.received + params.ttft_slo_ms / 1000 if params.ttft_slo_ms else float("inf"),
-            ))
-            self._arrivals += 1
-            self._resident[slot] = pending
+    def step(self) -> bool:
+        """Admits, steps once and publishes; returns whether a step ran (False: idle, or every sequence paused).
+
+        Checks the epoch before touching any slot: an engine that was stopped (SIGSTOP) and declared dead must
+        not write into slots the ingress has since given to other requests."""
+        self.check_epoch()
+        self._admit()
+        if not self.params:
+            return False
+        slots = np.fromiter(self.params, dtype=np.int64)
+        table = self.table.slots  # field by field: whole records would copy prompts and windows each step
+        cancel = table["cancel"][slots] != 0
+        full = (table["produced"][slots].astype(np.int64) - table["consumed"][slots]) >= self.table.geometry.window
+        state = self.engine.state
+        index = torch.from_numpy(slots).to(state.cancel.device)
+        state.cancel[index] = torch.from_numpy(cancel).to(state.cancel.device)
+        state.paused[index] = torch.from_numpy(full).to(state.paused.device)
+        events = self.loop.step(self.params)
+        self.check_epoch()
+        for slot, event in events.items():
+            self._publish(slot, event)
+        self.table.heartbeat()
+        return self.loop.ran
+
+    def check_epoch(self) -> None:
+        if int(self.table.header["epoch"]) != self.epoch:
+            raise Fenced(f"the slot table is in epoch {int(self.table.header['epoch'])}, this engine's was "
+                         f"{self.epoch}")
+
+    def _admit(self) -> None:
+        for slot in self.table.submitted().tolist():
+            if self.max_running is not None and len(self.params) >= self.max_running:
+                return  # the rest stay SUBMITTED until a request finishes
+            record = self.table.slots[slot]
+            try:
+                params, request = self._request(record)
+            except ValueError:
+                # The ingress validates; a record that still fails is ended, not served.
+                self.table.admit(slot)
+                self.table.finish(slot, Finish.ABORT)
+                continue
+            self.engine.state.write(slot, request)
+            self.table.admit(slot)
+            self.params[slot] = params
+
+    def _request(self, r: np.void) -> tuple[SamplingParams, SlotRequest]:
+        n = int(r["prompt_len"])
+        prompt = r["prompt"][:n].tolist()
+        vocab, limit = self.engine.model_config.vocab_size, self.engine.max_model_len
+        if not 0 < n < limit or min(prompt) < 0 or max(prompt) >= vocab:
+            raise ValueError("prompt out of range")
+        logprobs = int(r["logprobs"])
+        params = SamplingParams(
+            temperature=float(r["temperature"]), top_p=float(r["top_p"]), top_k=int(r["top_k"]),
+            min_p=float(r["min_p"]), max_tokens=max(1, int(r["max_tokens"])),
+            repetition_penalty=float(r["repetition_penalty"]), presence_penalty=float(r["presence_penalty"]),
+            frequency_penalty=float(r["frequency_penalty"]), seed=int(r["seed"]) & (2**63 - 1),
+            logprobs=logprobs if logprobs >= 0 else None, priority=int(r["priority"]),
+            ignore_eos=bool(int(r["flags"]) & FLAG_IGNORE_EOS),
+            stop_token_ids=r["stop_ids"][: int(r["num_stop_ids"])].tolist(),
+            service_class=int(r["service_class"]), tpot_slo_ms=_slo(r["tpot_slo_ms"]),
+        )
+        # The record holds what remained of the TTFT SLO when it was published: a deadline on this host's clock.
+        ttft = float(r["ttft_slo_ms"])
+        deadline = time.monotonic() + ttft / 1000 if math.isfinite(ttft) else math.inf
+        request = SlotRequest(prompt, params, seed=params.seed, arrival=self._arrivals,
+                              max_tokens=min(params.max_tokens, limit - n), ttft_deadline=deadline)
+        self._arrivals += 1
+        return params, request
+
+    def _publish(self, slot: int, event: SlotEvent) -> None:
+        if event.token is not None:
+            k = self.params[slot].logprobs or 0
+            top = list(event.top_logprobs.items())[:k]
+            self.table.emit(slot, event.token, event.logprob or 0.0, [t for t, _ in top], [lp for _, lp in top])
+        if event.finish_reason:
+            self.table.finish(slot, _FINISH[event.finish_reason], event.stats)
+            self.engine.state.release_slot(slot)
+            del self.params[slot]
+
+
+_FINISH = {"stop": Finish.STOP, "length": Finish.LENGTH, "abort": Finish.ABORT}
+
+
+def _slo(ms: np.float32) -> float | None:
+    return float(ms) if math.isfinite(ms) and ms > 0 else None

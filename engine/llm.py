@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from blink.engine.engine import Engine, EngineConfig
 from blink.engine.errors import RequestError
-from blink.engine.host_drive import HostDriver
+from blink.engine.offline_drive import OfflineDriver
 from blink.engine.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -28,7 +28,7 @@ class LLM:
     def __init__(self, model: str | None = None, **engine_options):
         self.engine = Engine(EngineConfig(model=model, **engine_options))
         self.tokenizer = self.engine.tokenizer
-        self._driver = HostDriver(self.engine)
+        self._driver = OfflineDriver(self.engine)
         self._next_id = 0
 
     def generate(

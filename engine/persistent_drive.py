@@ -22,16 +22,14 @@ import importlib.metadata
 import time
 from dataclasses import dataclass
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import structlog
 import torch
 
+from blink.engine.device_step import DeviceDriver, DeviceStep
 from blink.shared.slot_table import HEADER_BYTES, SlotState, SlotTable, slot_dtype
-
-if TYPE_CHECKING:
-    from blink.engine.device_step import DeviceStep
 
 log = structlog.get_logger()
 
@@ -230,7 +228,7 @@ def _compile(arch: int) -> bytes:
         nvrtc.nvrtcDestroyProgram(program)
 
 
-class PersistentDriver:
+class PersistentDriver(DeviceDriver):
     mode = "persistent"
 
     def __init__(self, step: DeviceStep, table: SlotTable):
@@ -282,10 +280,6 @@ class PersistentDriver:
         self._stop.fill_(1)
         self.stream.synchronize()
         self._running = False
-
-    @property
-    def resident(self) -> int:
-        return int(self.step.published[1])
 
     def close(self) -> None:
         if self._running:

@@ -45,9 +45,9 @@ def ladder(top: int, start: int) -> list[int]:
 
 class Step:
     def __init__(self, model: Transformer, pool: PagePool, state: SlotState, eos_ids: list[int],
-                 token_budget: int, policy: Policy, mirror: HostMirror | None):
+                 token_budget: int, policy: Policy):
         self.model, self.pool, self.state = model, pool, state
-        self.token_budget, self.policy, self.mirror = token_budget, policy, mirror
+        self.token_budget, self.policy = token_budget, policy
         device = state.status.device
         self.cost = torch.zeros(3, dtype=torch.float64, device=device)  # see policy.StepCostModel
         self.eos_ids = torch.tensor(eos_ids or [-1], dtype=torch.int64, device=device)
@@ -60,8 +60,9 @@ class Step:
         step = max(page, 64)
         self.context_buckets = [*range(step, top, step), top]
 
-    def plan(self, features: SamplerFeatures) -> StepPlan:
-        return plan(self.state, self.pool, self.token_budget, features.penalties, self.policy, self.mirror, self.cost)
+    def plan(self, features: SamplerFeatures, mirror: HostMirror | None) -> StepPlan:
+        """mirror: where KV pages rotate (the host drive mode's); None: preempted requests are recomputed."""
+        return plan(self.state, self.pool, self.token_budget, features.penalties, self.policy, mirror, self.cost)
 
     def shape_for(self, sizes: list[int]) -> StepShape:
         """sizes: `plan.sizes` read on the host."""
@@ -75,7 +76,7 @@ class Step:
             rows=min(self.state.num_slots, tokens),
         )
 
-    def run(self, plan: StepPlan, shape: StepShape, features: SamplerFeatures) -> StepOutput:
+    def run(self, plan: StepPlan, shape: StepShape, features: SamplerFeatures, mirror: HostMirror | None) -> StepOutput:
         state, pool, model = self.state, self.pool, self.model
         B, R = shape.tokens, shape.rows
         batch = self._attention_batch(plan, shape)
@@ -90,7 +91,7 @@ class Step:
         )
         penalties = (state.output_counts[slot], state.prompt_mask[slot]) if features.penalties else (None, None)
         out = sample(logits, rows, features, self.vocab_hash, *penalties)
-        return commit(state, pool, self.mirror, plan, R, out, logits, self.eos_ids, count_outputs=features.penalties)
+        return commit(state, pool, mirror, plan, R, out, logits, self.eos_ids, count_outputs=features.penalties)
 
     def _attention_batch(self, plan: StepPlan, shape: StepShape) -> AttentionBatch:
         B, page = shape.tokens, self.pool.page_size

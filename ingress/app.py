@@ -72,7 +72,7 @@ def create_app(state: IngressState) -> FastAPI:
                 "draining": state.draining, "drive": state.info.drive, "transport": state.transport,
                 "degraded": state.degraded, "device": state.info.device, "epoch": health.epoch,
                 "failovers": health.failovers, "scheduling_policy": state.info.scheduling_policy,
-                "kv_host_pages": state.info.kv_host_pages}
+                "kv_host_pages": state.info.kv_host_pages, "limitations": state.info.limitations}
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics")
@@ -86,9 +86,12 @@ def create_app(state: IngressState) -> FastAPI:
                                             "owned_by": "blink", "max_model_len": state.info.max_model_len}]}
 
     @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> dict:
-        ids = await state.off_loop(state.tokenizer.encode, body.prompt, body.add_special_tokens)
-        return {"tokens": ids, "count": len(ids), "max_model_len": state.info.max_model_len}
+    async def tokenize(body: TokenizeRequest) -> Response:
+        def encoded() -> bytes:  # a large answer is serialised off the loop too
+            ids = state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            return json.dumps({"tokens": ids, "count": len(ids), "max_model_len": state.info.max_model_len}).encode()
+
+        return Response(await state.off_loop(encoded), media_type="application/json")
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import secrets
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -17,7 +18,8 @@ from blink.shared.service_class import ClassDefaults
 from blink.shared.tokenizer import Tokenizer
 
 T = TypeVar("T")
-WORKERS = 4  # threads for a request's heavy work (tokenizers release the GIL: they run side by side)
+# Threads for a request's heavy work: tokenizers release the GIL, so they run side by side, one per core at most.
+WORKERS = min(4, os.cpu_count() or 1)
 
 
 @dataclass

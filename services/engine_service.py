@@ -10,9 +10,9 @@ import time
 import structlog
 import zmq
 
-from blink.engine.drive_modes import candidates
+from blink.engine import drive_modes
+from blink.engine.driver import Driver, Fenced
 from blink.engine.engine import Engine, EngineConfig
-from blink.engine.table_drive import Fenced, TableDriver
 from blink.services.relay import Relay
 from blink.shared import control, sockets
 from blink.shared.rdma import RdmaUnavailable, TableTarget
@@ -57,7 +57,7 @@ class EngineService:
                             window=settings.window)
         self.keys = sockets.load_keys(settings, create=True)
         self.table = open_table(settings.deployment, geometry)
-        self.drive, self.driver = self._start_drive()
+        self.driver = self._build_driver()
         self.rdma, self.rdma_missing = self._rdma_target()
         self._stop = threading.Event()
         self.info = control.EngineInfo(
@@ -65,24 +65,27 @@ class EngineService:
             model=settings.served_model_name or self.engine.model_dir.name, model_dir=str(self.engine.model_dir),
             max_model_len=self.engine.max_model_len,
             vocab_size=self.engine.model_config.vocab_size,
-            eos_token_ids=list(self.engine.generation.eos_token_ids), device=str(self.engine.device), drive=self.drive,
-            pid=os.getpid(), scheduling_policy=settings.scheduling_policy,
-            kv_host_pages=self.engine.mirror.num_pages - 1 if self.engine.mirror else 0,
+            eos_token_ids=list(self.engine.generation.eos_token_ids), device=str(self.engine.device),
+            drive=self.driver.mode, pid=os.getpid(), scheduling_policy=settings.scheduling_policy,
+            kv_host_pages=self.driver.mirror.num_pages - 1 if self.driver.mirror else 0,
+            limitations=list(self.driver.limitations),
         )
 
-    def _start_drive(self):
+    def _build_driver(self) -> Driver:
         """The best drive mode that starts here (or the one asked for), falling back with the reason logged."""
-        modes, passed_over = candidates(self.settings.drive, self.engine.device)
+        modes, passed_over = drive_modes.candidates(self.settings.drive, self.engine.device)
         for reason in passed_over:
             log.info("drive mode unavailable", reason=reason)
         for mode in modes:
-            if mode == "host":
-                return mode, TableDriver(self.engine, self.table)
             try:
-                return mode, _device_driver(mode, self.engine, self.table)
+                driver = drive_modes.build(mode, self.engine, self.table)
             except Exception as e:  # a capture or a build that fails here must not keep the engine down
                 log.warning("drive mode failed to start; falling back", mode=mode, reason=str(e)[:500])
-        raise AssertionError("host mode always starts")
+                continue
+            for limitation in driver.limitations:
+                log.warning("drive mode limitation", mode=mode, limitation=limitation)
+            return driver
+        raise RuntimeError(f"no drive mode started (tried {', '.join(modes)})")
 
     def _rdma_target(self) -> tuple[TableTarget | None, str]:
         """The table registered for remote access, when the deployment may use rdma; else why not."""
@@ -110,12 +113,9 @@ class EngineService:
         self.table.heartbeat()  # the first one of this life: the header may still hold a dead engine's
         self.table.header["engine_state"] = EngineState.READY
         log.info("engine ready", **self.info.model_dump(exclude={"type"}), slots=self.table.geometry.num_slots)
-        log.info("drive mode", drive=self.drive)
+        log.info("drive mode", drive=self.driver.mode)
         try:
-            if self.drive == "host":
-                self._drive_host()
-            else:
-                self._watch_device()
+            self._drive()
         except Fenced as e:
             log.error("engine fenced off: exiting without touching the table", reason=str(e))
             raise SystemExit(3) from None
@@ -128,27 +128,19 @@ class EngineService:
                 relay.stop()
             if self.rdma is not None:
                 self.rdma.close()
-            if self.drive != "host":
-                self.driver.close()  # unmaps the table from the device before it is closed
+            self.driver.close()  # unmaps the table from the device before it is closed
             self.table.close()
 
-    def _drive_host(self) -> None:
-        idle_s = 0.0
-        while not self._stop.is_set():
-            if self.driver.step():
-                idle_s = 0.0
-                continue
-            self.table.heartbeat()  # idle is alive too (step() checked the epoch)
-            idle_s = min(0.005, idle_s * 2 or 0.0002)  # back off, but wake within ~5 ms
-            time.sleep(idle_s)
-
-    def _watch_device(self) -> None:
-        """The device steps by itself; the host only vouches for it to the watchdog: alive while its step count
-        moves, or while it has nothing to do. A device that stops stepping with work waiting gets no heartbeat."""
+    def _drive(self) -> None:
+        """The driver steps by itself; this thread only vouches for it to the watchdog: alive while its step count
+        moves, or while it has nothing to do. A driver that stops stepping with work waiting gets no heartbeat,
+        and one that failed ends the service (the watchdog restarts it)."""
         self.driver.start()
         steps_seen = -1
         try:
             while not self._stop.wait(0.005):
+                if self.driver.failure is not None:
+                    raise self.driver.failure
                 if int(self.table.header["epoch"]) != self.info.epoch:
                     raise Fenced(f"the slot table moved to epoch {int(self.table.header['epoch'])}")
                 steps = int(self.table.header["steps"])
@@ -181,11 +173,11 @@ class EngineService:
         if isinstance(message, control.Hello):
             return self.info
         if isinstance(message, control.GetStatus):
-            state, pool, mirror = self.engine.state, self.engine.pool, self.engine.mirror
+            state, pool, mirror = self.engine.state, self.engine.pool, self.driver.mirror
             host_total = mirror.num_pages - 1 if mirror else 0
             return control.EngineStatus(
                 state=EngineState(int(self.table.header["engine_state"])).name.lower(),
-                epoch=self.info.epoch, steps=int(self.table.header["steps"]), running=self._running(),
+                epoch=self.info.epoch, steps=int(self.table.header["steps"]), running=self.driver.resident,
                 kv_pages_used=pool.usable_pages - int(pool.num_free), kv_pages_total=pool.usable_pages,
                 preemptions=int(state.num_preemptions),
                 kv_host_pages_used=host_total - int(mirror.free.num_free) if mirror else 0,
@@ -194,11 +186,7 @@ class EngineService:
         if isinstance(message, control.RdmaConnect):
             return self._accept_rdma(message.peer)
         if isinstance(message, control.SetLimits):
-            if self.drive == "host":
-                self.driver.max_running = message.max_running
-            else:  # host memory the device reads each step
-                limit = message.max_running
-                self.driver.step.limit[0] = self.engine.state.num_slots if limit is None else limit
+            self.driver.set_admission_limit(message.max_running)
             self.table.set_admission_limit(message.max_running)  # what /ready tells of it
             log.warning("admission limit set", max_running=message.max_running)
             return control.Ack()
@@ -211,9 +199,6 @@ class EngineService:
             self._stop.set()
             return control.Ack()
         return control.Failure(message=f"unexpected message {message.type!r}")
-
-    def _running(self) -> int:
-        return len(self.driver.resident) if self.drive == "host" else self.driver.resident
 
     def _accept_rdma(self, remote: control.RdmaPeer) -> control.Message:
         if self.rdma is None:
@@ -228,23 +213,6 @@ class EngineService:
                                   max_prompt_tokens=g.max_prompt_tokens, window=g.window,
                                   top_logprobs=g.top_logprobs, max_stop_ids=g.max_stop_ids,
                                   epoch=int(self.table.header["epoch"]))
-
-
-def _device_driver(mode: str, engine: Engine, table: SlotTable):
-    from blink.engine.device_step import DeviceStep
-
-    step = DeviceStep(engine, table)
-    try:
-        if mode == "persistent":
-            from blink.engine.persistent_drive import PersistentDriver
-
-            return PersistentDriver(step, table)
-        from blink.engine.graph_drive import GraphDriver
-
-        return GraphDriver(step, table)
-    except BaseException:
-        step.close()
-        raise
 
 
 def run_engine(settings: Settings) -> None:

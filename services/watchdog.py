@@ -149,6 +149,7 @@ class Watchdog:
         self.events.setsockopt(zmq.LINGER, 0)
         sockets.bind(self.events, settings.events_endpoint, self.keys)  # subscribers are members too
         self._ping: zmq.Socket | None = None
+        self._awaiting = False  # a ping is in flight on _ping
         self._ping_sent = 0.0
         self._last_answer = 0.0
         self._lost_since: float | None = None  # when the ingress first said its transport's path was lost
@@ -277,23 +278,26 @@ class Watchdog:
         self._lost_since = None if switched else now  # a failed switch is tried again after another deadline
 
     def _poll_ping(self, now: float) -> control.IngressStatus | None:
-        """Keeps one ping in flight; returns the answer when one came in."""
-        if self._ping is not None and self._ping.poll(0):
+        """Keeps one ping in flight on one socket (its CURVE handshake done once); returns the answer when one came
+        in."""
+        answer = None
+        if self._ping is not None and self._awaiting and self._ping.poll(0):
             reply = control.decode(self._ping.recv())
-            self._ping.close()
-            self._ping = None
+            self._awaiting = False
             if isinstance(reply, control.IngressStatus):
-                self._last_answer = now
-                return reply
-        if self._ping is None or now - self._ping_sent > self.deadline_s:
-            if self._ping is not None:
-                self._ping.close()  # a REQ socket with a lost request cannot send again
+                self._last_answer, answer = now, reply
+        if self._ping is not None and self._awaiting and now - self._ping_sent > self.deadline_s:
+            self._ping.close()  # a REQ socket with a lost request cannot send again
+            self._ping = None
+        if self._ping is None:
             self._ping = zmq.Context.instance().socket(zmq.REQ)
             self._ping.setsockopt(zmq.LINGER, 0)
             sockets.connect(self._ping, self.settings.ingress_control_endpoint, self.keys)
+            self._awaiting = False
+        if not self._awaiting:
             self._ping.send(control.encode(control.Ping()))
-            self._ping_sent = now
-        return None
+            self._ping_sent, self._awaiting = now, True
+        return answer
 
     def fail_ingress(self, reason: str) -> None:
         watch = self.watch[INGRESS]

@@ -9,7 +9,7 @@ import pytest
 
 from blink.engine.device_step import DeviceStep
 from blink.engine.engine import Engine
-from blink.engine.table_drive import TableDriver
+from blink.engine.host_drive import HostDriver
 from blink.shared.slot_table import Finish, Request, SlotState, SlotTable
 
 REQUESTS = {
@@ -57,7 +57,7 @@ def _device(engine: Engine, table: SlotTable) -> tuple[DeviceStep, callable]:
 def test_device_step_serves_the_table_as_the_host_driver_does(tiny_engine, table):
     """Greedy, seeded, stop-id, penalised and logprob requests: identical tokens, top ids and finishes; the window
     (3 tokens) pauses the engine without losing a token; buckets smaller than a prompt chunk its prefill."""
-    host = TableDriver(tiny_engine(), table)
+    host = HostDriver(tiny_engine(), table)
     expected = _serve(table, host.step, REQUESTS)
     for slot in REQUESTS:
         table.free(slot)

@@ -40,10 +40,8 @@ def test_serve_asked_for_persistent_on_the_cpu_runs_host_and_reports_it(tmp_path
 @needs_cuda
 @pytest.mark.gpu
 def test_graph_mode_gives_the_host_modes_greedy_tokens(checkpoint):
-    from blink.engine.device_step import DeviceStep
+    from blink.engine.drive_modes import build
     from blink.engine.engine import Engine, EngineConfig
-    from blink.engine.graph_drive import GraphDriver
-    from blink.engine.table_drive import TableDriver
 
     def engine():
         return Engine(EngineConfig(model=str(checkpoint("qwen3")), max_num_seqs=4, max_num_batched_tokens=64,
@@ -54,29 +52,72 @@ def test_graph_mode_gives_the_host_modes_greedy_tokens(checkpoint):
     for mode in ("host", "graph"):
         table = SlotTable.create(f"test-{uuid.uuid4().hex[:10]}", Geometry(4, 128, 8))
         try:
-            if mode == "host":
-                driver = TableDriver(engine(), table)
-                step = driver.step
-            else:
-                driver = GraphDriver(DeviceStep(engine(), table), table)
-                driver.start()
-                step = lambda: time.sleep(0.001)  # noqa: E731 - the device steps by itself
+            driver = build(mode, engine(), table)  # one interface: each steps by itself once started
+            driver.start()
             for slot, prompt in enumerate(prompts):
                 table.publish(slot, Request(prompt, 12, temperature=0.0, ignore_eos=True))
             tokens = {slot: [] for slot in range(len(prompts))}
             deadline = time.monotonic() + 60
             while not all(table.slots["state"][: len(prompts)] == 3) and time.monotonic() < deadline:
-                step()
+                time.sleep(0.001)
                 for slot in tokens:
                     tokens[slot] += table.read(slot).tokens
             for slot in tokens:
                 tokens[slot] += table.read(slot).tokens
             results[mode] = tokens
+            driver.stop()
+            assert driver.failure is None and driver.resident == 0
             if mode == "graph":
-                driver.stop()
                 assert driver.replays > 0
-                driver.close()
+            driver.close()
         finally:
             table.unlink()
     assert results["graph"] == results["host"]
     assert all(len(t) == 12 for t in results["host"].values())
+
+
+def _until(condition, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+def test_the_host_driver_steps_by_itself_behind_the_driver_interface(tiny_engine, small_table):
+    """What the engine service uses of any driver: start, the admission limit, resident, stop, failure."""
+    from blink.engine.drive_modes import build
+    from blink.engine.driver import Fenced
+
+    table = small_table
+    driver = build("host", tiny_engine(), table)
+    assert driver.mode == "host" and driver.limitations == () and driver.mirror is not None
+    driver.set_admission_limit(0)
+    driver.start()
+    try:
+        table.publish(0, Request([5, 6, 7], 2, temperature=0.0, ignore_eos=True))
+        time.sleep(0.2)
+        assert table.slots["state"][0] == 1 and driver.resident == 0  # held back: the limit is 0
+        driver.set_admission_limit(None)
+        _until(lambda: table.slots["state"][0] == 3)
+        assert len(table.read(0).tokens) == 2 and driver.resident == 0
+        steps = int(table.header["steps"])
+        _until(lambda: int(table.header["steps"]) > steps)  # idle, it still beats
+        table.fail_over()  # the watchdog gave the table to another engine
+        _until(lambda: driver.failure is not None)
+        assert isinstance(driver.failure, Fenced)
+    finally:
+        driver.stop()
+        driver.close()
+
+
+def test_a_driver_without_kv_rotation_does_not_hold_the_mirror(tiny_engine, small_table):
+    """The device modes' step is built without the host mirror, and says so; the engine never allocates it."""
+    from blink.engine.device_step import LIMITATIONS, DeviceStep
+
+    engine = tiny_engine()
+    step = DeviceStep(engine, small_table)
+    try:
+        assert "mirror" not in vars(engine)  # the pinned memory of --swap-space was never taken
+        assert any("KV rotation" in limitation for limitation in LIMITATIONS)
+    finally:
+        step.close()

@@ -220,9 +220,9 @@ def test_the_triton_path_reads_nothing_on_the_host(checkpoint, monkeypatch):
     for _ in range(3):  # a chunk and a prompt's start, then a decode beside a chunk
         driver._fill_slots()
         with host_reads_forbidden():
-            plan = llm.engine.step.plan(features)
+            plan = llm.engine.step.plan(features, llm.engine.mirror)
         shape = llm.engine.step.shape_for(plan.sizes.tolist())
         with host_reads_forbidden():
-            llm.engine.step.run(plan, shape, features)
+            llm.engine.step.run(plan, shape, features, llm.engine.mirror)
     assert {name for name, _ in log} == {"_paged_attention_kernel", "_rope_and_cache_kernel", "_rms_norm_kernel"}
     assert all(isinstance(n, int) for _, grid in log for n in grid)

@@ -13,8 +13,8 @@ import torch
 
 from blink.engine import persistent_drive
 from blink.engine.device_step import DeviceStep
+from blink.engine.host_drive import HostDriver
 from blink.engine.persistent_drive import PersistentDriver, PersistentUnavailable, unavailable_reason
-from blink.engine.table_drive import TableDriver
 from blink.shared.slot_table import Finish, Request, SlotTable
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -125,7 +125,7 @@ def _read_until(table: SlotTable, got: Served, done: Callable[[], bool], seconds
 
 def _host_reference(tiny_engine, table: SlotTable, requests: dict[int, Request]) -> Served:
     """What the host driver serves for `requests`; frees their slots again."""
-    driver = TableDriver(tiny_engine(), table)
+    driver = HostDriver(tiny_engine(), table)
     for slot, request in requests.items():
         table.publish(slot, request)
     got = {slot: ([], Finish.NONE) for slot in requests}

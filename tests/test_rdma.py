@@ -19,7 +19,7 @@ import zmq
 
 from blink.bench.server import running_server
 from blink.engine import Engine, EngineConfig
-from blink.engine.table_drive import TableDriver
+from blink.engine.host_drive import HostDriver
 from blink.ingress.slots import SlotClient
 from blink.shared import control, sockets
 from blink.shared.remote_memory import MappedMemory, TransportLost
@@ -100,7 +100,7 @@ def engine(checkpoint):
 
 
 def _drive(engine, table, stop: threading.Event) -> threading.Thread:
-    driver = TableDriver(engine, table)
+    driver = HostDriver(engine, table)
 
     def loop():
         while not stop.is_set():
@@ -191,10 +191,10 @@ def test_a_lost_path_is_restored_and_the_request_completes_once(engine):
 
 
 def table_free_run(engine, prompt: list[int]) -> list[int]:
-    from blink.engine.host_drive import HostDriver
+    from blink.engine.offline_drive import OfflineDriver
     from blink.engine.sampling_params import SamplingParams
 
-    driver = HostDriver(engine)
+    driver = OfflineDriver(engine)
     driver.add_request("x", prompt, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), 40)
     tokens = []
     while driver.has_work():

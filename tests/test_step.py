@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from blink.engine import LLM, SamplingParams
-from blink.engine.host_drive import HostDriver, _events
+from blink.engine.host_drive import _events
 from blink.engine.kv_cache import PagePool
 from blink.engine.model_config import ModelConfig, RopeScaling
+from blink.engine.offline_drive import OfflineDriver
 from blink.engine.sampler import SamplerFeatures
 
 
@@ -34,7 +35,7 @@ def host_reads_forbidden():
 def test_plan_and_run_never_read_tensors_on_the_host(checkpoint):
     llm = LLM(str(checkpoint("qwen3")), max_num_seqs=4, max_num_batched_tokens=32, num_pages=40, page_size=8,
               max_model_len=64)
-    driver: HostDriver = llm._driver
+    driver: OfflineDriver = llm._driver
     params = SamplingParams(temperature=0.7, top_p=0.9, top_k=5, min_p=0.01, repetition_penalty=1.1,
                             frequency_penalty=0.1, logprobs=2, max_tokens=6)
     for i, n in enumerate((30, 3, 50)):
@@ -46,10 +47,10 @@ def test_plan_and_run_never_read_tensors_on_the_host(checkpoint):
         driver._fill_slots()
         resident = {slot: p.params for slot, p in driver._resident.items()}
         with host_reads_forbidden():
-            plan = step.plan(features)
+            plan = step.plan(features, llm.engine.mirror)
         shape = step.shape_for(plan.sizes.tolist())  # the one read the host loop is allowed
         with host_reads_forbidden():
-            out = step.run(plan, shape, features)
+            out = step.run(plan, shape, features, llm.engine.mirror)
         for slot, event in _events(out, resident, features, llm.engine.state, page_bytes=0).items():
             if event.finish_reason:
                 del driver._resident[slot]

@@ -1,0 +1,97 @@
+"""The offline API's driver: requests wait in an in-process queue until a slot is free, then the host loop steps
+them (blink.engine.llm runs it until every request has finished)."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from blink.engine.commit import StepOutput
+from blink.engine.engine import Engine
+from blink.engine.host_drive import HostLoop, SlotEvent
+from blink.engine.sampling_params import SamplingParams
+from blink.engine.state import SlotRequest
+
+
+@dataclass
+class TokenEvent(SlotEvent):
+    request_id: str = ""
+
+
+@dataclass
+class _Pending:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    received: float = field(default_factory=time.monotonic)
+
+
+class OfflineDriver:
+    """Feeds the host loop from an in-process queue: requests wait there until a slot is free."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.state = engine.state
+        self.loop = HostLoop(engine)
+        self._queue: deque[_Pending] = deque()
+        self._resident: dict[int, _Pending] = {}  # slot -> request
+        self._free_slots = list(range(self.state.num_slots - 1, -1, -1))
+        self._arrivals = 0
+        self._seeds = random.Random(engine.config.seed)
+
+    @property
+    def last_output(self) -> StepOutput | None:
+        return self.loop.last_output
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    max_tokens: int) -> None:
+        self._queue.append(_Pending(request_id, prompt_token_ids, params, max_tokens))
+
+    def abort(self, request_id: str) -> list[TokenEvent]:
+        """Queued requests end at once; resident ones are cancelled by the next step."""
+        for pending in list(self._queue):
+            if pending.request_id == request_id:
+                self._queue.remove(pending)
+                return [TokenEvent(None, finish_reason="abort", request_id=request_id)]
+        for slot, pending in self._resident.items():
+            if pending.request_id == request_id:
+                self.state.cancel[slot] = True
+        return []
+
+    def abort_all(self) -> None:
+        for pending in list(self._queue) + list(self._resident.values()):
+            self.abort(pending.request_id)
+
+    def has_work(self) -> bool:
+        return bool(self._queue or self._resident)
+
+    def step(self) -> list[TokenEvent]:
+        self._fill_slots()
+        slot_events = self.loop.step({slot: p.params for slot, p in self._resident.items()})
+        events = []
+        for slot, e in slot_events.items():
+            request_id = self._resident[slot].request_id
+            if e.finish_reason:
+                del self._resident[slot]
+                self.state.release_slot(slot)
+                self._free_slots.append(slot)
+            events.append(TokenEvent(e.token, e.logprob, e.top_logprobs, e.finish_reason, e.stats,
+                                     request_id=request_id))
+        return events
+
+    def _fill_slots(self) -> None:
+        while self._queue and self._free_slots:
+            pending = self._queue.popleft()
+            slot = self._free_slots.pop()
+            params = pending.params
+            self.state.write(slot, SlotRequest(
+                prompt_token_ids=pending.prompt_token_ids, params=params,
+                seed=self._seeds.getrandbits(63) if params.seed is None else params.seed,
+                arrival=self._arrivals, max_tokens=pending.max_tokens,
+                ttft_deadline=pending.received + params.ttft_slo_ms / 1000 if params.ttft_slo_ms else float("inf"),
+            ))
+            self._arrivals += 1
+            self._resident[slot] = pending
