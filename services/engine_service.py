@@ -138,7 +138,10 @@ class EngineService:
         self.driver.start()
         steps_seen = -1
         try:
-            while not self._stop.wait(0.005):
+            # Sleep, not Event.wait: SIGTERM's handler sets the event on this thread, and Event.set() inside
+            # Event.wait() deadlocks on the event's own lock.
+            while not self._stop.is_set():
+                time.sleep(0.005)
                 if self.driver.failure is not None:
                     raise self.driver.failure
                 if int(self.table.header["epoch"]) != self.info.epoch:

@@ -160,8 +160,10 @@ class Watchdog:
         tick = min(0.1, self.deadline_s / 10)
         self.publish("watchdog_started", deadline_s=self.deadline_s)
         try:
-            while not stop.wait(tick):
-                self.check()
+            while not stop.is_set():  # not stop.wait(): a signal handler sets it on this thread (see engine_service)
+                time.sleep(tick)
+                if not stop.is_set():
+                    self.check()
         finally:
             self.close()
 

@@ -1,0 +1,93 @@
+"""The request record, declared once.
+
+Each field of a request as it crosses the slot table: its name, its type in a slot record, its default, its
+limits, and the engine state tensor it lands in. Everything else derives from this table: the record's layout
+(blink.shared.slot_table), the `Request` the ingress publishes, the limits the ingress and the offline API
+validate (and so the OpenAPI schema), the engine's per-slot state tensors and the one admission that copies a
+record into them (blink.engine.admission, on the host and on the device).
+
+A *knob* is a sampling parameter that means the same everywhere: the same name in the OpenAI body, in
+`SamplingParams`, in the record and in the engine's state, copied as it is. Adding one is a line here and the
+sampler code that reads `state.<name>`. The other fields have their own shapes at the edges (an optional seed,
+a class name, SLOs in ms that become a deadline) and their own line in the admission.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, make_dataclass
+
+MAX_STOP_IDS = 16  # stop token ids a request may give
+MAX_LOGPROBS = 20  # top logprobs a request may ask for per token
+INT32_MAX = 2**31 - 1
+INF = float("inf")
+
+
+@dataclass(frozen=True)
+class RequestField:
+    name: str
+    wire: str  # numpy dtype of the field in a slot record
+    default: float | int | bool
+    state: str | None = None  # dtype of the engine's per-slot tensor of the same name; None: the record's only
+    knob: bool = False  # a sampling parameter that is copied as it is, everywhere (see the module's docstring)
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+    doc: str = ""
+
+    @property
+    def python_type(self) -> type:
+        return bool if self.state == "bool" else float if self.wire[1] == "f" else int
+
+    def limits(self) -> dict[str, float]:
+        return {k: v for k in ("ge", "gt", "le", "lt") if (v := getattr(self, k)) is not None}
+
+
+# In record order. The record's other parts (control words, the prompt, the output window) are the slot table's.
+FIELDS: tuple[RequestField, ...] = (
+    RequestField("prompt_len", "<u4", 0, "int64", doc="tokens in the prompt"),
+    RequestField("max_tokens", "<u4", 16, "int64", ge=1, doc="tokens to generate at most (the context caps it)"),
+    RequestField("priority", "<i4", 0, "int64", knob=True, ge=-(2**15), lt=2**15,
+                 doc="lower runs first (vLLM's priority scheduling)"),
+    RequestField("ignore_eos", "<u4", False, "bool", knob=True, doc="generate past the end-of-sequence token"),
+    RequestField("temperature", "<f4", 1.0, "float32", knob=True, ge=0.0, le=2.0, doc="0: greedy"),
+    RequestField("top_p", "<f4", 1.0, "float32", knob=True, gt=0.0, le=1.0),
+    RequestField("top_k", "<i4", 0, "int64", knob=True, ge=-1, le=INT32_MAX, doc="0 or -1: off"),
+    RequestField("min_p", "<f4", 0.0, "float32", knob=True, ge=0.0, le=1.0),
+    RequestField("repetition_penalty", "<f4", 1.0, "float32", knob=True, gt=0.0, le=10.0,
+                 doc="over prompt and output tokens"),
+    RequestField("presence_penalty", "<f4", 0.0, "float32", knob=True, ge=-2.0, le=2.0),
+    RequestField("frequency_penalty", "<f4", 0.0, "float32", knob=True, ge=-2.0, le=2.0),
+    RequestField("logprobs", "<i4", -1, "int64", ge=-1, le=MAX_LOGPROBS, doc="top logprobs per token; -1: none"),
+    RequestField("seed", "<u8", 0, "int64", ge=0, lt=2**63, doc="of the request's random draws"),
+    RequestField("service_class", "<u4", 0, "int64", doc="blink.shared.service_class.ServiceClass"),
+    RequestField("ttft_slo_ms", "<f4", INF, gt=0.0,
+                 doc="what remains of the TTFT SLO when the request is published; inf: none (lands as "
+                     "ttft_deadline)"),
+    RequestField("tpot_slo_ms", "<f4", INF, gt=0.0, doc="inf: none (lands as tpot_slo, in seconds)"),
+    RequestField("num_stop_ids", "<u4", 0, doc="how many of stop_ids are given"),
+)
+BY_NAME = {f.name: f for f in FIELDS}
+KNOBS = tuple(f for f in FIELDS if f.knob)
+# Where the fields of FIELDS sit: a span of the record from FIRST up to (not including) the prompt, stop ids
+# included, which admission copies whole.
+FIRST = FIELDS[0].name
+
+
+def record_fields(max_stop_ids: int) -> list[tuple]:
+    """The request's part of a slot record (numpy dtype entries), the stop ids last."""
+    return [*((f.name, f.wire) for f in FIELDS), ("stop_ids", "<i4", (max_stop_ids,))]
+
+
+def _request_fields() -> list[tuple]:
+    specials = {"prompt_len", "num_stop_ids"}  # derived from the prompt and the stop ids
+    return [("prompt", list[int]), ("max_tokens", int),
+            *((f.name, f.python_type, field(default=f.default)) for f in FIELDS
+              if f.name not in specials | {"max_tokens"}),
+            ("stop_token_ids", tuple[int, ...], field(default=()))]
+
+
+Request = make_dataclass("Request", _request_fields(), module=__name__)
+Request.__doc__ = """What the ingress writes into a slot: the prompt, max_tokens, then every field of FIELDS with its
+default (`logprobs` -1: none; `ttft_slo_ms`: what remains of the SLO at publication, inf: none) and the stop
+token ids."""
