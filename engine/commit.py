@@ -10,7 +10,8 @@ from blink.engine.kv_cache import PagePool
 from blink.engine.rotation import HostMirror
 from blink.engine.sampler import SampleOutput
 from blink.engine.scheduler import StepPlan
-from blink.engine.state import FinishReason, SlotState, SlotStatus
+from blink.engine.state import SlotState, SlotStatus
+from blink.shared.slot_table import Finish
 
 
 @dataclass
@@ -18,7 +19,7 @@ class StepOutput:
     """What one step produced, per slot ([S] or [S, k]); `token` is -1 where a slot sampled nothing."""
 
     token: torch.Tensor
-    finish_reason: torch.Tensor  # FinishReason.NONE unless the slot finished this step
+    finish_reason: torch.Tensor  # Finish.NONE unless the slot finished this step
     logprob: torch.Tensor | None
     top_ids: torch.Tensor | None
     top_logprobs: torch.Tensor | None
@@ -43,12 +44,12 @@ def commit(state: SlotState, pool: PagePool, mirror: HostMirror | None, plan: St
     stopped = (state.stop_ids[slot] == tok[:, None]).any(-1)
     stopped |= torch.isin(tok, eos_ids) & ~state.ignore_eos[slot]
     too_long = (seq_len - state.prompt_len[slot] >= state.max_tokens[slot]) | (seq_len >= state.max_len)
-    row_reason = torch.where(stopped, FinishReason.STOP, torch.where(too_long, FinishReason.LENGTH, 0))
+    row_reason = torch.where(stopped, Finish.STOP, torch.where(too_long, Finish.LENGTH, 0))
     reason = _per_slot(S, target, row_reason, 0)
     running = state.status == SlotStatus.RUNNING
-    reason = torch.where(running & state.cancel & (reason == 0), FinishReason.ABORT, reason)
+    reason = torch.where(running & state.cancel & (reason == 0), Finish.ABORT, reason)
 
-    finished = reason != FinishReason.NONE
+    finished = reason != Finish.NONE
     state.finish_reason.copy_(torch.where(finished, reason, state.finish_reason))
     state.status.masked_fill_(finished, SlotStatus.FINISHED)
     pool.release(finished, state.block_table, state.pages_held)
@@ -60,7 +61,7 @@ def commit(state: SlotState, pool: PagePool, mirror: HostMirror | None, plan: St
         return None if x is None else _per_slot(S, target, x, fill)
 
     return StepOutput(
-        token=torch.where(reason == FinishReason.ABORT, -1, _per_slot(S, target, tok, -1)),  # aborts emit nothing
+        token=torch.where(reason == Finish.ABORT, -1, _per_slot(S, target, tok, -1)),  # aborts emit nothing
         finish_reason=reason,
         logprob=per_slot(out.logprob, 0.0),
         top_ids=per_slot(out.top_ids, -1),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from blink.engine.admission import admit, field_views
 from blink.engine.engine import Engine
 from blink.engine.kernels.exchange import DeviceTable, Inbox, publish, publish_demand, take_requests
 from blink.engine.kv_cache import PagePool
@@ -19,7 +20,7 @@ from blink.engine.sampler import SamplerFeatures
 from blink.engine.scheduler import max_chunk_rows, plan
 from blink.engine.step import StepShape
 from blink.engine.table_memory import TableMemory, device_alias
-from blink.shared.slot_table import SlotTable
+from blink.shared.slot_table import SlotTable, slot_dtype
 
 # Every sampling feature is on: a captured step cannot branch on the requests it will meet (neutral parameters
 # leave tokens unchanged).
@@ -45,8 +46,9 @@ class DeviceStep:
         self.clock = torch.zeros(1, dtype=torch.float64, pin_memory=pinned)  # the host writes time.monotonic()
         self.limit = torch.full((1,), self.state.num_slots, dtype=torch.int64, pin_memory=pinned)  # admission limit
         self.published = torch.zeros(2, dtype=torch.int64, pin_memory=pinned)  # [demand, resident], the device's
-        self.inbox = Inbox.create(self.state.num_slots, int(table.header["epoch"]), device_alias(self.clock, device),
+        self.inbox = Inbox.create(self.table, int(table.header["epoch"]), device_alias(self.clock, device),
                                   device_alias(self.limit, device))
+        self._record = slot_dtype(table.geometry)
         self._published = device_alias(self.published, device)
         self.buckets = self.step.token_buckets
         self.page_bytes = PagePool.bytes_per_page(engine.model_config, engine.pool.page_size)
@@ -63,12 +65,20 @@ class DeviceStep:
         # Seconds since the previous step: what each resident request that was not scheduled waited.
         self.step.cost[2:].copy_(torch.where(self._last_now > 0, inbox.now - self._last_now, 0.0))
         self._last_now.copy_(inbox.now)
-        take_requests(self.table, inbox, state, engine.model_config.vocab_size, engine.max_model_len)
+        self.take()
         # No KV rotation (mirror None): its copies need the host to read move counts between plan and forward.
         planned = plan(state, engine.pool, bucket, ALL_FEATURES.penalties, self.step.policy, None, self.step.cost)
         out = self.step.run(planned, self.shape(bucket), ALL_FEATURES, None)
         publish(self.table, inbox, state, out, self.page_bytes)
         publish_demand(state, self._published)
+
+    def take(self) -> None:
+        """Admission: what the ingress published into the state, through the one admission (blink.engine.admission)
+        with the request fields the exchange kernel copied out of the table."""
+        engine, inbox = self.engine, self.inbox
+        take_requests(self.table, inbox, self.state, engine.model_config.vocab_size, engine.max_model_len)
+        admit(self.state, inbox.admit, field_views(inbox.requests, self._record), inbox.now, inbox.arrival,
+              engine.max_model_len)
 
     def shape(self, bucket: int) -> StepShape:
         S = self.state.num_slots

@@ -10,26 +10,25 @@ loop from an in-process queue.)
 
 from __future__ import annotations
 
-import math
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from blink.engine.admission import admit_records
 from blink.engine.commit import StepOutput
 from blink.engine.driver import Fenced
 from blink.engine.engine import Engine
 from blink.engine.kv_cache import PagePool
 from blink.engine.policy import StepCostModel
 from blink.engine.sampler import GREEDY_BELOW, SamplerFeatures
-from blink.engine.sampling_params import SamplingParams
-from blink.engine.state import FinishReason, SlotRequest, SlotState
-from blink.shared.slot_table import FLAG_IGNORE_EOS, Finish, RequestStats, SlotTable
+from blink.engine.state import SlotState
+from blink.shared.slot_table import Finish, RequestStats, SlotTable
 
-FINISH_NAMES = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort"}
+FINISH_NAMES = {Finish.STOP: "stop", Finish.LENGTH: "length", Finish.ABORT: "abort"}
 
 
 @dataclass
@@ -38,9 +37,14 @@ class SlotEvent:
 
     token: int | None
     logprob: float | None = None
-    top_logprobs: dict[int, float] = field(default_factory=dict)
+    top: list[tuple[int, float]] = field(default_factory=list)  # the k most likely tokens the request asked for
     finish_reason: str | None = None  # stop | length | abort
     stats: RequestStats | None = None  # with the finish
+
+    @property
+    def top_logprobs(self) -> dict[int, float]:
+        """The top tokens and the sampled one, as the offline API gives them."""
+        return {**dict(self.top), self.token: self.logprob} if self.logprob is not None else {}
 
 
 class HostLoop:
@@ -54,8 +58,8 @@ class HostLoop:
         self.page_bytes = PagePool.bytes_per_page(engine.model_config, engine.pool.page_size)
 
     @torch.inference_mode()
-    def step(self, resident: Mapping[int, SamplingParams]) -> dict[int, SlotEvent]:
-        """One step over the resident slots (slot -> its request's params); returns each slot's event."""
+    def step(self, resident: Sequence[int]) -> dict[int, SlotEvent]:
+        """One step over the resident slots; returns each slot's event."""
         self.ran = False
         if not resident:
             self._planned_at = None  # nobody waited meanwhile
@@ -63,7 +67,7 @@ class HostLoop:
         started = time.perf_counter()
         self.cost_model.planning(started - (self._planned_at or started))
         self._planned_at = started
-        features = sampler_features(resident.values())
+        features = sampler_features(self.engine.state, resident)
         step, mirror = self.engine.step, self.mirror
         plan = step.plan(features, mirror)
         sizes = plan.sizes.tolist()
@@ -82,37 +86,37 @@ class HostLoop:
         return events
 
 
-def sampler_features(params) -> SamplerFeatures:
-    params = list(params)
-    return SamplerFeatures(
-        penalties=any(p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty for p in params),
-        filtering=any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params),
-        random=any(p.temperature >= GREEDY_BELOW for p in params),
-        logprobs=any(p.logprobs is not None for p in params),
-    )
+def sampler_features(state: SlotState, slots: Sequence[int]) -> SamplerFeatures:
+    """What the resident requests ask of the sampler, from their state (one host read)."""
+    s = torch.as_tensor(list(slots), device=state.status.device)
+    penalties = ((state.repetition_penalty[s] != 1) | (state.presence_penalty[s] != 0)
+                 | (state.frequency_penalty[s] != 0))
+    filtering = (state.top_k[s] > 0) | (state.top_p[s] < 1) | (state.min_p[s] > 0)
+    wanted = torch.stack([penalties.any(), filtering.any(), (state.temperature[s] >= GREEDY_BELOW).any(),
+                          (state.logprobs[s] >= 0).any()])
+    return SamplerFeatures(*wanted.tolist())
 
 
-def _events(out: StepOutput, resident: Mapping[int, SamplingParams], features: SamplerFeatures,
-            state: SlotState, page_bytes: int) -> dict[int, SlotEvent]:
+def _events(out: StepOutput, resident: Sequence[int], features: SamplerFeatures, state: SlotState,
+            page_bytes: int) -> dict[int, SlotEvent]:
     tokens, reasons = out.token.tolist(), out.finish_reason.tolist()
     if features.logprobs:
         logprob, top_ids, top_lp = out.logprob.tolist(), out.top_ids.tolist(), out.top_logprobs.tolist()
+        asked = state.logprobs.tolist()
     if any(reasons):
         counts = torch.stack([state.preemptions, state.pages_out, state.pages_in]).tolist()
         waited = state.wait_s.tolist()
     events = {}
-    for slot, params in resident.items():
+    for slot in resident:
         token, reason = tokens[slot], reasons[slot]
-        if token < 0 and reason == FinishReason.NONE:
+        if token < 0 and reason == Finish.NONE:
             continue
         event = SlotEvent(token if token >= 0 else None)
-        if params.logprobs is not None and token >= 0:
-            event.logprob = logprob[slot]
-            k = params.logprobs
-            event.top_logprobs = dict(zip(top_ids[slot][:k], top_lp[slot][:k], strict=True))
-            event.top_logprobs[token] = logprob[slot]
-        if reason != FinishReason.NONE:
-            event.finish_reason = FINISH_NAMES[FinishReason(reason)]
+        if features.logprobs and asked[slot] >= 0 and token >= 0:
+            k = asked[slot]
+            event.logprob, event.top = logprob[slot], list(zip(top_ids[slot][:k], top_lp[slot][:k], strict=True))
+        if reason != Finish.NONE:
+            event.finish_reason = FINISH_NAMES[Finish(reason)]
             out_pages, in_pages = counts[1][slot], counts[2][slot]
             event.stats = RequestStats(counts[0][slot], out_pages, in_pages, out_pages * page_bytes,
                                        in_pages * page_bytes, waited[slot] * 1000)
@@ -136,7 +140,7 @@ class HostDriver:
         self.epoch = int(table.header["epoch"])
         self.loop = HostLoop(engine)
         self.mirror = self.loop.mirror
-        self.params: dict[int, SamplingParams] = {}  # resident slot -> its request's parameters
+        self.slots: set[int] = set()  # resident
         self.max_running: int | None = None  # admission limit set over the control plane
         self.failure: BaseException | None = None
         self._arrivals = 0
@@ -145,7 +149,7 @@ class HostDriver:
 
     @property
     def resident(self) -> int:
-        return len(self.params)
+        return len(self.slots)
 
     def set_admission_limit(self, limit: int | None) -> None:
         self.max_running = limit
@@ -183,9 +187,10 @@ class HostDriver:
         not write into slots the ingress has since given to other requests."""
         self.check_epoch()
         self._admit()
-        if not self.params:
+        if not self.slots:
             return False
-        slots = np.fromiter(self.params, dtype=np.int64)
+        resident = sorted(self.slots)
+        slots = np.array(resident, dtype=np.int64)
         table = self.table.slots  # field by field: whole records would copy prompts and windows each step
         cancel = table["cancel"][slots] != 0
         full = (table["produced"][slots].astype(np.int64) - table["consumed"][slots]) >= self.table.geometry.window
@@ -193,7 +198,7 @@ class HostDriver:
         index = torch.from_numpy(slots).to(state.cancel.device)
         state.cancel[index] = torch.from_numpy(cancel).to(state.cancel.device)
         state.paused[index] = torch.from_numpy(full).to(state.paused.device)
-        events = self.loop.step(self.params)
+        events = self.loop.step(resident)
         self.check_epoch()
         for slot, event in events.items():
             self._publish(slot, event)
@@ -206,59 +211,30 @@ class HostDriver:
                          f"{self.epoch}")
 
     def _admit(self) -> None:
-        for slot in self.table.submitted().tolist():
-            if self.max_running is not None and len(self.params) >= self.max_running:
-                return  # the rest stay SUBMITTED until a request finishes
-            record = self.table.slots[slot]
-            try:
-                params, request = self._request(record)
-            except ValueError:
-                # The ingress validates; a record that still fails is ended, not served.
-                self.table.admit(slot)
-                self.table.finish(slot, Finish.ABORT)
-                continue
-            self.engine.state.write(slot, request)
+        submitted = self.table.submitted().tolist()
+        if self.max_running is not None:
+            submitted = submitted[:max(0, self.max_running - len(self.slots))]  # the rest wait, SUBMITTED
+        if not submitted:
+            return
+        engine = self.engine
+        invalid = admit_records(engine.state, self.table.slots, submitted, time.monotonic(), self._arrivals,
+                                engine.model_config.vocab_size, engine.max_model_len)
+        for slot in submitted:
             self.table.admit(slot)
-            self.params[slot] = params
-
-    def _request(self, r: np.void) -> tuple[SamplingParams, SlotRequest]:
-        n = int(r["prompt_len"])
-        prompt = r["prompt"][:n].tolist()
-        vocab, limit = self.engine.model_config.vocab_size, self.engine.max_model_len
-        if not 0 < n < limit or min(prompt) < 0 or max(prompt) >= vocab:
-            raise ValueError("prompt out of range")
-        logprobs = int(r["logprobs"])
-        params = SamplingParams(
-            temperature=float(r["temperature"]), top_p=float(r["top_p"]), top_k=int(r["top_k"]),
-            min_p=float(r["min_p"]), max_tokens=max(1, int(r["max_tokens"])),
-            repetition_penalty=float(r["repetition_penalty"]), presence_penalty=float(r["presence_penalty"]),
-            frequency_penalty=float(r["frequency_penalty"]), seed=int(r["seed"]) & (2**63 - 1),
-            logprobs=logprobs if logprobs >= 0 else None, priority=int(r["priority"]),
-            ignore_eos=bool(int(r["flags"]) & FLAG_IGNORE_EOS),
-            stop_token_ids=r["stop_ids"][: int(r["num_stop_ids"])].tolist(),
-            service_class=int(r["service_class"]), tpot_slo_ms=_slo(r["tpot_slo_ms"]),
-        )
-        # The record holds what remained of the TTFT SLO when it was published: a deadline on this host's clock.
-        ttft = float(r["ttft_slo_ms"])
-        deadline = time.monotonic() + ttft / 1000 if math.isfinite(ttft) else math.inf
-        request = SlotRequest(prompt, params, seed=params.seed, arrival=self._arrivals,
-                              max_tokens=min(params.max_tokens, limit - n), ttft_deadline=deadline)
-        self._arrivals += 1
-        return params, request
+            if slot in invalid:  # the ingress validates; a record that still fails is ended, not served
+                self.table.finish(slot, Finish.ABORT)
+            else:
+                self.slots.add(slot)
+        self._arrivals += len(submitted) - len(invalid)
 
     def _publish(self, slot: int, event: SlotEvent) -> None:
         if event.token is not None:
-            k = self.params[slot].logprobs or 0
-            top = list(event.top_logprobs.items())[:k]
+            top = event.top
             self.table.emit(slot, event.token, event.logprob or 0.0, [t for t, _ in top], [lp for _, lp in top])
         if event.finish_reason:
             self.table.finish(slot, _FINISH[event.finish_reason], event.stats)
             self.engine.state.release_slot(slot)
-            del self.params[slot]
+            self.slots.discard(slot)
 
 
 _FINISH = {"stop": Finish.STOP, "length": Finish.LENGTH, "abort": Finish.ABORT}
-
-
-def _slo(ms: np.float32) -> float | None:
-    return float(ms) if math.isfinite(ms) and ms > 0 else None

@@ -3,16 +3,21 @@ them (blink.engine.llm runs it until every request has finished)."""
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
+
+from blink.engine.admission import admit_records
 from blink.engine.commit import StepOutput
 from blink.engine.engine import Engine
 from blink.engine.host_drive import HostLoop, SlotEvent
 from blink.engine.sampling_params import SamplingParams
-from blink.engine.state import SlotRequest
+from blink.shared.request_schema import Request, knobs_of
+from blink.shared.slot_table import Geometry, slot_dtype, write_request
 
 
 @dataclass
@@ -39,6 +44,10 @@ class OfflineDriver:
         self._queue: deque[_Pending] = deque()
         self._resident: dict[int, _Pending] = {}  # slot -> request
         self._free_slots = list(range(self.state.num_slots - 1, -1, -1))
+        # The slot records requests are written into, as the ingress writes them into the slot table: admission
+        # reads them as it reads the table's.
+        self.geometry = Geometry(self.state.num_slots, engine.max_model_len, window=1)
+        self.records = np.zeros(self.state.num_slots, dtype=slot_dtype(self.geometry))
         self._arrivals = 0
         self._seeds = random.Random(engine.config.seed)
 
@@ -70,7 +79,7 @@ class OfflineDriver:
 
     def step(self) -> list[TokenEvent]:
         self._fill_slots()
-        slot_events = self.loop.step({slot: p.params for slot, p in self._resident.items()})
+        slot_events = self.loop.step(sorted(self._resident))
         events = []
         for slot, e in slot_events.items():
             request_id = self._resident[slot].request_id
@@ -78,20 +87,33 @@ class OfflineDriver:
                 del self._resident[slot]
                 self.state.release_slot(slot)
                 self._free_slots.append(slot)
-            events.append(TokenEvent(e.token, e.logprob, e.top_logprobs, e.finish_reason, e.stats,
-                                     request_id=request_id))
+            events.append(TokenEvent(e.token, e.logprob, e.top, e.finish_reason, e.stats, request_id=request_id))
         return events
 
     def _fill_slots(self) -> None:
+        slots, now = [], time.monotonic()
         while self._queue and self._free_slots:
             pending = self._queue.popleft()
             slot = self._free_slots.pop()
-            params = pending.params
-            self.state.write(slot, SlotRequest(
-                prompt_token_ids=pending.prompt_token_ids, params=params,
-                seed=self._seeds.getrandbits(63) if params.seed is None else params.seed,
-                arrival=self._arrivals, max_tokens=pending.max_tokens,
-                ttft_deadline=pending.received + params.ttft_slo_ms / 1000 if params.ttft_slo_ms else float("inf"),
-            ))
-            self._arrivals += 1
+            write_request(self.records[slot], self._request(pending, now), self.geometry)
             self._resident[slot] = pending
+            slots.append(slot)
+        if not slots:
+            return
+        engine = self.engine
+        invalid = admit_records(self.state, self.records, sorted(slots), now, self._arrivals,
+                                engine.model_config.vocab_size, engine.max_model_len)
+        if invalid:  # LLM checked every prompt before queueing it
+            raise RuntimeError(f"invalid requests reached slots {invalid}")
+        self._arrivals += len(slots)
+
+    def _request(self, pending: _Pending, now: float) -> Request:
+        params = pending.params
+        ttft_left_ms = params.ttft_slo_ms - (now - pending.received) * 1000 if params.ttft_slo_ms else math.inf
+        return Request(
+            prompt=pending.prompt_token_ids, max_tokens=pending.max_tokens,
+            logprobs=-1 if params.logprobs is None else params.logprobs,
+            seed=self._seeds.getrandbits(63) if params.seed is None else params.seed,
+            service_class=int(params.service_class), ttft_slo_ms=ttft_left_ms,
+            tpot_slo_ms=params.tpot_slo_ms or math.inf, stop_token_ids=tuple(params.stop_token_ids),
+            **knobs_of(params))

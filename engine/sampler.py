@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from blink.engine.sampling_params import MAX_LOGPROBS
+from blink.shared.request_schema import MAX_LOGPROBS
 
 _MASK32 = 0xFFFFFFFF
 GREEDY_BELOW = 1e-5  # temperatures below this are greedy (as vLLM), so logits never overflow

@@ -15,6 +15,7 @@ from blink.ingress.errors import APIError
 from blink.ingress.metrics import ChoiceRecord, Metrics
 from blink.ingress.protocol import SamplingFields
 from blink.ingress.slots import SlotClient
+from blink.shared.request_schema import knobs_of
 from blink.shared.service_class import ClassDefaults, ServiceClass
 from blink.shared.slot_table import Finish, Request, RequestStats
 from blink.shared.tokenizer import Tokenizer
@@ -45,12 +46,9 @@ def slot_request(prompt: list[int], fields: SamplingFields, max_tokens: int, log
     service_class, ttft, tpot = classes.resolve(fields.service_class or named_class, fields.ttft_slo_ms,
                                                 fields.tpot_slo_ms)
     return Request(
-        prompt=prompt, max_tokens=max_tokens, temperature=fields.temperature, top_p=fields.top_p,
-        top_k=fields.top_k, min_p=fields.min_p, repetition_penalty=fields.repetition_penalty,
-        presence_penalty=fields.presence_penalty, frequency_penalty=fields.frequency_penalty,
-        logprobs=-1 if logprobs is None else logprobs, seed=seed, priority=fields.priority,
-        ignore_eos=fields.ignore_eos, stop_token_ids=tuple(fields.stop_token_ids),
-        service_class=int(service_class), ttft_slo_ms=ttft or math.inf, tpot_slo_ms=tpot or math.inf,
+        prompt=prompt, max_tokens=max_tokens, logprobs=-1 if logprobs is None else logprobs, seed=seed,
+        stop_token_ids=tuple(fields.stop_token_ids), service_class=int(service_class),
+        ttft_slo_ms=ttft or math.inf, tpot_slo_ms=tpot or math.inf, **knobs_of(fields),
     )
 
 

@@ -6,10 +6,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
 
+from blink.shared.request_schema import INT32_MAX, MAX_LOGPROBS, MAX_STOP_IDS, SamplingKnobs
 from blink.shared.service_class import ClassName
 
 MAX_STOP_STRINGS = 8
-INT32_MAX = 2**31 - 1  # the slot table stores these as int32
 
 
 class StreamOptions(BaseModel):
@@ -17,32 +17,24 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
-class SamplingFields(BaseModel):
-    """Fields both endpoints share."""
+class SamplingFields(SamplingKnobs):
+    """Fields both endpoints share: the knobs (temperature, top_p, top_k, min_p, the penalties, ignore_eos,
+    priority: blink.shared.request_schema), and these."""
 
     model_config = ConfigDict(extra="forbid")
 
     model: str
     max_tokens: StrictInt | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
     n: StrictInt = Field(1, ge=1, le=16)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = Field(None, validate_default=True)
     seed: StrictInt | None = Field(None, ge=0, lt=2**63)
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     user: str | None = None
     # vLLM's extensions.
-    top_k: StrictInt = Field(0, ge=-1, le=INT32_MAX)
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
-    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
-    ignore_eos: StrictBool = False
-    stop_token_ids: list[StrictInt] = Field(default_factory=list, max_length=16)
+    stop_token_ids: list[StrictInt] = Field(default_factory=list, max_length=MAX_STOP_IDS)
     include_stop_str_in_output: StrictBool = False
     skip_special_tokens: StrictBool = True
-    priority: StrictInt = Field(0, ge=-(2**15), lt=2**15)
     # Blink's: the service class (else the x-blink-class header, else the default) and SLOs (else the class's).
     service_class: ClassName | None = None
     ttft_slo_ms: float | None = Field(None, gt=0, allow_inf_nan=False)
@@ -69,7 +61,7 @@ class SamplingFields(BaseModel):
 class CompletionRequest(SamplingFields):
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
     max_tokens: StrictInt | None = Field(16, ge=1)  # OpenAI's default for completions; chat fills the context
-    logprobs: StrictInt | None = Field(None, ge=0, le=20)
+    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: Literal[False] = False
     best_of: Literal[1] | None = None
     suffix: None = None
@@ -96,7 +88,7 @@ class ChatRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
     logprobs: StrictBool = False
-    top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: StrictBool = True
 
 

@@ -16,6 +16,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, make_dataclass
 
+from pydantic import ConfigDict, StrictBool, StrictInt, create_model
+from pydantic import Field as PydanticField
+
 MAX_STOP_IDS = 16  # stop token ids a request may give
 MAX_LOGPROBS = 20  # top logprobs a request may ask for per token
 INT32_MAX = 2**31 - 1
@@ -87,7 +90,25 @@ def _request_fields() -> list[tuple]:
             ("stop_token_ids", tuple[int, ...], field(default=()))]
 
 
-Request = make_dataclass("Request", _request_fields(), module=__name__)
+Request = make_dataclass("Request", _request_fields())
+Request.__module__ = __name__  # for pickling and repr (make_dataclass's `module` is 3.12's)
 Request.__doc__ = """What the ingress writes into a slot: the prompt, max_tokens, then every field of FIELDS with its
 default (`logprobs` -1: none; `ttft_slo_ms`: what remains of the SLO at publication, inf: none) and the stop
 token ids."""
+
+
+def _pydantic_knob(f: RequestField) -> tuple:
+    kind = {bool: StrictBool, int: StrictInt, float: float}[f.python_type]
+    extra = {"allow_inf_nan": False} if f.python_type is float else {}
+    return kind, PydanticField(f.default, **f.limits(), **extra, description=f.doc or None)
+
+
+# The knobs as a pydantic model, the base of the request bodies at the edges (the OpenAI API's fields, the offline
+# API's SamplingParams): their names, defaults and limits, and so the OpenAPI schema, come from FIELDS.
+SamplingKnobs = create_model("SamplingKnobs", __config__=ConfigDict(extra="forbid"), __module__=__name__,
+                             **{f.name: _pydantic_knob(f) for f in KNOBS})
+
+
+def knobs_of(source: object) -> dict[str, object]:
+    """The knobs' values of anything that has them as attributes (a request body, SamplingParams, a Request)."""
+    return {f.name: getattr(source, f.name) for f in KNOBS}

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
+from blink.shared.request_schema import FIELDS, MAX_LOGPROBS, MAX_STOP_IDS, Request, record_fields
+
 MAGIC = 0x424C494E4B534C54  # "BLINKSLT"
 VERSION = 4  # 4: the header carries the admission limit
 SHM_DIR = Path(os.environ.get("BLINK_SHM_DIR", "/dev/shm"))  # another directory stands for another host in tests
@@ -60,16 +62,13 @@ class Finish(IntEnum):
     FAILED = 4  # the engine holding the request died: the ingress says so; no engine ever writes it
 
 
-FLAG_IGNORE_EOS = 1
-
-
 @dataclass(frozen=True)
 class Geometry:
     num_slots: int
     max_prompt_tokens: int
     window: int  # output tokens a slot buffers before the engine pauses it
-    top_logprobs: int = 20
-    max_stop_ids: int = 16
+    top_logprobs: int = MAX_LOGPROBS
+    max_stop_ids: int = MAX_STOP_IDS
 
 
 _COUNTED = ("preemptions", "pages_out", "pages_in", "bytes_out", "bytes_in")
@@ -88,14 +87,8 @@ def slot_dtype(g: Geometry) -> np.dtype:
     return np.dtype([
         # Control: state has one owner per transition; cancel is the ingress's.
         ("state", "<u4"), ("seq", "<u4"), ("epoch", "<u4"), ("cancel", "<u4"),
-        # The request, written by the ingress before it publishes the slot.
-        ("prompt_len", "<u4"), ("max_tokens", "<u4"), ("priority", "<i4"), ("flags", "<u4"),
-        ("temperature", "<f4"), ("top_p", "<f4"), ("top_k", "<i4"), ("min_p", "<f4"),
-        ("repetition_penalty", "<f4"), ("presence_penalty", "<f4"), ("frequency_penalty", "<f4"),
-        ("logprobs", "<i4"), ("seed", "<u8"), ("service_class", "<u4"),
-        # SLOs in ms (inf: none); the TTFT SLO is what remains of it when the request is published.
-        ("ttft_slo_ms", "<f4"), ("tpot_slo_ms", "<f4"),
-        ("num_stop_ids", "<u4"), ("stop_ids", "<i4", (g.max_stop_ids,)),
+        # The request, written by the ingress before it publishes the slot (blink.shared.request_schema).
+        *record_fields(g.max_stop_ids),
         ("prompt", "<i4", (g.max_prompt_tokens,)),
         # The output window, written by the engine; consumed is the ingress's.
         ("produced", "<u4"), ("consumed", "<u4"), ("finish_reason", "<u4"),
@@ -105,29 +98,6 @@ def slot_dtype(g: Geometry) -> np.dtype:
         ("tokens", "<i4", (g.window,)), ("logprob", "<f4", (g.window,)),
         ("top_ids", "<i4", (g.window, g.top_logprobs)), ("top_logprobs", "<f4", (g.window, g.top_logprobs)),
     ], align=True)
-
-
-@dataclass
-class Request:
-    """What the ingress writes into a slot."""
-
-    prompt: list[int]
-    max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logprobs: int = -1  # -1: none wanted
-    seed: int = 0
-    priority: int = 0
-    ignore_eos: bool = False
-    stop_token_ids: tuple[int, ...] = ()
-    service_class: int = 0  # blink.shared.service_class.ServiceClass
-    ttft_slo_ms: float = float("inf")  # what remains of the TTFT SLO at publication; inf: none
-    tpot_slo_ms: float = float("inf")
 
 
 @dataclass
@@ -151,6 +121,21 @@ class Output:
     top_logprobs: list[list[float]]
     finish: Finish  # NONE until the slot has finished and every token was read
     stats: RequestStats | None = None  # with the finish
+
+
+def write_request(record: np.void, request: Request, g: Geometry) -> None:
+    """A request's fields into a slot record (of slot_dtype(g)): every field of the schema, the stop ids, the
+    prompt."""
+    n, stops = len(request.prompt), request.stop_token_ids
+    if not 0 < n <= g.max_prompt_tokens:
+        raise ValueError(f"prompt of {n} tokens does not fit a slot of {g.max_prompt_tokens}")
+    if len(stops) > g.max_stop_ids:
+        raise ValueError(f"at most {g.max_stop_ids} stop token ids fit a slot")
+    given = {"prompt_len": n, "num_stop_ids": len(stops)}
+    for f in FIELDS:
+        record[f.name] = given[f.name] if f.name in given else getattr(request, f.name)
+    record["stop_ids"][: len(stops)] = stops
+    record["prompt"][:n] = request.prompt
 
 
 class SlotTable:
@@ -228,23 +213,10 @@ class SlotTable:
 
     def publish(self, slot: int, request: Request) -> int:
         """Writes a request into a FREE slot, then publishes it. Returns the slot's new sequence number."""
-        g, s = self.geometry, self.slots[slot]
+        s = self.slots[slot]
         if s["state"] != SlotState.FREE:
             raise RuntimeError(f"slot {slot} is not free")
-        n = len(request.prompt)
-        if not 0 < n <= g.max_prompt_tokens:
-            raise ValueError(f"prompt of {n} tokens does not fit a slot of {g.max_prompt_tokens}")
-        if len(request.stop_token_ids) > g.max_stop_ids:
-            raise ValueError(f"at most {g.max_stop_ids} stop token ids fit a slot")
-        s["prompt"][:n] = request.prompt
-        for field in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-                      "presence_penalty", "frequency_penalty", "logprobs", "seed", "priority", "service_class",
-                      "ttft_slo_ms", "tpot_slo_ms"):
-            s[field] = getattr(request, field)
-        s["prompt_len"] = n
-        s["flags"] = FLAG_IGNORE_EOS if request.ignore_eos else 0
-        s["num_stop_ids"] = len(request.stop_token_ids)
-        s["stop_ids"][: len(request.stop_token_ids)] = request.stop_token_ids
+        write_request(s, request, self.geometry)
         s["produced"] = s["consumed"] = s["cancel"] = s["finish_reason"] = 0
         s["epoch"] = self.header["epoch"]
         seq = (int(s["seq"]) + 1) & 0xFFFFFFFF

@@ -17,24 +17,22 @@ import torch
 import triton
 import triton.language as tl
 
+from blink.engine.admission import span
 from blink.shared.slot_table import HEADER, HEADER_BYTES, Finish, Geometry, SlotState, slot_dtype
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
-# Record fields the kernels touch, in the order of the offsets tensor; K_* name their indices.
-FIELDS = ("state", "epoch", "cancel", "prompt_len", "max_tokens", "priority", "flags", "temperature", "top_p",
-          "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "logprobs", "seed",
-          "service_class", "ttft_slo_ms", "tpot_slo_ms", "num_stop_ids", "stop_ids", "prompt", "produced", "consumed",
-          "finish_reason", "preemptions", "pages_out", "pages_in", "bytes_out", "bytes_in", "wait_ms", "tokens",
-          "logprob", "top_ids", "top_logprobs")
-(K_STATE, K_EPOCH, K_CANCEL, K_PROMPT_LEN, K_MAX_TOKENS, K_PRIORITY, K_FLAGS, K_TEMPERATURE, K_TOP_P, K_TOP_K,
- K_MIN_P, K_REPETITION, K_PRESENCE, K_FREQUENCY, K_LOGPROBS, K_SEED, K_CLASS, K_TTFT, K_TPOT, K_NUM_STOP, K_STOP_IDS,
- K_PROMPT, K_PRODUCED, K_CONSUMED, K_FINISH, K_PREEMPTIONS, K_PAGES_OUT, K_PAGES_IN, K_BYTES_OUT, K_BYTES_IN,
- K_WAIT_MS, K_TOKENS, K_LOGPROB, K_TOP_IDS, K_TOP_LOGPROBS) = (tl.constexpr(i) for i in range(len(FIELDS)))
+# Record fields the kernels touch, in the order of the offsets tensor; K_* name their indices. The request's own
+# fields are not among them: the admit kernel copies their bytes whole and blink.engine.admission lands them.
+FIELDS = ("state", "epoch", "cancel", "prompt_len", "logprobs", "prompt", "produced", "consumed", "finish_reason",
+          "preemptions", "pages_out", "pages_in", "bytes_out", "bytes_in", "wait_ms", "tokens", "logprob", "top_ids",
+          "top_logprobs")
+(K_STATE, K_EPOCH, K_CANCEL, K_PROMPT_LEN, K_LOGPROBS, K_PROMPT, K_PRODUCED, K_CONSUMED, K_FINISH, K_PREEMPTIONS,
+ K_PAGES_OUT, K_PAGES_IN, K_BYTES_OUT, K_BYTES_IN, K_WAIT_MS, K_TOKENS, K_LOGPROB, K_TOP_IDS,
+ K_TOP_LOGPROBS) = (tl.constexpr(i) for i in range(len(FIELDS)))
 
 # The engine's slot states (blink.engine.state.SlotStatus), restated: that module imports torch-side state.
 EMPTY = tl.constexpr(0)
-ENGINE_SUBMITTED = tl.constexpr(1)
 SUBMITTED = tl.constexpr(int(SlotState.SUBMITTED))
 ADMITTED = tl.constexpr(int(SlotState.ADMITTED))
 FINISHED = tl.constexpr(int(SlotState.FINISHED))
@@ -106,13 +104,12 @@ def _select(table, offsets, epoch, status, cancel, paused, admit, arrival, arriv
 
 
 @triton.jit
-def _admit(table, offsets, admit, now, status, arrival_in, arrival, priority, service_class, ttft_deadline,
-           tpot_slo, cancel, paused, prompt_len, seq_len, num_computed, max_tokens, ignore_eos, stop_ids,
-           temperature, top_p, top_k, min_p, repetition_penalty, presence_penalty, frequency_penalty, seed,
-           finish_reason, rotated, preemptions, pages_out, pages_in, wait_s, tokens, tokens_stride, stop_stride,
-           vocab, max_len, RECORD: tl.constexpr, MAX_STOP: tl.constexpr, BLOCK_P: tl.constexpr,
+def _admit(table, offsets, admit, tokens, tokens_stride, requests, SPAN_START: tl.constexpr,
+           SPAN: tl.constexpr, vocab, max_len, RECORD: tl.constexpr, BLOCK_SPAN: tl.constexpr, BLOCK_P: tl.constexpr,
            INTERPRET: tl.constexpr):
-    """One program per slot: copies an admitted request into the engine's state, or ends it when it is invalid."""
+    """One program per slot selected for admission: checks its prompt and copies it into the token history, copies
+    the request's fields (bytes, whole) into `requests` for blink.engine.admission, and hands the slot to the
+    engine; an invalid record is ended instead (and dropped from `admit`)."""
     s = tl.program_id(0)
     if not tl.load(admit + s):
         return
@@ -132,45 +129,14 @@ def _admit(table, offsets, admit, now, status, arrival_in, arrival, priority, se
         start += BLOCK_P
     state_word = _field(record, offsets, K_STATE, tl.uint32)
     if bad:  # the ingress validates; a record that still fails is ended, not served
+        tl.store(admit + s, False)
         tl.store(_field(record, offsets, K_FINISH, tl.uint32), ABORT)
         tl.debug_barrier()
         _store_release(state_word, tl.full((), FINISHED, tl.uint32), INTERPRET)
         return
-    asked = tl.maximum(tl.load(_field(record, offsets, K_MAX_TOKENS, tl.uint32)).to(tl.int64), 1)
-    ttft = tl.load(_field(record, offsets, K_TTFT, tl.float32)).to(tl.float64)
-    tpot = tl.load(_field(record, offsets, K_TPOT, tl.float32)).to(tl.float64)
-    inf = float("inf")
-    tl.store(arrival + s, tl.load(arrival_in + s))
-    tl.store(priority + s, tl.load(_field(record, offsets, K_PRIORITY, tl.int32)).to(tl.int64))
-    tl.store(service_class + s, tl.load(_field(record, offsets, K_CLASS, tl.uint32)).to(tl.int64))
-    tl.store(ttft_deadline + s, tl.where(tl.abs(ttft) < inf, tl.load(now) + ttft / 1000, inf))
-    tl.store(tpot_slo + s, tl.where((tpot < inf) & (tpot > 0), tpot / 1000, inf))
-    tl.store(prompt_len + s, n)
-    tl.store(seq_len + s, n)
-    tl.store(num_computed + s, 0)
-    tl.store(max_tokens + s, tl.minimum(asked, max_len - n))
-    tl.store(ignore_eos + s, (tl.load(_field(record, offsets, K_FLAGS, tl.uint32)) & 1) != 0)
-    k = tl.arange(0, MAX_STOP)
-    num_stop = tl.load(_field(record, offsets, K_NUM_STOP, tl.uint32)).to(tl.int64)
-    stops = tl.load(_field(record, offsets, K_STOP_IDS, tl.int32) + k, mask=k < num_stop, other=-1)
-    tl.store(stop_ids + s * stop_stride + k, stops.to(tl.int64))
-    tl.store(temperature + s, tl.load(_field(record, offsets, K_TEMPERATURE, tl.float32)))
-    tl.store(top_p + s, tl.load(_field(record, offsets, K_TOP_P, tl.float32)))
-    tl.store(top_k + s, tl.load(_field(record, offsets, K_TOP_K, tl.int32)).to(tl.int64))
-    tl.store(min_p + s, tl.load(_field(record, offsets, K_MIN_P, tl.float32)))
-    tl.store(repetition_penalty + s, tl.load(_field(record, offsets, K_REPETITION, tl.float32)))
-    tl.store(presence_penalty + s, tl.load(_field(record, offsets, K_PRESENCE, tl.float32)))
-    tl.store(frequency_penalty + s, tl.load(_field(record, offsets, K_FREQUENCY, tl.float32)))
-    tl.store(seed + s, (tl.load(_field(record, offsets, K_SEED, tl.uint64)) & 0x7FFFFFFFFFFFFFFF).to(tl.int64))
-    tl.store(finish_reason + s, 0)
-    tl.store(cancel + s, False)
-    tl.store(paused + s, False)
-    tl.store(rotated + s, False)
-    tl.store(preemptions + s, 0)
-    tl.store(pages_out + s, 0)
-    tl.store(pages_in + s, 0)
-    tl.store(wait_s + s, 0.0)
-    tl.store(status + s, ENGINE_SUBMITTED)
+    b = tl.arange(0, BLOCK_SPAN)
+    fields = tl.load(record + SPAN_START + b, mask=b < SPAN, other=0)
+    tl.store(requests + s.to(tl.int64) * SPAN + b, fields, mask=b < SPAN)
     tl.debug_barrier()
     _store_release(state_word, tl.full((), ADMITTED, tl.uint32), INTERPRET)
 
@@ -247,34 +213,34 @@ class Inbox:
     arrival: torch.Tensor  # [S] int64: their arrival numbers
     arrivals: torch.Tensor  # [1] int64: requests admitted so far
     fenced: torch.Tensor  # [1] int32: set once a newer engine's epoch is seen; nothing is written after
+    requests: torch.Tensor  # [S, span] uint8: the admitted records' request fields (blink.engine.admission.span)
 
     @classmethod
-    def create(cls, num_slots: int, epoch: int, now: torch.Tensor, limit: torch.Tensor) -> Inbox:
-        device = now.device
+    def create(cls, table: DeviceTable, epoch: int, now: torch.Tensor, limit: torch.Tensor) -> Inbox:
+        device, num_slots = now.device, table.geometry.num_slots
 
         def one(value, dtype):
             return torch.full((1,), value, dtype=dtype, device=device)
 
+        _, span_bytes = span(slot_dtype(table.geometry))
         return cls(one(epoch, torch.int64), now, limit, torch.zeros(num_slots, dtype=torch.bool, device=device),
-                   torch.zeros(num_slots, dtype=torch.int64, device=device), one(0, torch.int64), one(0, torch.int32))
+                   torch.zeros(num_slots, dtype=torch.int64, device=device), one(0, torch.int64), one(0, torch.int32),
+                   torch.zeros(num_slots, span_bytes, dtype=torch.uint8, device=device))
 
 
 def take_requests(table: DeviceTable, inbox: Inbox, state, vocab: int, max_len: int) -> None:
-    """Admits what the ingress published (up to the limit) into `state` (a blink.engine.state.SlotState) and
-    mirrors each resident slot's cancel flag and window room."""
+    """Takes what the ingress published (up to the limit): each valid prompt into `state`'s token history (a
+    blink.engine.state.SlotState), its request's fields into `inbox.requests` for blink.engine.admission, which
+    `inbox.admit` then names; and mirrors each resident slot's cancel flag and window room."""
     g, S = table.geometry, state.num_slots
     _select[(1,)](table.memory, table.offsets, inbox.epoch, state.status, state.cancel, state.paused, inbox.admit,
                   inbox.arrival, inbox.arrivals, inbox.limit, inbox.fenced, S, RECORD=table.record_bytes,
                   HEADER_EPOCH=header_offset("epoch"), WINDOW=g.window, BLOCK_S=next_power_of_2(S),
                   INTERPRET=INTERPRET)
-    _admit[(S,)](table.memory, table.offsets, inbox.admit, inbox.now, state.status, inbox.arrival, state.arrival,
-                 state.priority, state.service_class, state.ttft_deadline, state.tpot_slo, state.cancel, state.paused,
-                 state.prompt_len, state.seq_len, state.num_computed, state.max_tokens, state.ignore_eos,
-                 state.stop_ids, state.temperature, state.top_p, state.top_k, state.min_p, state.repetition_penalty,
-                 state.presence_penalty, state.frequency_penalty, state.seed, state.finish_reason, state.rotated,
-                 state.preemptions, state.pages_out, state.pages_in, state.wait_s, state.tokens,
-                 state.tokens.stride(0), state.stop_ids.stride(0), vocab, max_len, RECORD=table.record_bytes,
-                 MAX_STOP=state.stop_ids.shape[1], BLOCK_P=min(1024, next_power_of_2(g.max_prompt_tokens)),
+    start, span_bytes = span(slot_dtype(g))
+    _admit[(S,)](table.memory, table.offsets, inbox.admit, state.tokens, state.tokens.stride(0), inbox.requests,
+                 SPAN_START=start, SPAN=span_bytes, vocab=vocab, max_len=max_len, RECORD=table.record_bytes,
+                 BLOCK_SPAN=next_power_of_2(span_bytes), BLOCK_P=min(1024, next_power_of_2(g.max_prompt_tokens)),
                  INTERPRET=INTERPRET)
 
 

@@ -1,0 +1,108 @@
+"""The one admission: request records (blink.shared.request_schema) into the engine's per-slot state.
+
+Every path goes through `admit`: the `host` mode with the records in the slot table's shared memory, the offline
+API with records it writes itself, the device modes with the bytes their exchange kernel copied out of the mapped
+table after its acquire loads (blink.engine.kernels.exchange). It is tensor code with no host read and no shape
+that depends on data (masked writes over every slot), so the device modes capture it in their step graphs.
+
+The prompt is not its business: whoever holds the record checks it and copies it into the token history (the host
+here, in `admit_records`; the device in the exchange kernel), and an invalid record is ended there, never
+admitted.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from blink.engine.state import SlotState, SlotStatus
+from blink.shared.request_schema import FIELDS, FIRST, MAX_STOP_IDS
+
+# How a field of each wire type is viewed in place: every u4 field holds values below 2**31, and the seed's top
+# bit is masked off below, so signed views read them exactly.
+_VIEW = {"<u4": torch.int32, "<i4": torch.int32, "<f4": torch.float32, "<u8": torch.int64}
+_LANDED_OTHERWISE = {"max_tokens", "seed"}  # schema fields with a conversion of their own below
+# What a new request starts from, whatever the slot held before.
+_RESET = (("num_computed", 0), ("finish_reason", 0), ("cancel", False), ("paused", False), ("rotated", False),
+          ("preemptions", 0), ("pages_out", 0), ("pages_in", 0), ("wait_s", 0.0))
+
+
+def span(record: np.dtype) -> tuple[int, int]:
+    """Where the schema's fields and the stop ids lie in a record: (first byte, bytes), what admission reads."""
+    start = record.fields[FIRST][1]
+    end = record.fields["prompt"][1]
+    if start % 8:
+        raise ValueError("the request's fields must start 8-byte aligned in the record")  # the seed is viewed as 8
+    return start, -(-(end - start) // 8) * 8
+
+
+def field_views(raw: torch.Tensor, record: np.dtype) -> dict[str, torch.Tensor]:
+    """Typed per-slot views (no copies) of each field in `raw`, [slots, span bytes] of uint8 laid out as
+    `record`'s span."""
+    start, _ = span(record)
+    views = {}
+    for f in FIELDS:
+        offset, size = record.fields[f.name][1] - start, np.dtype(f.wire).itemsize
+        views[f.name] = raw[:, offset:offset + size].view(_VIEW[f.wire])[:, 0]
+    offset = record.fields["stop_ids"][1] - start
+    views["stop_ids"] = raw[:, offset:offset + 4 * MAX_STOP_IDS].view(torch.int32)
+    return views
+
+
+def admit(state: SlotState, admitted: torch.Tensor, records: dict[str, torch.Tensor], now: torch.Tensor,
+          arrival: torch.Tensor, max_len: int) -> None:
+    """Copies the records of the `admitted` slots ([S] bool) into the state and marks them SUBMITTED; the others
+    keep theirs. records: field_views; now: [1] float64, seconds on the host's clock (for TTFT deadlines);
+    arrival: [S] int64, each admitted request's arrival number."""
+
+    def land(name: str, value: torch.Tensor | float) -> None:
+        target = getattr(state, name)
+        target.copy_(torch.where(admitted, value.to(target.dtype) if isinstance(value, torch.Tensor) else value,
+                                 target))
+
+    for f in FIELDS:
+        if f.state is not None and f.name not in _LANDED_OTHERWISE:
+            land(f.name, records[f.name])
+    n = records["prompt_len"].long()
+    land("seq_len", n)
+    land("max_tokens", torch.minimum(records["max_tokens"].long().clamp(min=1), max_len - n))
+    land("seed", records["seed"] & (2**63 - 1))
+    inf = float("inf")
+    ttft = records["ttft_slo_ms"].double()  # what remained of the SLO at publication
+    land("ttft_deadline", torch.where(ttft.isfinite(), now + ttft / 1000, inf))
+    tpot = records["tpot_slo_ms"].double()
+    land("tpot_slo", torch.where(tpot.isfinite() & (tpot > 0), tpot / 1000, inf))
+    given = torch.arange(MAX_STOP_IDS, device=n.device) < records["num_stop_ids"].long()[:, None]
+    stops = torch.where(given, records["stop_ids"].long(), -1)
+    state.stop_ids.copy_(torch.where(admitted[:, None], stops, state.stop_ids))
+    land("arrival", arrival)
+    for name, value in _RESET:
+        land(name, value)
+    land("status", SlotStatus.SUBMITTED)
+
+
+def admit_records(state: SlotState, records: np.ndarray, slots: list[int], now: float, arrivals: int, vocab: int,
+                  max_len: int) -> list[int]:
+    """Host side: checks the records of `slots` (structured slot records: a table's, or the offline API's),
+    copies their prompts and admits the valid ones, numbered from `arrivals` in slot order. Returns the slots
+    whose record is invalid: they are not admitted, and their owner ends them."""
+    valid, invalid = [], []
+    for slot in slots:
+        n = int(records[slot]["prompt_len"])
+        prompt = records[slot]["prompt"][:n]
+        if not 0 < n < max_len or prompt.min() < 0 or prompt.max() >= vocab:
+            invalid.append(slot)
+            continue
+        state.tokens[slot, :n] = torch.from_numpy(prompt.astype(np.int32))
+        valid.append(slot)
+    if valid:
+        device = state.status.device
+        start, size = span(records.dtype)
+        raw = records.view(np.uint8).reshape(len(records), records.dtype.itemsize)[:, start:start + size]
+        admitted = torch.zeros(state.num_slots, dtype=torch.bool)
+        admitted[valid] = True
+        arrival = arrivals + admitted.long().cumsum(0) - 1
+        raw_t = torch.from_numpy(np.ascontiguousarray(raw)).to(device)  # a copy: the ingress may write other slots
+        admit(state, admitted.to(device), field_views(raw_t, records.dtype), torch.tensor([now], dtype=torch.float64,
+              device=device), arrival.to(device), max_len)
+    return invalid

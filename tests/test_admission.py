@@ -1,0 +1,104 @@
+"""The one admission: a record with every field of the request schema set to something other than its default,
+admitted by the host path, the device path (its kernels in Triton's interpreter) and the offline path, lands
+the same in the engine's state, field by field, and as the record says."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+
+import pytest
+import torch
+
+from blink.engine.admission import admit_records
+from blink.engine.device_step import DeviceStep
+from blink.engine.offline_drive import OfflineDriver
+from blink.engine.sampling_params import SamplingParams
+from blink.engine.state import SlotStatus
+from blink.shared.request_schema import FIELDS, MAX_STOP_IDS, Request
+from blink.shared.service_class import ServiceClass
+
+EVERY_FIELD = Request(
+    prompt=[5, 6, 7, 8, 9], max_tokens=7, priority=-3, ignore_eos=True, temperature=0.7, top_p=0.9, top_k=12,
+    min_p=0.05, repetition_penalty=1.2, presence_penalty=0.3, frequency_penalty=-0.4, logprobs=3, seed=2**62 + 5,
+    service_class=int(ServiceClass.BEST_EFFORT), ttft_slo_ms=250.0, tpot_slo_ms=40.0, stop_token_ids=(3, 4),
+)
+DERIVED = {"prompt_len", "num_stop_ids"}  # from the prompt and the stop ids
+# Every state tensor admission writes: the schema's, and what it derives or resets.
+LANDED = [f.name for f in FIELDS if f.state is not None] + [
+    "seq_len", "stop_ids", "tpot_slo", "status", "num_computed", "finish_reason", "cancel", "paused", "rotated",
+    "preemptions", "pages_out", "pages_in", "wait_s"]
+
+
+def test_the_request_sets_every_field_of_the_schema():
+    """Else a new field could be mis-wired and this file would not notice."""
+    for f in FIELDS:
+        if f.name not in DERIVED:
+            assert getattr(EVERY_FIELD, f.name) != f.default, f.name
+
+
+def _host(engine, table, now):
+    table.publish(0, EVERY_FIELD)
+    assert admit_records(engine.state, table.slots, [0], now, 0, engine.model_config.vocab_size,
+                         engine.max_model_len) == []
+    return engine.state
+
+
+def _device(engine, table, now):
+    device = DeviceStep(engine, table)  # the record the host path read is still published
+    try:
+        device.clock[0] = now
+        device.take()
+    finally:
+        device.close()
+    return engine.state
+
+
+def _offline(engine, table, now):
+    r = EVERY_FIELD
+    params = SamplingParams(max_tokens=r.max_tokens, logprobs=r.logprobs, seed=r.seed, stop_token_ids=[3, 4],
+                            service_class=ServiceClass(r.service_class), ttft_slo_ms=r.ttft_slo_ms,
+                            tpot_slo_ms=r.tpot_slo_ms, **{f.name: getattr(r, f.name) for f in FIELDS if f.knob})
+    driver = OfflineDriver(engine)
+    driver.add_request("every-field", r.prompt, params, r.max_tokens)
+    driver._fill_slots()
+    assert list(driver._resident) == [0]
+    return engine.state
+
+
+@pytest.mark.parametrize("path", [_device, _offline], ids=["device", "offline"])
+def test_every_path_lands_a_record_as_the_host_path_does(tiny_engine, small_table, path):
+    now = time.monotonic()
+    host = _host(tiny_engine(), small_table, now)
+    other = path(tiny_engine(), small_table, now)
+    for name in LANDED:
+        assert torch.equal(getattr(other, name)[0], getattr(host, name)[0]), name
+    assert torch.equal(other.tokens[0, :5], host.tokens[0, :5])
+    # The TTFT deadline is the clock at admission plus the SLO; the offline path counts from its own clock.
+    assert other.ttft_deadline[0].item() == pytest.approx(host.ttft_deadline[0].item(), abs=0.05)
+
+
+def test_the_host_path_lands_what_the_record_says(tiny_engine, small_table):
+    engine = tiny_engine()
+    now = time.monotonic()
+    state = _host(engine, small_table, now)
+    r = dataclasses.asdict(EVERY_FIELD)
+    for f in FIELDS:
+        if f.state is not None and f.name not in DERIVED | {"seed"}:
+            assert state.__dict__[f.name][0].item() == pytest.approx(r[f.name], rel=1e-6), f.name
+    assert state.prompt_len[0] == state.seq_len[0] == 5
+    assert state.seed[0] == EVERY_FIELD.seed
+    assert state.stop_ids[0].tolist() == [3, 4] + [-1] * (MAX_STOP_IDS - 2)
+    assert state.tpot_slo[0].item() == pytest.approx(0.040)
+    assert state.ttft_deadline[0].item() == pytest.approx(now + 0.250)
+    assert state.status[0] == SlotStatus.SUBMITTED and state.tokens[0, :5].tolist() == EVERY_FIELD.prompt
+
+
+def test_no_slo_lands_as_none(tiny_engine, small_table):
+    engine = tiny_engine()
+    small_table.publish(1, Request([1, 2, 3], 4))
+    admit_records(engine.state, small_table.slots, [1], time.monotonic(), 0, engine.model_config.vocab_size,
+                  engine.max_model_len)
+    assert math.isinf(engine.state.ttft_deadline[1].item()) and math.isinf(engine.state.tpot_slo[1].item())
+    assert engine.state.logprobs[1] == -1 and not engine.state.ignore_eos[1]
