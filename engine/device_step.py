@@ -24,7 +24,7 @@ from blink.shared.slot_table import SlotTable, slot_dtype
 
 # Every sampling feature is on: a captured step cannot branch on the requests it will meet (neutral parameters
 # leave tokens unchanged).
-ALL_FEATURES = SamplerFeatures(penalties=True, filtering=True, random=True, logprobs=True)
+ALL_FEATURES = SamplerFeatures(**dict.fromkeys(SamplerFeatures.__dataclass_fields__, True))
 
 # What the device modes do not do yet (the host mode does both), said at start-up and in /ready.
 LIMITATIONS = (

@@ -93,7 +93,7 @@ def sampler_features(state: SlotState, slots: Sequence[int]) -> SamplerFeatures:
                  | (state.frequency_penalty[s] != 0))
     filtering = (state.top_k[s] > 0) | (state.top_p[s] < 1) | (state.min_p[s] > 0)
     wanted = torch.stack([penalties.any(), filtering.any(), (state.temperature[s] >= GREEDY_BELOW).any(),
-                          (state.logprobs[s] >= 0).any()])
+                          (state.logprobs[s] >= 0).any(), (state.min_tokens[s] > 0).any()])
     return SamplerFeatures(*wanted.tolist())
 
 

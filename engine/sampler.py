@@ -24,6 +24,7 @@ class SamplerFeatures:
     filtering: bool = False  # top-k, top-p or min-p
     random: bool = False  # some temperature > 0
     logprobs: bool = False
+    min_tokens: bool = False  # some request holds its stops back for its first tokens
 
 
 @dataclass
@@ -39,6 +40,7 @@ class SamplingRows:
     frequency_penalty: torch.Tensor
     seed: torch.Tensor
     step_index: torch.Tensor  # how many tokens the row's request has generated so far
+    held: torch.Tensor | None = None  # [R, K] token ids the row may not sample yet (-1: none), for min_tokens
 
 
 @dataclass
@@ -87,6 +89,12 @@ def apply_penalties(logits: torch.Tensor, rows: SamplingRows, output_counts: tor
     return logits - rows.presence_penalty[:, None] * (output_counts > 0).to(logits.dtype)
 
 
+def hold_back(logits: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
+    """min_tokens: the ids in `held` (-1: none) may not be sampled yet."""
+    hits = torch.zeros_like(logits, dtype=torch.int32).scatter_add_(1, held.clamp(min=0), (held >= 0).int())
+    return logits.masked_fill(hits > 0, float("-inf"))
+
+
 def filter_logits(scaled: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
     """min-p, then top-k, then top-p over what top-k kept; filtered-out entries become -inf."""
     vocab = scaled.shape[-1]
@@ -114,6 +122,8 @@ def sample(
     raw = logits
     if features.penalties:
         logits = apply_penalties(logits, rows, output_counts, prompt_mask)
+    if features.min_tokens:
+        logits = hold_back(logits, rows.held)
     tokens = logits.argmax(-1)
     if features.random:
         greedy = rows.temperature < GREEDY_BELOW

@@ -89,6 +89,10 @@ class Step:
             presence_penalty=state.presence_penalty[slot], frequency_penalty=state.frequency_penalty[slot],
             seed=state.seed[slot], step_index=state.seq_len[slot] - state.prompt_len[slot],
         )
+        if features.min_tokens:  # eos (unless ignored) and the stop ids, while fewer than min_tokens are out
+            eos = self.eos_ids[None, :].expand(R, -1).masked_fill(state.ignore_eos[slot][:, None], -1)
+            young = (rows.step_index < state.min_tokens[slot])[:, None]
+            rows.held = torch.where(young, torch.cat([eos, state.stop_ids[slot]], 1), -1)
         penalties = (state.output_counts[slot], state.prompt_mask[slot]) if features.penalties else (None, None)
         out = sample(logits, rows, features, self.vocab_hash, *penalties)
         return commit(state, pool, mirror, plan, R, out, logits, self.eos_ids, count_outputs=features.penalties)

@@ -20,6 +20,7 @@ class Detokenizer:
     stop: list[str] = field(default_factory=list)
     include_stop: bool = False
     skip_special_tokens: bool = True
+    min_tokens: int = 0  # stop strings count only once more tokens than this are out (vLLM's)
 
     def __post_init__(self) -> None:
         self._stream = DecodeStream(skip_special_tokens=self.skip_special_tokens)
@@ -32,7 +33,7 @@ class Detokenizer:
         self._ids.append(token_id)
         piece = self._stream.step(self.tokenizer, token_id) or ""
         text = self._pending + piece
-        for stop in self.stop:
+        for stop in self.stop if len(self._ids) > self.min_tokens else ():
             at = text.find(stop)
             if at >= 0:
                 self._pending = ""
@@ -47,7 +48,7 @@ class Detokenizer:
         whole = self.tokenizer.decode(self._ids, skip_special_tokens=self.skip_special_tokens)
         rest = whole[self._released:]
         self._pending = ""
-        for stop in self.stop:
+        for stop in self.stop if len(self._ids) > self.min_tokens else ():
             at = rest.find(stop)
             if at >= 0:
                 return self._release(rest[: at + len(stop)] if self.include_stop else rest[:at], stopped=True)

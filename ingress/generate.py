@@ -62,7 +62,8 @@ async def choice_deltas(client: SlotClient, tokenizer: Tokenizer, request: Reque
                         counts_prompt: bool = True) -> AsyncIterator[Delta]:
     """Streams one choice. A token that stops the request (a stop id, or eos) keeps its id but, as in vLLM,
     not its text unless include_stop_str_in_output; counts_prompt is False for a prompt's later choices."""
-    detok = Detokenizer(tokenizer.raw, fields.stop, fields.include_stop_str_in_output, fields.skip_special_tokens)
+    detok = Detokenizer(tokenizer.raw, fields.stop, fields.include_stop_str_in_output, fields.skip_special_tokens,
+                        fields.min_tokens)
     silent_stops = set() if fields.include_stop_str_in_output else set(request.stop_token_ids) | (
         set() if request.ignore_eos else set(eos_token_ids))
     stream = await client.submit(request)

@@ -69,6 +69,9 @@ FIELDS: tuple[RequestField, ...] = (
                      "ttft_deadline)"),
     RequestField("tpot_slo_ms", "<f4", INF, gt=0.0, doc="inf: none (lands as tpot_slo, in seconds)"),
     RequestField("num_stop_ids", "<u4", 0, doc="how many of stop_ids are given"),
+    RequestField("min_tokens", "<u4", 0, "int64", knob=True, ge=0, le=INT32_MAX,
+                 doc="tokens generated before the end-of-sequence token, a stop id or a stop string may end the "
+                     "request (vLLM's)"),
 )
 BY_NAME = {f.name: f for f in FIELDS}
 KNOBS = tuple(f for f in FIELDS if f.knob)

@@ -23,6 +23,7 @@ EVERY_FIELD = Request(
     prompt=[5, 6, 7, 8, 9], max_tokens=7, priority=-3, ignore_eos=True, temperature=0.7, top_p=0.9, top_k=12,
     min_p=0.05, repetition_penalty=1.2, presence_penalty=0.3, frequency_penalty=-0.4, logprobs=3, seed=2**62 + 5,
     service_class=int(ServiceClass.BEST_EFFORT), ttft_slo_ms=250.0, tpot_slo_ms=40.0, stop_token_ids=(3, 4),
+    min_tokens=2,
 )
 DERIVED = {"prompt_len", "num_stop_ids"}  # from the prompt and the stop ids
 # Every state tensor admission writes: the schema's, and what it derives or resets.
@@ -102,3 +103,24 @@ def test_no_slo_lands_as_none(tiny_engine, small_table):
                   engine.max_model_len)
     assert math.isinf(engine.state.ttft_deadline[1].item()) and math.isinf(engine.state.tpot_slo[1].item())
     assert engine.state.logprobs[1] == -1 and not engine.state.ignore_eos[1]
+
+
+def test_every_knob_reaches_both_apis_with_the_schemas_limits():
+    from pydantic import ValidationError
+
+    from blink.ingress.protocol import ChatRequest, CompletionRequest
+    from blink.shared.request_schema import KNOBS
+
+    bodies = {CompletionRequest: {"model": "m", "prompt": "x"},
+              ChatRequest: {"model": "m", "messages": [{"role": "user"}]}, SamplingParams: {}}
+    for model, body in bodies.items():
+        model.model_validate(body)  # valid as it is: any error below is the knob's
+        for f in KNOBS:
+            assert model.model_fields[f.name].default == f.default, (model.__name__, f.name)
+            if f.python_type is bool:
+                continue
+            step = 1e-3 if f.python_type is float else 1
+            for bound, outside in (("ge", -step), ("gt", 0), ("le", step), ("lt", 0)):
+                if (limit := getattr(f, bound)) is not None:
+                    with pytest.raises(ValidationError, match=f.name):
+                        model.model_validate({**body, f.name: f.python_type(limit + outside)})

@@ -122,6 +122,34 @@ def test_penalties_change_greedy_output_in_the_engine(llm):
     assert len(set(penalised)) > len(set(plain)) or max(map(penalised.count, penalised)) <= 2
 
 
+def test_min_tokens_holds_the_stop_ids_back(llm):
+    """vLLM's min_tokens: a stop id (and eos) cannot be sampled until that many tokens are out."""
+    prompt = [[7, 8, 9]]
+    first = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=6))[0].token_ids[0]
+    stopped = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=6, stop_token_ids=[first]))[0]
+    assert stopped.token_ids == [first] and stopped.finish_reason == "stop"
+    held = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=6, stop_token_ids=[first], min_tokens=3,
+                                               logprobs=1))[0]
+    assert len(held.token_ids) >= 3 and first not in held.token_ids[:3]
+    assert first in held.logprobs[0]  # the raw distribution still has it at the top
+
+
+def test_min_tokens_holds_stop_strings_back():
+    from blink.engine.default_model import ensure_default_model
+    from blink.ingress.detokenize import Detokenizer
+    from blink.shared.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(ensure_default_model()).raw
+    ids = tokenizer.encode("ab ab ab ab ab ab").ids
+
+    def first_stop(min_tokens: int) -> int:
+        detok = Detokenizer(tokenizer, ["ab"], min_tokens=min_tokens)
+        return [detok.push(t).stopped for t in ids].index(True)
+
+    unheld = first_stop(0)
+    assert first_stop(unheld + 2) >= unheld + 2  # "ab" came earlier, but not enough tokens were out
+
+
 def test_the_largest_random_draw_stays_below_one():
     from blink.engine.sampler import bits_to_uniform
 
