@@ -78,7 +78,7 @@ def admit(state: SlotState, admitted: torch.Tensor, records: dict[str, torch.Ten
     land("arrival", arrival)
     for name, value in _RESET:
         land(name, value)
-    land("status", SlotStatus.SUBMITTED)
+    land("status", SlotStatus.ADMITTED)
 
 
 def admit_records(state: SlotState, records: np.ndarray, slots: list[int], now: float, arrivals: int, vocab: int,

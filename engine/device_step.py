@@ -14,7 +14,7 @@ import torch
 
 from blink.engine.admission import admit, field_views
 from blink.engine.engine import Engine
-from blink.engine.kernels.exchange import DeviceTable, Inbox, publish, publish_demand, take_requests
+from blink.engine.kernels.exchange import DeviceTable, Inbox, emit, report_demand, take_requests
 from blink.engine.kv_cache import PagePool
 from blink.engine.sampler import SamplerFeatures
 from blink.engine.scheduler import max_chunk_rows, plan
@@ -45,11 +45,11 @@ class DeviceStep:
         # The host's side, in page-locked memory the kernels read and write in place (no copy nodes in the graph):
         self.clock = torch.zeros(1, dtype=torch.float64, pin_memory=pinned)  # the host writes time.monotonic()
         self.limit = torch.full((1,), self.state.num_slots, dtype=torch.int64, pin_memory=pinned)  # admission limit
-        self.published = torch.zeros(2, dtype=torch.int64, pin_memory=pinned)  # [demand, resident], the device's
+        self.demand = torch.zeros(2, dtype=torch.int64, pin_memory=pinned)  # [tokens wanted, resident], the device's
         self.inbox = Inbox.create(self.table, int(table.header["epoch"]), device_alias(self.clock, device),
                                   device_alias(self.limit, device))
         self._record = slot_dtype(table.geometry)
-        self._published = device_alias(self.published, device)
+        self._demand = device_alias(self.demand, device)
         self.buckets = self.step.token_buckets
         self.page_bytes = PagePool.bytes_per_page(engine.model_config, engine.pool.page_size)
         self._last_now = torch.zeros(1, dtype=torch.float64, device=device)
@@ -69,8 +69,8 @@ class DeviceStep:
         # No KV rotation (mirror None): its copies need the host to read move counts between plan and forward.
         planned = plan(state, engine.pool, bucket, ALL_FEATURES.penalties, self.step.policy, None, self.step.cost)
         out = self.step.run(planned, self.shape(bucket), ALL_FEATURES, None)
-        publish(self.table, inbox, state, out, self.page_bytes)
-        publish_demand(state, self._published)
+        emit(self.table, inbox, state, out, self.page_bytes)
+        report_demand(state, self._demand)
 
     def take(self) -> None:
         """Admission: what the ingress published into the state, through the one admission (blink.engine.admission)
@@ -104,7 +104,7 @@ class DeviceDriver:
 
     @property
     def resident(self) -> int:
-        return int(self.step.published[1])
+        return int(self.step.demand[1])
 
     def set_admission_limit(self, limit: int | None) -> None:
         self.step.limit[0] = self.step.state.num_slots if limit is None else limit  # read by the next step

@@ -87,7 +87,7 @@ class GraphDriver(DeviceDriver):
         backoff = IDLE_BACKOFF_S[0]
         while not self._stop.is_set():
             step.clock[0] = time.monotonic()
-            demand, resident = step.published.tolist()
+            demand, resident = step.demand.tolist()
             if resident == 0 and not self._submitted():
                 time.sleep(backoff)
                 backoff = min(backoff * 2, IDLE_BACKOFF_S[1])

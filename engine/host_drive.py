@@ -70,10 +70,10 @@ class HostLoop:
         features = sampler_features(self.engine.state, resident)
         step, mirror = self.engine.step, self.mirror
         plan = step.plan(features, mirror)
-        sizes = plan.sizes.tolist()
-        if mirror and (sizes[4] or sizes[5]):
-            mirror.begin(plan.moves, sizes[4], sizes[5])
-        if sizes[0] == 0 and not self.engine.state.cancel[list(resident)].any():
+        sizes = plan.read_sizes()
+        if mirror and (sizes.pages_out or sizes.pages_in):
+            mirror.begin(plan.moves, sizes.pages_out, sizes.pages_in)
+        if sizes.tokens == 0 and not self.engine.state.cancel[list(resident)].any():
             if mirror:
                 mirror.end()
             return {}  # every resident sequence is paused or waiting; a cancelled one needs the commit to end it
@@ -82,7 +82,7 @@ class HostLoop:
             mirror.end()
         self.last_output, self.ran = out, True
         events = _events(out, resident, features, self.engine.state, self.page_bytes)
-        self.cost_model.observe(sizes[0], time.perf_counter() - started)
+        self.cost_model.observe(sizes.tokens, time.perf_counter() - started)
         return events
 
 

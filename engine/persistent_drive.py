@@ -313,7 +313,7 @@ class PersistentDriver(DeviceDriver):
         table, S = step.table, step.table.geometry.num_slots
         fields = slot_dtype(table.geometry).fields
         values = [self._handles.data_ptr(), int(not self.switch), self._buckets.data_ptr(), n,
-                  self._mapped(self._stop), step._published.data_ptr(), step.inbox.fenced.data_ptr(),
+                  self._mapped(self._stop), step._demand.data_ptr(), step.inbox.fenced.data_ptr(),
                   step.inbox.epoch.data_ptr(), table.memory.data_ptr() + HEADER_BYTES, S, table.record_bytes,
                   fields["state"][1], fields["epoch"][1], self._mapped(step.clock), self._origin_s.data_ptr(),
                   self._origin_ns.data_ptr()]

@@ -10,6 +10,7 @@ are `sizes`, to pick the forward's buckets and to run the page copies.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -48,7 +49,20 @@ class StepPlan:
     sample_token: torch.Tensor  # [S] batch index of each sampling row's last token
     sample_valid: torch.Tensor  # [S]
     moves: PageMoves | None  # KV rotation's page copies, when the engine has a host mirror
-    sizes: torch.Tensor  # [6]: tokens, longest context, decode rows, chunk rows, pages out, pages in
+    sizes: torch.Tensor  # [6]: PlanSizes's fields, on the device
+
+    def read_sizes(self) -> PlanSizes:
+        """The host's one read of a plan (a sync): what it needs to pick the forward's buckets and copy pages."""
+        return PlanSizes(*self.sizes.tolist())
+
+
+class PlanSizes(NamedTuple):
+    tokens: int  # live tokens the step computes
+    max_context: int  # the longest context a sequence attends to
+    decode_rows: int  # sequences computing one token
+    chunk_rows: int  # blocks of sequences computing several (prefill chunks)
+    pages_out: int  # KV pages rotating to the host mirror
+    pages_in: int  # and back
 
 
 def plan(state: SlotState, pool: PagePool, token_budget: int, track_prompts: bool, policy: Policy,
@@ -60,7 +74,7 @@ def plan(state: SlotState, pool: PagePool, token_budget: int, track_prompts: boo
     page = pool.page_size
 
     # Admit.
-    admitted = state.status == SlotStatus.SUBMITTED
+    admitted = state.status == SlotStatus.ADMITTED
     state.status.masked_fill_(admitted, SlotStatus.RUNNING)
     if track_prompts:
         _track_prompt_tokens(state, admitted)

@@ -1,8 +1,8 @@
 """The engine's per-slot sequence state: fixed-size tensors on the engine's device.
 
-Admission (blink.engine.admission) copies a request record into an EMPTY slot and marks it SUBMITTED; everything
+Admission (blink.engine.admission) copies a request record into a FREE slot and marks it ADMITTED; everything
 after that (scheduling, page bookkeeping, stop checks) is done by the step on the device. The driver reads a
-slot's outputs and returns it to EMPTY once it is FINISHED.
+slot's outputs and returns it to FREE once it is FINISHED.
 """
 
 from __future__ import annotations
@@ -15,8 +15,11 @@ from blink.shared.request_schema import FIELDS, MAX_STOP_IDS
 
 
 class SlotStatus(IntEnum):
-    EMPTY = 0
-    SUBMITTED = 1
+    """A slot as the engine sees it; the slot table's words for the same moments (blink.shared.slot_table.SlotState:
+    FREE, SUBMITTED, ADMITTED, FINISHED), with RUNNING once a step has planned it."""
+
+    FREE = 0
+    ADMITTED = 1  # its request is in the state; no step has planned it yet
     RUNNING = 2
     FINISHED = 3
 
@@ -65,4 +68,4 @@ class SlotState:
 
     def release_slot(self, slot: int) -> None:
         """Host side: the slot's outputs have been read; it may take a new request."""
-        self.status[slot] = SlotStatus.EMPTY
+        self.status[slot] = SlotStatus.FREE

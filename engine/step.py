@@ -19,7 +19,7 @@ from blink.engine.model import Transformer
 from blink.engine.policy import Policy
 from blink.engine.rotation import HostMirror
 from blink.engine.sampler import SamplerFeatures, SamplingRows, hash32, sample
-from blink.engine.scheduler import QUERY_BLOCK, StepPlan, plan
+from blink.engine.scheduler import QUERY_BLOCK, PlanSizes, StepPlan, plan
 from blink.engine.state import SlotState
 
 
@@ -64,15 +64,13 @@ class Step:
         """mirror: where KV pages rotate (the host drive mode's); None: preempted requests are recomputed."""
         return plan(self.state, self.pool, self.token_budget, features.penalties, self.policy, mirror, self.cost)
 
-    def shape_for(self, sizes: list[int]) -> StepShape:
-        """sizes: `plan.sizes` read on the host."""
-        num_tokens, max_context, decodes, chunks = sizes[:4]
-        tokens = _bucket(self.token_buckets, num_tokens)
+    def shape_for(self, sizes: PlanSizes) -> StepShape:
+        tokens = _bucket(self.token_buckets, sizes.tokens)
         return StepShape(
             tokens=tokens,
-            context=_bucket(self.context_buckets, max_context),
-            decode_rows=decodes,
-            chunk_rows=chunks,
+            context=_bucket(self.context_buckets, sizes.max_context),
+            decode_rows=sizes.decode_rows,
+            chunk_rows=sizes.chunk_rows,
             rows=min(self.state.num_slots, tokens),
         )
 

@@ -158,7 +158,7 @@ class Watchdog:
 
     def run(self, stop: threading.Event) -> None:
         tick = min(0.1, self.deadline_s / 10)
-        self.publish("watchdog_started", deadline_s=self.deadline_s)
+        self.announce("watchdog_started", deadline_s=self.deadline_s)
         try:
             while not stop.is_set():  # not stop.wait(): a signal handler sets it on this thread (see engine_service)
                 time.sleep(tick)
@@ -205,7 +205,7 @@ class Watchdog:
             if isinstance(info, control.EngineInfo):
                 self.supervisor.pids[ENGINE] = info.pid
         epoch = int(self.table.header["epoch"]) if self.table is not None else None
-        self.publish("engine_ready", epoch=epoch, restarts=watch.failures)
+        self.announce("engine_ready", epoch=epoch, restarts=watch.failures)
 
     def fail_engine(self, reason: str) -> None:
         """Kill first, then end the epoch: a stopped engine that resumed must find its epoch over."""
@@ -216,7 +216,7 @@ class Watchdog:
             self._header()
         # The table this watchdog maps, even if the engine unlinked it: an ingress may still map that one too.
         epoch = self.table.fail_over() if self.table is not None else None
-        self.publish("engine_failed", reason=reason, new_epoch=epoch, failures=watch.failures)
+        self.announce("engine_failed", reason=reason, new_epoch=epoch, failures=watch.failures)
         self.supervisor.restart(ENGINE)
         watch.starting_since = time.monotonic()
 
@@ -249,7 +249,7 @@ class Watchdog:
             watch.starting_since = None
             if isinstance(self.supervisor, PidSupervisor):
                 self.supervisor.pids[INGRESS] = answered.pid
-            self.publish("ingress_ready", restarts=watch.failures)
+            self.announce("ingress_ready", restarts=watch.failures)
         if watch.starting_since is not None:
             # An ingress waits for the engine's handshake before it answers: give it the engine's time too.
             limit_s = INGRESS_START_S + self.settings.engine_start_timeout
@@ -268,14 +268,14 @@ class Watchdog:
         self._lost_since = self._lost_since if self._lost_since is not None else now
         if now - self._lost_since <= self.deadline_s:
             return
-        self.publish("transport_lost", transport=status.transport, reason=status.transport_lost)
+        self.announce("transport_lost", transport=status.transport, reason=status.transport_lost)
         try:
             reply = control.request(self.settings.ingress_control_endpoint, control.SwitchTransport(transport="zmq"),
                                     self.keys, timeout_s=self.deadline_s)
         except TimeoutError as e:
             reply = control.Failure(message=str(e))
         switched = isinstance(reply, control.Ack)
-        self.publish("transport_switched" if switched else "transport_switch_failed", to="zmq",
+        self.announce("transport_switched" if switched else "transport_switch_failed", to="zmq",
                      reason=None if switched else getattr(reply, "message", reply.type))
         self._lost_since = None if switched else now  # a failed switch is tried again after another deadline
 
@@ -304,7 +304,7 @@ class Watchdog:
     def fail_ingress(self, reason: str) -> None:
         watch = self.watch[INGRESS]
         watch.failures += 1
-        self.publish("ingress_failed", reason=reason, failures=watch.failures)
+        self.announce("ingress_failed", reason=reason, failures=watch.failures)
         if self._ping is not None:
             self._ping.close()
             self._ping = None
@@ -313,7 +313,7 @@ class Watchdog:
 
     # -- reporting -----------------------------------------------------------------------------------------
 
-    def publish(self, event: str, **fields: object) -> None:
+    def announce(self, event: str, **fields: object) -> None:
         (log.warning if event.endswith("failed") else log.info)(event, **fields)
         body = {"event": event, "deployment": self.settings.deployment, "time": time.time(), **fields}
         self.events.send(json.dumps(body).encode())

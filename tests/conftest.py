@@ -12,6 +12,28 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+def _rdma_missing() -> str | None:
+    try:
+        from blink.shared.rdma import RdmaUnavailable, devices
+    except ImportError:
+        return "needs pyverbs (pip install 'blink-serve[rdma]')"
+    try:
+        return None if devices() else "needs an RDMA device (ibv_devices lists none)"
+    except RdmaUnavailable as e:
+        return f"needs an RDMA device: {e}"
+
+
+def pytest_collection_modifyitems(config, items):
+    """A `gpu` or `rdma` test skips, saying why, on a machine without what it needs; no test spells that out."""
+    missing = {"gpu": None if torch.cuda.is_available() else "needs a CUDA device", "rdma": None}
+    if any("rdma" in item.keywords for item in items):
+        missing["rdma"] = _rdma_missing()
+    for item in items:
+        for marker, why in missing.items():
+            if why and marker in item.keywords:
+                item.add_marker(pytest.mark.skip(reason=why))
+
+
 CHECKPOINT_KINDS = ["llama-gqa", "llama3-rope", "mistral", "qwen2", "qwen3", "llama-tied", "llama-bias"]
 
 

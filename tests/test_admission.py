@@ -93,7 +93,7 @@ def test_the_host_path_lands_what_the_record_says(tiny_engine, small_table):
     assert state.stop_ids[0].tolist() == [3, 4] + [-1] * (MAX_STOP_IDS - 2)
     assert state.tpot_slo[0].item() == pytest.approx(0.040)
     assert state.ttft_deadline[0].item() == pytest.approx(now + 0.250)
-    assert state.status[0] == SlotStatus.SUBMITTED and state.tokens[0, :5].tolist() == EVERY_FIELD.prompt
+    assert state.status[0] == SlotStatus.ADMITTED and state.tokens[0, :5].tolist() == EVERY_FIELD.prompt
 
 
 def test_no_slo_lands_as_none(tiny_engine, small_table):

@@ -49,7 +49,7 @@ def _device(engine: Engine, table: SlotTable) -> tuple[DeviceStep, callable]:
 
     def step():
         device.clock[0] = time.monotonic()
-        device.run(device.bucket_for(int(device.published[0])))
+        device.run(device.bucket_for(int(device.demand[0])))
 
     return device, step
 
@@ -66,7 +66,7 @@ def test_device_step_serves_the_table_as_the_host_driver_does(tiny_engine, table
     assert got == expected
     assert [len(got[s][0]) for s in (0, 1, 2)] == [6, 5, 7]
     assert got[0][1][0] != [0, 0] and all(ids == [0, 0] for ids in got[1][1])  # top logprobs only where asked
-    assert int(device.published[1]) == 0  # nothing resident: every slot was handed back
+    assert int(device.demand[1]) == 0  # nothing resident: every slot was handed back
 
 
 def test_invalid_records_end_and_a_newer_epoch_fences_the_device(tiny_engine, table):

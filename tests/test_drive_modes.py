@@ -13,8 +13,6 @@ from blink.bench.server import running_server
 from blink.engine.drive_modes import candidates
 from blink.shared.slot_table import Geometry, Request, SlotTable
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
 
 def test_the_cpu_runs_the_host_mode_and_says_why_not_the_others():
     modes, reasons = candidates("auto", torch.device("cpu"))
@@ -37,7 +35,6 @@ def test_serve_asked_for_persistent_on_the_cpu_runs_host_and_reports_it(tmp_path
     assert "drive mode unavailable" in log and "needs a CUDA device" in log
 
 
-@needs_cuda
 @pytest.mark.gpu
 def test_graph_mode_gives_the_host_modes_greedy_tokens(checkpoint):
     from blink.engine.drive_modes import build

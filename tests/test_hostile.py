@@ -23,6 +23,8 @@ from blink.ingress.zmq_client import BlinkError, Client
 from blink.shared import control, sockets
 from blink.shared.slot_table import SlotTable
 
+pytestmark = pytest.mark.slow  # whole deployments (blink serve): CI runs them; `-m "not slow"` skips them
+
 MODEL = "blink-tiny-llama-v1"
 KEY = "sekret-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}

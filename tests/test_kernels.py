@@ -221,7 +221,7 @@ def test_the_triton_path_reads_nothing_on_the_host(checkpoint, monkeypatch):
         driver._fill_slots()
         with host_reads_forbidden():
             plan = llm.engine.step.plan(features, llm.engine.mirror)
-        shape = llm.engine.step.shape_for(plan.sizes.tolist())
+        shape = llm.engine.step.shape_for(plan.read_sizes())
         with host_reads_forbidden():
             llm.engine.step.run(plan, shape, features, llm.engine.mirror)
     assert {name for name, _ in log} == {"_paged_attention_kernel", "_rope_and_cache_kernel", "_rms_norm_kernel"}

@@ -17,7 +17,6 @@ from blink.engine.host_drive import HostDriver
 from blink.engine.persistent_drive import PersistentDriver, PersistentUnavailable, unavailable_reason
 from blink.shared.slot_table import Finish, Request, SlotTable
 
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU machine's reason")
 
 GREEDY = {
@@ -139,7 +138,6 @@ def _host_reference(tiny_engine, table: SlotTable, requests: dict[int, Request])
     return got
 
 
-@needs_gpu
 @pytest.mark.gpu
 def test_the_loop_serves_the_table_as_the_host_driver_does(tiny_engine, table, persistent):
     expected = _host_reference(tiny_engine, table, GREEDY)
@@ -164,7 +162,6 @@ def test_the_loop_serves_the_table_as_the_host_driver_does(tiny_engine, table, p
     assert persistent.launches == 1
 
 
-@needs_gpu
 @pytest.mark.gpu
 def test_stopping_and_restarting_the_loop_loses_no_token(tiny_engine, table, persistent):
     expected = _host_reference(tiny_engine, table, LONG)

@@ -27,20 +27,6 @@ from blink.shared.replica_table import ReplicaTable
 from blink.shared.slot_table import HEADER_BYTES, Finish, Geometry, Request, SlotState, SlotTable
 
 
-def _rdma_device() -> bool:
-    try:
-        from blink.shared.rdma import RdmaUnavailable, devices
-    except ImportError:
-        return False
-    try:
-        return bool(devices())
-    except RdmaUnavailable:
-        return False
-
-
-needs_rdma = pytest.mark.skipif(not _rdma_device(), reason="needs pyverbs and an RDMA device")
-
-
 class RecordingMemory(MappedMemory):
     """MappedMemory that also keeps the order of the regions written (the copies are the real ones)."""
 
@@ -260,10 +246,11 @@ def test_doctor_names_each_transport_and_drive_mode_and_why():
                 ("drive", "graph"), ("drive", "persistent")):
         assert key in found and found[key]["why"]
     assert found[("transport", "zmq")]["available"] and found[("drive", "host")]["available"]
-    assert found[("transport", "rdma")]["available"] == _rdma_device()
+    from conftest import _rdma_missing
+
+    assert found[("transport", "rdma")]["available"] == (_rdma_missing() is None)
 
 
-@needs_rdma
 @pytest.mark.rdma
 def test_serve_over_a_loopback_queue_pair_and_reconnect_after_an_engine_restart(tmp_path):
     import os

@@ -26,6 +26,8 @@ from blink.shared import control
 from blink.shared.service_class import ServiceClass
 from blink.shared.slot_table import Finish, Geometry, Request, SlotTable
 
+pytestmark = pytest.mark.slow  # whole deployments (blink serve): CI runs them; `-m "not slow"` skips them
+
 MODEL = "blink-tiny-llama-v1"
 PROMPTS = ["Once upon a time", "The quick brown fox", "Question: What is two plus two?", "Dear team,"]
 

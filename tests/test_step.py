@@ -48,7 +48,7 @@ def test_plan_and_run_never_read_tensors_on_the_host(checkpoint):
         resident = sorted(driver._resident)
         with host_reads_forbidden():
             plan = step.plan(features, llm.engine.mirror)
-        shape = step.shape_for(plan.sizes.tolist())  # the one read the host loop is allowed
+        shape = step.shape_for(plan.read_sizes())  # the one read the host loop is allowed
         with host_reads_forbidden():
             out = step.run(plan, shape, features, llm.engine.mirror)
         for slot, event in _events(out, resident, features, llm.engine.state, page_bytes=0).items():
@@ -86,10 +86,9 @@ def test_pages_are_handed_out_once_and_all_come_back():
     assert (table[:, :-1] == 0).all()  # the last column is trash
 
 
-@pytest.mark.parametrize("device", [pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_cuda_greedy_matches_cpu(checkpoint, device):
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
+@pytest.mark.gpu
+def test_cuda_greedy_matches_cpu(checkpoint):
+    device = "cuda"
     model_dir = str(checkpoint("llama3-rope"))
     prompts = [list(range(1, n)) for n in (5, 20, 45)]
     params = SamplingParams(temperature=0, max_tokens=12)

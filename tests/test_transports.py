@@ -22,6 +22,8 @@ from blink.shared import control
 from blink.shared.slot_table import SlotTable
 from tests.test_watchdog import MODEL, engine_pid, stream, wait_ready_and_serving, wait_until
 
+pytestmark = pytest.mark.slow  # whole deployments (blink serve): CI runs them; `-m "not slow"` skips them
+
 PROMPTS = ["Once upon a time", "The engine admits", "Hello, my name is"]
 
 

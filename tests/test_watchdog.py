@@ -21,6 +21,8 @@ from blink.bench.server import running_server
 from blink.shared import control, sockets
 from blink.shared.slot_table import SlotState, SlotTable
 
+pytestmark = pytest.mark.slow  # whole deployments (blink serve): CI runs them; `-m "not slow"` skips them
+
 MODEL = "blink-tiny-llama-v1"
 DEADLINE_S = 2.0
 SLACK_S = 1.5  # the watchdog's tick, the ingress's poll, the client's read

@@ -31,8 +31,8 @@ FIELDS = ("state", "epoch", "cancel", "prompt_len", "logprobs", "prompt", "produ
  K_PAGES_OUT, K_PAGES_IN, K_BYTES_OUT, K_BYTES_IN, K_WAIT_MS, K_TOKENS, K_LOGPROB, K_TOP_IDS,
  K_TOP_LOGPROBS) = (tl.constexpr(i) for i in range(len(FIELDS)))
 
-# The engine's slot states (blink.engine.state.SlotStatus), restated: that module imports torch-side state.
-EMPTY = tl.constexpr(0)
+# The engine's FREE slot status (blink.engine.state.SlotStatus), restated as a Triton constant.
+ENGINE_FREE = tl.constexpr(0)
 SUBMITTED = tl.constexpr(int(SlotState.SUBMITTED))
 ADMITTED = tl.constexpr(int(SlotState.ADMITTED))
 FINISHED = tl.constexpr(int(SlotState.FINISHED))
@@ -87,16 +87,17 @@ def _select(table, offsets, epoch, status, cancel, paused, admit, arrival, arriv
     states = _load_acquire(_field(record, offsets, K_STATE, tl.uint32), INTERPRET)
     tl.debug_barrier()  # every thread's payload reads come after the acquire
     epochs = tl.load(_field(record, offsets, K_EPOCH, tl.uint32))
-    engine = tl.load(status + s, mask=real, other=EMPTY)
-    wanted = real & (states == SUBMITTED) & (epochs.to(tl.uint64) == tl.load(epoch).to(tl.uint64)) & (engine == EMPTY)
-    room = tl.load(limit) - tl.sum((engine != EMPTY).to(tl.int64))
+    engine = tl.load(status + s, mask=real, other=ENGINE_FREE)
+    ours = epochs.to(tl.uint64) == tl.load(epoch).to(tl.uint64)
+    wanted = real & (states == SUBMITTED) & ours & (engine == ENGINE_FREE)
+    room = tl.load(limit) - tl.sum((engine != ENGINE_FREE).to(tl.int64))
     rank = tl.cumsum(wanted.to(tl.int64), 0)
     take = wanted & (rank <= room)
     first = tl.load(arrivals)
     tl.store(admit + s, take, mask=real)
     tl.store(arrival + s, first + rank - 1, mask=take)
     tl.store(arrivals, first + tl.sum(take.to(tl.int64)))
-    resident = real & (engine != EMPTY)
+    resident = real & (engine != ENGINE_FREE)
     produced = tl.load(_field(record, offsets, K_PRODUCED, tl.uint32)).to(tl.int64)
     consumed = tl.load(_field(record, offsets, K_CONSUMED, tl.uint32), volatile=True).to(tl.int64)
     tl.store(cancel + s, tl.load(_field(record, offsets, K_CANCEL, tl.uint32), volatile=True) != 0, mask=resident)
@@ -142,7 +143,7 @@ def _admit(table, offsets, admit, tokens, tokens_stride, requests, SPAN_START: t
 
 
 @triton.jit
-def _publish(table, offsets, fenced, token, finish, logprob, top_ids, top_logprobs, top_stride, status,
+def _emit(table, offsets, fenced, token, finish, logprob, top_ids, top_logprobs, top_stride, status,
              preemptions, pages_out, pages_in, wait_s, page_bytes, RECORD: tl.constexpr, WINDOW: tl.constexpr,
              TOP: tl.constexpr, WIDTH: tl.constexpr, BLOCK_TOP: tl.constexpr, HEADER_STEPS: tl.constexpr,
              INTERPRET: tl.constexpr):
@@ -182,7 +183,7 @@ def _publish(table, offsets, fenced, token, finish, logprob, top_ids, top_logpro
         tl.store(_field(record, offsets, K_FINISH, tl.uint32), reason.to(tl.uint32))
         tl.debug_barrier()
         _store_release(_field(record, offsets, K_STATE, tl.uint32), tl.full((), FINISHED, tl.uint32), INTERPRET)
-        tl.store(status + s, EMPTY)  # the slot is the ingress's again; the engine forgets it
+        tl.store(status + s, ENGINE_FREE)  # the slot is the ingress's again; the engine forgets it
 
 
 @dataclass
@@ -244,11 +245,11 @@ def take_requests(table: DeviceTable, inbox: Inbox, state, vocab: int, max_len: 
                  INTERPRET=INTERPRET)
 
 
-def publish(table: DeviceTable, inbox: Inbox, state, out, page_bytes: int) -> None:
+def emit(table: DeviceTable, inbox: Inbox, state, out, page_bytes: int) -> None:
     """Writes each slot's token and finish (`out`: a blink.engine.commit.StepOutput) into the table."""
     g = table.geometry
     top = min(g.top_logprobs, out.top_ids.shape[1])
-    _publish[(state.num_slots,)](table.memory, table.offsets, inbox.fenced, out.token, out.finish_reason,
+    _emit[(state.num_slots,)](table.memory, table.offsets, inbox.fenced, out.token, out.finish_reason,
                                  out.logprob, out.top_ids, out.top_logprobs, out.top_ids.stride(0), state.status,
                                  state.preemptions, state.pages_out, state.pages_in, state.wait_s, page_bytes,
                                  RECORD=table.record_bytes, WINDOW=g.window, TOP=g.top_logprobs, WIDTH=top,
@@ -257,21 +258,21 @@ def publish(table: DeviceTable, inbox: Inbox, state, out, page_bytes: int) -> No
 
 
 @triton.jit
-def _demand(status, paused, seq_len, num_computed, published, S, BLOCK_S: tl.constexpr):
+def _demand(status, paused, seq_len, num_computed, demand, S, BLOCK_S: tl.constexpr):
     s = tl.arange(0, BLOCK_S)
     real = s < S
-    resident = real & (tl.load(status + s, mask=real, other=EMPTY) != EMPTY)
+    resident = real & (tl.load(status + s, mask=real, other=ENGINE_FREE) != ENGINE_FREE)
     waiting = resident & ~tl.load(paused + s, mask=real, other=False)
     computed = tl.load(num_computed + s, mask=waiting, other=0)
     wants = tl.maximum(tl.load(seq_len + s, mask=waiting, other=0) - computed, 0)
-    tl.store(published, tl.sum(wants))
-    tl.store(published + 1, tl.sum(resident.to(tl.int64)))
+    tl.store(demand, tl.sum(wants))
+    tl.store(demand + 1, tl.sum(resident.to(tl.int64)))
 
 
-def publish_demand(state, published: torch.Tensor) -> None:
-    """[tokens the resident requests want next step, requests resident] into `published` (host memory the driver
+def report_demand(state, demand: torch.Tensor) -> None:
+    """[tokens the resident requests want next step, requests resident] into `demand` (host memory the driver
     reads when it likes; a kernel, not a copy, so it may sit inside a conditional graph node)."""
-    _demand[(1,)](state.status, state.paused, state.seq_len, state.num_computed, published, state.num_slots,
+    _demand[(1,)](state.status, state.paused, state.seq_len, state.num_computed, demand, state.num_slots,
                   BLOCK_S=next_power_of_2(state.num_slots))
 
 
