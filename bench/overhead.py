@@ -72,7 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> None:
     from blink.engine import LLM
-    from blink.engine.default_model import ensure_default_model
+    from blink.engine.model.default_model import ensure_default_model
 
     model_dir = args.model or ensure_default_model()
     requests = workload(args.num_requests, args.seed)

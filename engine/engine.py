@@ -8,16 +8,16 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
-from blink.engine.checkpoint import load_config, read_generation_defaults
-from blink.engine.default_model import ensure_default_model
+from blink.engine.core.kv_cache import PagePool
+from blink.engine.core.policy import Policy
+from blink.engine.core.rotation import HostMirror
+from blink.engine.core.state import SlotState
+from blink.engine.core.step import Step
 from blink.engine.device import available_memory, configure_threads, resolve_device
-from blink.engine.kv_cache import PagePool
-from blink.engine.model import Transformer
-from blink.engine.model_config import DTYPES, ModelConfig
-from blink.engine.policy import Policy
-from blink.engine.rotation import HostMirror
-from blink.engine.state import SlotState
-from blink.engine.step import Step
+from blink.engine.model.checkpoint import load_config, read_generation_defaults
+from blink.engine.model.config import DTYPES, ModelConfig
+from blink.engine.model.default_model import ensure_default_model
+from blink.engine.model.model import Transformer
 from blink.shared.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -35,7 +35,7 @@ class EngineConfig:
     num_pages: int | None = None  # explicit pool size, the null page included
     kv_memory_fraction: float | None = None  # of the device's free memory after loading weights
     seed: int = 0  # seeds requests that bring none
-    scheduling_policy: str = "slo"  # fcfs | priority | slo (blink.engine.policy)
+    scheduling_policy: str = "slo"  # fcfs | priority | slo (blink.engine.core.policy)
     swap_space: float = 4.0  # GiB of host memory for KV rotation; 0: recompute preempted requests instead
 
     def validate(self) -> None:

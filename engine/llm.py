@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from blink.engine.drive.offline import OfflineDriver
 from blink.engine.engine import Engine, EngineConfig
 from blink.engine.errors import RequestError
-from blink.engine.offline_drive import OfflineDriver
 from blink.engine.sampling_params import SamplingParams
 
 Prompt = str | list[int]

@@ -206,7 +206,7 @@ def _keygen(target: Path) -> int:
 
 
 def _model_init(target: Path | None) -> int:
-    from blink.engine.default_model import default_model_dir, write_default_model
+    from blink.engine.model.default_model import default_model_dir, write_default_model
 
     print(write_default_model(target or default_model_dir()))
     return 0

@@ -47,7 +47,7 @@ def _drive_modes() -> list[Capability]:
         return [device, host, *_device_modes("torch is not installed")]
     import torch
 
-    from blink.engine.drive_modes import unavailable
+    from blink.engine.drive.modes import unavailable
 
     if not torch.cuda.is_available():
         cpu = Capability("device", "cpu", True, "no CUDA device: the engine runs on the CPU (degraded)")

@@ -10,8 +10,8 @@ import time
 import structlog
 import zmq
 
-from blink.engine import drive_modes
-from blink.engine.driver import Driver, Fenced
+from blink.engine.drive import modes as drive_modes
+from blink.engine.drive.driver import Driver, Fenced
 from blink.engine.engine import Engine, EngineConfig
 from blink.services.relay import Relay
 from blink.shared import control, sockets

@@ -133,7 +133,7 @@ class EngineInfo(BaseModel):
     pid: int
     scheduling_policy: str = "slo"
     kv_host_pages: int = 0  # the host mirror KV pages rotate to; 0: recompute only
-    limitations: list[str] = []  # what the drive mode does not do yet (blink.engine.driver.Driver)
+    limitations: list[str] = []  # what the drive mode does not do yet (blink.engine.drive.driver.Driver)
 
 
 class EngineStatus(BaseModel):

@@ -4,7 +4,7 @@ Each field of a request as it crosses the slot table: its name, its type in a sl
 limits, and the engine state tensor it lands in. Everything else derives from this table: the record's layout
 (blink.shared.slot_table), the `Request` the ingress publishes, the limits the ingress and the offline API
 validate (and so the OpenAPI schema), the engine's per-slot state tensors and the one admission that copies a
-record into them (blink.engine.admission, on the host and on the device).
+record into them (blink.engine.core.admission, on the host and on the device).
 
 A *knob* is a sampling parameter that means the same everywhere: the same name in the OpenAI body, in
 `SamplingParams`, in the record and in the engine's state, copied as it is. Adding one is a line here and the

@@ -45,7 +45,7 @@ def _blink_cache(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory) -> Path:
-    from blink.engine.default_model import train_tokenizer
+    from blink.engine.model.default_model import train_tokenizer
 
     path = tmp_path_factory.mktemp("tokenizer")
     train_tokenizer().save(str(path / "tokenizer.json"))

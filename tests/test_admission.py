@@ -11,11 +11,11 @@ import time
 import pytest
 import torch
 
-from blink.engine.admission import admit_records
-from blink.engine.device_step import DeviceStep
-from blink.engine.offline_drive import OfflineDriver
+from blink.engine.core.admission import admit_records
+from blink.engine.core.state import SlotStatus
+from blink.engine.drive.device_step import DeviceStep
+from blink.engine.drive.offline import OfflineDriver
 from blink.engine.sampling_params import SamplingParams
-from blink.engine.state import SlotStatus
 from blink.shared.request_schema import FIELDS, MAX_STOP_IDS, Request
 from blink.shared.service_class import ServiceClass
 

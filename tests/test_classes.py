@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from blink.engine import LLM, SamplingParams
-from blink.engine.sampler import SamplerFeatures
+from blink.engine.core.sampler import SamplerFeatures
 from blink.shared.service_class import ServiceClass
 
 LS, BE = ServiceClass.LATENCY_SENSITIVE, ServiceClass.BEST_EFFORT

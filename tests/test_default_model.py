@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 from blink.engine import LLM, SamplingParams
-from blink.engine.default_model import write_default_model
+from blink.engine.model.default_model import write_default_model
 
 
 def test_model_init_writes_the_same_checkpoint_every_time(tmp_path):

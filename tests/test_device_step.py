@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from blink.engine.device_step import DeviceStep
+from blink.engine.drive.device_step import DeviceStep
+from blink.engine.drive.host import HostDriver
 from blink.engine.engine import Engine
-from blink.engine.host_drive import HostDriver
 from blink.shared.slot_table import Finish, Request, SlotState, SlotTable
 
 REQUESTS = {

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from blink.bench.server import running_server
-from blink.engine.drive_modes import candidates
+from blink.engine.drive.modes import candidates
 from blink.shared.slot_table import Geometry, Request, SlotTable
 
 
@@ -37,7 +37,7 @@ def test_serve_asked_for_persistent_on_the_cpu_runs_host_and_reports_it(tmp_path
 
 @pytest.mark.gpu
 def test_graph_mode_gives_the_host_modes_greedy_tokens(checkpoint):
-    from blink.engine.drive_modes import build
+    from blink.engine.drive.modes import build
     from blink.engine.engine import Engine, EngineConfig
 
     def engine():
@@ -82,8 +82,8 @@ def _until(condition, timeout_s: float = 30) -> None:
 
 def test_the_host_driver_steps_by_itself_behind_the_driver_interface(tiny_engine, small_table):
     """What the engine service uses of any driver: start, the admission limit, resident, stop, failure."""
-    from blink.engine.drive_modes import build
-    from blink.engine.driver import Fenced
+    from blink.engine.drive.driver import Fenced
+    from blink.engine.drive.modes import build
 
     table = small_table
     driver = build("host", tiny_engine(), table)
@@ -109,7 +109,7 @@ def test_the_host_driver_steps_by_itself_behind_the_driver_interface(tiny_engine
 
 def test_a_driver_without_kv_rotation_does_not_hold_the_mirror(tiny_engine, small_table):
     """The device modes' step is built without the host mirror, and says so; the engine never allocates it."""
-    from blink.engine.device_step import LIMITATIONS, DeviceStep
+    from blink.engine.drive.device_step import LIMITATIONS, DeviceStep
 
     engine = tiny_engine()
     step = DeviceStep(engine, small_table)

@@ -7,18 +7,18 @@ import pytest
 import torch
 
 from blink.engine import LLM, SamplingParams
-from blink.engine.attention import AttentionBatch, build_row_group
-from blink.engine.attention import paged_attention as reference_attention
+from blink.engine.core.sampler import SamplerFeatures
+from blink.engine.core.scheduler import QUERY_BLOCK, QueryRows
 from blink.engine.kernels import attention as attention_kernel
 from blink.engine.kernels import rms_norm as norm_kernel
 from blink.engine.kernels import rope_kv as rope_kernel
 from blink.engine.kernels.attention import paged_attention
 from blink.engine.kernels.rms_norm import add_rms_norm, rms_norm
 from blink.engine.kernels.rope_kv import rope_and_cache
-from blink.engine.model import rms_norm as reference_rms_norm
-from blink.engine.rope import apply_rope
-from blink.engine.sampler import SamplerFeatures
-from blink.engine.scheduler import QUERY_BLOCK, QueryRows
+from blink.engine.model.attention import AttentionBatch, build_row_group
+from blink.engine.model.attention import paged_attention as reference_attention
+from blink.engine.model.model import rms_norm as reference_rms_norm
+from blink.engine.model.rope import apply_rope
 from tests.test_step import host_reads_forbidden
 
 TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3),

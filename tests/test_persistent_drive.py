@@ -11,10 +11,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from blink.engine import persistent_drive
-from blink.engine.device_step import DeviceStep
-from blink.engine.host_drive import HostDriver
-from blink.engine.persistent_drive import PersistentDriver, PersistentUnavailable, unavailable_reason
+from blink.engine.drive import persistent as persistent_drive
+from blink.engine.drive.device_step import DeviceStep
+from blink.engine.drive.host import HostDriver
+from blink.engine.drive.persistent import PersistentDriver, PersistentUnavailable, unavailable_reason
 from blink.shared.slot_table import Finish, Request, SlotTable
 
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU machine's reason")

@@ -19,7 +19,7 @@ import zmq
 
 from blink.bench.server import running_server
 from blink.engine import Engine, EngineConfig
-from blink.engine.host_drive import HostDriver
+from blink.engine.drive.host import HostDriver
 from blink.ingress.slots import SlotClient
 from blink.shared import control, sockets
 from blink.shared.remote_memory import MappedMemory, TransportLost
@@ -177,7 +177,7 @@ def test_a_lost_path_is_restored_and_the_request_completes_once(engine):
 
 
 def table_free_run(engine, prompt: list[int]) -> list[int]:
-    from blink.engine.offline_drive import OfflineDriver
+    from blink.engine.drive.offline import OfflineDriver
     from blink.engine.sampling_params import SamplingParams
 
     driver = OfflineDriver(engine)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from blink.engine import LLM, SamplingParams
-from blink.engine.sampler import SamplerFeatures, SamplingRows, hash32, sample, uniform_noise
+from blink.engine.core.sampler import SamplerFeatures, SamplingRows, hash32, sample, uniform_noise
 
 V = 50
 
@@ -135,7 +135,7 @@ def test_min_tokens_holds_the_stop_ids_back(llm):
 
 
 def test_min_tokens_holds_stop_strings_back():
-    from blink.engine.default_model import ensure_default_model
+    from blink.engine.model.default_model import ensure_default_model
     from blink.ingress.detokenize import Detokenizer
     from blink.shared.tokenizer import Tokenizer
 
@@ -151,7 +151,7 @@ def test_min_tokens_holds_stop_strings_back():
 
 
 def test_the_largest_random_draw_stays_below_one():
-    from blink.engine.sampler import bits_to_uniform
+    from blink.engine.core.sampler import bits_to_uniform
 
     u = bits_to_uniform(torch.tensor([0, 2**32 - 1]))
     assert u.dtype == torch.float32 and u[0] > 0 and u[1] < 1
@@ -161,7 +161,7 @@ def test_top_p_of_one_keeps_every_token_when_others_filter():
     logits = torch.randn(2, 150_000) * 6
     rows = _rows(2, top_p=1.0)
     rows.top_k[1] = 5  # a batch-mate that does filter
-    from blink.engine.sampler import filter_logits
+    from blink.engine.core.sampler import filter_logits
 
     kept = torch.isfinite(filter_logits(logits, rows))
     assert kept[0].all() and kept[1].sum() == 5

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from blink.engine import LLM, SamplingParams
-from blink.engine.state import SlotStatus
+from blink.engine.core.state import SlotStatus
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +57,7 @@ def test_churn_with_rotation_loses_and_duplicates_nothing(checkpoint, seed):
     """Random arrivals of both classes, cancellations, a pool far too small and a host mirror that fills:
     requests rotate out and back, some are recomputed; each ends once, uncancelled ones exactly as with room,
     cancelled ones with a prefix of that; no page leaks on either side, after every step."""
-    from blink.engine.kv_cache import PagePool
+    from blink.engine.core.kv_cache import PagePool
     from blink.shared.service_class import ServiceClass
 
     model_dir = str(checkpoint("qwen3"))

@@ -18,7 +18,7 @@ import pytest
 
 from blink.bench.server import running_server
 from blink.engine import LLM, SamplingParams
-from blink.engine.default_model import ensure_default_model
+from blink.engine.model.default_model import ensure_default_model
 from blink.ingress.chat import render_chat
 from blink.ingress.protocol import ChatMessage
 from blink.ingress.slots import Overloaded, SlotClient

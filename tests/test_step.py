@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from blink.engine import LLM, SamplingParams
-from blink.engine.host_drive import _events
-from blink.engine.kv_cache import PagePool
-from blink.engine.model_config import ModelConfig, RopeScaling
-from blink.engine.offline_drive import OfflineDriver
-from blink.engine.sampler import SamplerFeatures
+from blink.engine.core.kv_cache import PagePool
+from blink.engine.core.sampler import SamplerFeatures
+from blink.engine.drive.host import _events
+from blink.engine.drive.offline import OfflineDriver
+from blink.engine.model.config import ModelConfig, RopeScaling
 
 
 @contextlib.contextmanager

@@ -17,7 +17,7 @@ import pytest
 
 from blink.bench.server import free_port, running_server
 from blink.engine import LLM, SamplingParams
-from blink.engine.default_model import ensure_default_model
+from blink.engine.model.default_model import ensure_default_model
 from blink.shared import control
 from blink.shared.slot_table import SlotTable
 from tests.test_watchdog import MODEL, engine_pid, stream, wait_ready_and_serving, wait_until

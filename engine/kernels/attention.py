@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from blink.engine.scheduler import QueryRows
+from blink.engine.core.scheduler import QueryRows
 
 LOG2E = 1.4426950408889634
 MIN_DOT = 16  # tl.dot needs M, N and K of at least 16 on the GPU

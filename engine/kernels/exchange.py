@@ -1,6 +1,6 @@
 """The device's side of the slot table: admission from it and publication into it, as Triton kernels.
 
-The table is host memory the device reads and writes directly (mapped; see blink.engine.table_memory), passed as
+The table is host memory the device reads and writes directly (mapped; see blink.engine.drive.table_memory), passed as
 one byte tensor with the field offsets beside it. The ingress publishes a request by writing its state word last;
 the device reads state words with system-scope acquire loads, so the payload it reads next is complete. It writes
 a token into the output window, then releases `produced` at system scope, so the ingress never sees a counter
@@ -17,13 +17,13 @@ import torch
 import triton
 import triton.language as tl
 
-from blink.engine.admission import span
+from blink.engine.core.admission import span
 from blink.shared.slot_table import HEADER, HEADER_BYTES, Finish, Geometry, SlotState, slot_dtype
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 # Record fields the kernels touch, in the order of the offsets tensor; K_* name their indices. The request's own
-# fields are not among them: the admit kernel copies their bytes whole and blink.engine.admission lands them.
+# fields are not among them: the admit kernel copies their bytes whole and blink.engine.core.admission lands them.
 FIELDS = ("state", "epoch", "cancel", "prompt_len", "logprobs", "prompt", "produced", "consumed", "finish_reason",
           "preemptions", "pages_out", "pages_in", "bytes_out", "bytes_in", "wait_ms", "tokens", "logprob", "top_ids",
           "top_logprobs")
@@ -31,7 +31,7 @@ FIELDS = ("state", "epoch", "cancel", "prompt_len", "logprobs", "prompt", "produ
  K_PAGES_OUT, K_PAGES_IN, K_BYTES_OUT, K_BYTES_IN, K_WAIT_MS, K_TOKENS, K_LOGPROB, K_TOP_IDS,
  K_TOP_LOGPROBS) = (tl.constexpr(i) for i in range(len(FIELDS)))
 
-# The engine's FREE slot status (blink.engine.state.SlotStatus), restated as a Triton constant.
+# The engine's FREE slot status (blink.engine.core.state.SlotStatus), restated as a Triton constant.
 ENGINE_FREE = tl.constexpr(0)
 SUBMITTED = tl.constexpr(int(SlotState.SUBMITTED))
 ADMITTED = tl.constexpr(int(SlotState.ADMITTED))
@@ -109,7 +109,7 @@ def _admit(table, offsets, admit, tokens, tokens_stride, requests, SPAN_START: t
            SPAN: tl.constexpr, vocab, max_len, RECORD: tl.constexpr, BLOCK_SPAN: tl.constexpr, BLOCK_P: tl.constexpr,
            INTERPRET: tl.constexpr):
     """One program per slot selected for admission: checks its prompt and copies it into the token history, copies
-    the request's fields (bytes, whole) into `requests` for blink.engine.admission, and hands the slot to the
+    the request's fields (bytes, whole) into `requests` for blink.engine.core.admission, and hands the slot to the
     engine; an invalid record is ended instead (and dropped from `admit`)."""
     s = tl.program_id(0)
     if not tl.load(admit + s):
@@ -214,7 +214,7 @@ class Inbox:
     arrival: torch.Tensor  # [S] int64: their arrival numbers
     arrivals: torch.Tensor  # [1] int64: requests admitted so far
     fenced: torch.Tensor  # [1] int32: set once a newer engine's epoch is seen; nothing is written after
-    requests: torch.Tensor  # [S, span] uint8: the admitted records' request fields (blink.engine.admission.span)
+    requests: torch.Tensor  # [S, span] uint8: the admitted records' request fields (blink.engine.core.admission.span)
 
     @classmethod
     def create(cls, table: DeviceTable, epoch: int, now: torch.Tensor, limit: torch.Tensor) -> Inbox:
@@ -231,8 +231,9 @@ class Inbox:
 
 def take_requests(table: DeviceTable, inbox: Inbox, state, vocab: int, max_len: int) -> None:
     """Takes what the ingress published (up to the limit): each valid prompt into `state`'s token history (a
-    blink.engine.state.SlotState), its request's fields into `inbox.requests` for blink.engine.admission, which
-    `inbox.admit` then names; and mirrors each resident slot's cancel flag and window room."""
+    blink.engine.core.state.SlotState), its request's fields into `inbox.requests` for
+    blink.engine.core.admission, which `inbox.admit` then names; and mirrors each resident slot's cancel flag and
+    window room."""
     g, S = table.geometry, state.num_slots
     _select[(1,)](table.memory, table.offsets, inbox.epoch, state.status, state.cancel, state.paused, inbox.admit,
                   inbox.arrival, inbox.arrivals, inbox.limit, inbox.fenced, S, RECORD=table.record_bytes,
@@ -246,7 +247,7 @@ def take_requests(table: DeviceTable, inbox: Inbox, state, vocab: int, max_len: 
 
 
 def emit(table: DeviceTable, inbox: Inbox, state, out, page_bytes: int) -> None:
-    """Writes each slot's token and finish (`out`: a blink.engine.commit.StepOutput) into the table."""
+    """Writes each slot's token and finish (`out`: a blink.engine.core.commit.StepOutput) into the table."""
     g = table.geometry
     top = min(g.top_logprobs, out.top_ids.shape[1])
     _emit[(state.num_slots,)](table.memory, table.offsets, inbox.fenced, out.token, out.finish_reason,

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from blink.engine.scheduler import QueryRows
+from blink.engine.core.scheduler import QueryRows
 
 # Bounds a group's gathered context to about this many cache rows per SDPA call.
 GATHER_ROWS = 1 << 16

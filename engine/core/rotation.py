@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from blink.engine.kv_cache import FreeList, PagePool
+from blink.engine.core.kv_cache import FreeList, PagePool
 
 NEARLY_FULL = 0.9  # new requests are held back while the mirror is fuller than this
 

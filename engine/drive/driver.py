@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from blink.engine.rotation import HostMirror
+    from blink.engine.core.rotation import HostMirror
 
 
 class Fenced(RuntimeError):

@@ -1,6 +1,6 @@
 """The engine's per-slot sequence state: fixed-size tensors on the engine's device.
 
-Admission (blink.engine.admission) copies a request record into a FREE slot and marks it ADMITTED; everything
+Admission (blink.engine.core.admission) copies a request record into a FREE slot and marks it ADMITTED; everything
 after that (scheduling, page bookkeeping, stop checks) is done by the step on the device. The driver reads a
 slot's outputs and returns it to FREE once it is FINISHED.
 """

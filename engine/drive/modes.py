@@ -1,5 +1,5 @@
 """Which drive mode the engine runs: the best the machine supports, or the one asked for when it can; and the
-driver (blink.engine.driver.Driver) each mode is."""
+driver (blink.engine.drive.driver.Driver) each mode is."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import importlib.util
 
 import torch
 
-from blink.engine.driver import Driver
+from blink.engine.drive.driver import Driver
 from blink.engine.engine import Engine
 from blink.shared.slot_table import SlotTable
 
@@ -23,7 +23,7 @@ def unavailable(mode: str, device: torch.device) -> str | None:
     if importlib.util.find_spec("triton") is None:
         return "needs triton, which compiles the device step's kernels: pip install 'blink-serve[engine]'"
     if mode == "persistent":
-        from blink.engine.persistent_drive import unavailable_reason
+        from blink.engine.drive.persistent import unavailable_reason
 
         return unavailable_reason()
     return None
@@ -46,18 +46,18 @@ def candidates(requested: str, device: torch.device) -> tuple[list[str], list[st
 def build(mode: str, engine: Engine, table: SlotTable) -> Driver:
     """The driver of `mode` over `table`, ready to start; raises when the mode cannot start here."""
     if mode == "host":
-        from blink.engine.host_drive import HostDriver
+        from blink.engine.drive.host import HostDriver
 
         return HostDriver(engine, table)
-    from blink.engine.device_step import DeviceStep
+    from blink.engine.drive.device_step import DeviceStep
 
     step = DeviceStep(engine, table)
     try:
         if mode == "persistent":
-            from blink.engine.persistent_drive import PersistentDriver
+            from blink.engine.drive.persistent import PersistentDriver
 
             return PersistentDriver(step, table)
-        from blink.engine.graph_drive import GraphDriver
+        from blink.engine.drive.graph import GraphDriver
 
         return GraphDriver(step, table)
     except BaseException:

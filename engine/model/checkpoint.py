@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 
 from blink.engine.errors import CheckpointError
-from blink.engine.model_config import ModelConfig
+from blink.engine.model.config import ModelConfig
 
 
 @dataclass(frozen=True)

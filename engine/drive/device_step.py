@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import torch
 
-from blink.engine.admission import admit, field_views
+from blink.engine.core.admission import admit, field_views
+from blink.engine.core.kv_cache import PagePool
+from blink.engine.core.sampler import SamplerFeatures
+from blink.engine.core.scheduler import max_chunk_rows, plan
+from blink.engine.core.step import StepShape
+from blink.engine.drive.table_memory import TableMemory, device_alias
 from blink.engine.engine import Engine
 from blink.engine.kernels.exchange import DeviceTable, Inbox, emit, report_demand, take_requests
-from blink.engine.kv_cache import PagePool
-from blink.engine.sampler import SamplerFeatures
-from blink.engine.scheduler import max_chunk_rows, plan
-from blink.engine.step import StepShape
-from blink.engine.table_memory import TableMemory, device_alias
 from blink.shared.slot_table import SlotTable, slot_dtype
 
 # Every sampling feature is on: a captured step cannot branch on the requests it will meet (neutral parameters
@@ -73,7 +73,7 @@ class DeviceStep:
         report_demand(state, self._demand)
 
     def take(self) -> None:
-        """Admission: what the ingress published into the state, through the one admission (blink.engine.admission)
+        """Admission: what the ingress published into the state, through the one admission (blink.engine.core.admission)
         with the request fields the exchange kernel copied out of the table."""
         engine, inbox = self.engine, self.inbox
         take_requests(self.table, inbox, self.state, engine.model_config.vocab_size, engine.max_model_len)
@@ -94,7 +94,7 @@ class DeviceStep:
 
 
 class DeviceDriver:
-    """What the `graph` and `persistent` drivers share (blink.engine.driver.Driver): the device step, and the
+    """What the `graph` and `persistent` drivers share (blink.engine.drive.driver.Driver): the device step, and the
     host-memory words through which the host sets the admission limit and reads what is resident."""
 
     limitations = LIMITATIONS

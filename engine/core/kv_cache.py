@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from blink.engine.model_config import ModelConfig
+from blink.engine.model.config import ModelConfig
 
 NULL_PAGE = 0
 

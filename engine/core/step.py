@@ -12,15 +12,15 @@ from dataclasses import dataclass
 
 import torch
 
-from blink.engine.attention import AttentionBatch, build_row_group
-from blink.engine.commit import StepOutput, commit
-from blink.engine.kv_cache import PagePool
-from blink.engine.model import Transformer
-from blink.engine.policy import Policy
-from blink.engine.rotation import HostMirror
-from blink.engine.sampler import SamplerFeatures, SamplingRows, hash32, sample
-from blink.engine.scheduler import QUERY_BLOCK, PlanSizes, StepPlan, plan
-from blink.engine.state import SlotState
+from blink.engine.core.commit import StepOutput, commit
+from blink.engine.core.kv_cache import PagePool
+from blink.engine.core.policy import Policy
+from blink.engine.core.rotation import HostMirror
+from blink.engine.core.sampler import SamplerFeatures, SamplingRows, hash32, sample
+from blink.engine.core.scheduler import QUERY_BLOCK, PlanSizes, StepPlan, plan
+from blink.engine.core.state import SlotState
+from blink.engine.model.attention import AttentionBatch, build_row_group
+from blink.engine.model.model import Transformer
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from blink.engine.model_config import ModelConfig
+from blink.engine.model.config import ModelConfig
 
 
 def inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:

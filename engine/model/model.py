@@ -9,11 +9,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from blink.engine.attention import AttentionBatch, paged_attention
-from blink.engine.checkpoint import load_tensors
 from blink.engine.errors import CheckpointError
-from blink.engine.model_config import ModelConfig
-from blink.engine.rope import apply_rope, rope_tables
+from blink.engine.model.attention import AttentionBatch, paged_attention
+from blink.engine.model.checkpoint import load_tensors
+from blink.engine.model.config import ModelConfig
+from blink.engine.model.rope import apply_rope, rope_tables
 
 
 @dataclass

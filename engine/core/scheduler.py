@@ -14,10 +14,10 @@ from typing import NamedTuple
 
 import torch
 
-from blink.engine.kv_cache import PagePool
-from blink.engine.policy import Policy, lexsort
-from blink.engine.rotation import HostMirror, PageMoves
-from blink.engine.state import SlotState, SlotStatus
+from blink.engine.core.kv_cache import PagePool
+from blink.engine.core.policy import Policy, lexsort
+from blink.engine.core.rotation import HostMirror, PageMoves
+from blink.engine.core.state import SlotState, SlotStatus
 
 QUERY_BLOCK = 64  # prefill chunks are attended in blocks of this many queries
 

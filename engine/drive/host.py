@@ -4,7 +4,7 @@ It is the CPU path and the baseline the device loops are measured against. `Host
 whatever requests are resident in the engine's slots and reads its outputs back. `HostDriver` feeds it from the
 shared slot table, in a thread of the engine service: engine slot i is slot-table slot i; each step admits the
 slots the ingress published, mirrors their cancel flags and window room into the step's state, steps, and writes
-each slot's token, logprobs and finish into the slot's output window. (`blink.engine.offline_drive` feeds the same
+each slot's token, logprobs and finish into the slot's output window. (`blink.engine.drive.offline` feeds the same
 loop from an in-process queue.)
 """
 
@@ -18,14 +18,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from blink.engine.admission import admit_records
-from blink.engine.commit import StepOutput
-from blink.engine.driver import Fenced
+from blink.engine.core.admission import admit_records
+from blink.engine.core.commit import StepOutput
+from blink.engine.core.kv_cache import PagePool
+from blink.engine.core.policy import StepCostModel
+from blink.engine.core.sampler import GREEDY_BELOW, SamplerFeatures
+from blink.engine.core.state import SlotState
+from blink.engine.drive.driver import Fenced
 from blink.engine.engine import Engine
-from blink.engine.kv_cache import PagePool
-from blink.engine.policy import StepCostModel
-from blink.engine.sampler import GREEDY_BELOW, SamplerFeatures
-from blink.engine.state import SlotState
 from blink.shared.slot_table import Finish, RequestStats, SlotTable
 
 FINISH_NAMES = {Finish.STOP: "stop", Finish.LENGTH: "length", Finish.ABORT: "abort"}

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from blink.engine.state import SlotState
+from blink.engine.core.state import SlotState
 
 POLICIES = ("fcfs", "priority", "slo")
 MIN_CAPPED_TOKENS = 64  # a TPOT cap never leaves prefills less than this (or the slot count)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from blink.engine.state import SlotState, SlotStatus
+from blink.engine.core.state import SlotState, SlotStatus
 from blink.shared.request_schema import FIELDS, FIRST, MAX_STOP_IDS
 
 # How a field of each wire type is viewed in place: every u4 field holds values below 2**31, and the seed's top

@@ -28,7 +28,7 @@ import numpy as np
 import structlog
 import torch
 
-from blink.engine.device_step import DeviceDriver, DeviceStep
+from blink.engine.drive.device_step import DeviceDriver, DeviceStep
 from blink.shared.slot_table import HEADER_BYTES, SlotState, SlotTable, slot_dtype
 
 log = structlog.get_logger()
@@ -236,7 +236,7 @@ class PersistentDriver(DeviceDriver):
         if device.type != "cuda":
             raise PersistentUnavailable("needs a CUDA GPU; the engine runs on the CPU")
         support = _support(device.index if device.index is not None else torch.cuda.current_device())
-        from blink.engine.graph_drive import capture_buckets
+        from blink.engine.drive.graph import capture_buckets
 
         self.step, self.table, self.device = step, table, device
         self._cuda, self.switch = support.cuda, support.switch

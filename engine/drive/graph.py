@@ -17,7 +17,7 @@ import numpy as np
 import structlog
 import torch
 
-from blink.engine.device_step import DeviceDriver, DeviceStep
+from blink.engine.drive.device_step import DeviceDriver, DeviceStep
 from blink.shared.slot_table import SlotState, SlotTable
 
 log = structlog.get_logger()

@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from blink.engine.admission import admit_records
-from blink.engine.commit import StepOutput
+from blink.engine.core.admission import admit_records
+from blink.engine.core.commit import StepOutput
+from blink.engine.drive.host import HostLoop, SlotEvent
 from blink.engine.engine import Engine
-from blink.engine.host_drive import HostLoop, SlotEvent
 from blink.engine.sampling_params import SamplingParams
 from blink.shared.request_schema import Request, knobs_of
 from blink.shared.slot_table import Geometry, slot_dtype, write_request

@@ -6,11 +6,11 @@ from dataclasses import dataclass
 
 import torch
 
-from blink.engine.kv_cache import PagePool
-from blink.engine.rotation import HostMirror
-from blink.engine.sampler import SampleOutput
-from blink.engine.scheduler import StepPlan
-from blink.engine.state import SlotState, SlotStatus
+from blink.engine.core.kv_cache import PagePool
+from blink.engine.core.rotation import HostMirror
+from blink.engine.core.sampler import SampleOutput
+from blink.engine.core.scheduler import StepPlan
+from blink.engine.core.state import SlotState, SlotStatus
 from blink.shared.slot_table import Finish
 
 
