@@ -11,7 +11,7 @@ from pathlib import Path
 from blink.engine.core.kv_cache import PagePool
 from blink.engine.core.policy import Policy
 from blink.engine.core.rotation import HostMirror
-from blink.engine.core.state import SlotState
+from blink.engine.core.state import Slots
 from blink.engine.core.step import Step
 from blink.engine.device import available_memory, configure_threads, resolve_device
 from blink.engine.model.checkpoint import load_config, read_generation_defaults
@@ -90,7 +90,7 @@ class Engine:
             log.info("context limit lowered to %d tokens to fit the KV pool", max_len)
         self.max_model_len = max_len
         self.pool = PagePool(cfg, num_pages, page, self.device)
-        self.state = SlotState(num_slots, max_len, pages_per_seq, cfg.vocab_size, self.device)
+        self.state = Slots(num_slots, max_len, pages_per_seq, cfg.vocab_size, self.device)
         mirror_pages = min(int(config.swap_space * 2**30) // PagePool.bytes_per_page(cfg, page),
                            num_slots * pages_per_seq) + 1
         self._mirror_pages = mirror_pages if config.swap_space > 0 and mirror_pages > 1 else 0

@@ -15,7 +15,7 @@ from blink.engine.core.admission import admit_records
 from blink.engine.core.kv_cache import PagePool
 from blink.engine.core.policy import Policy
 from blink.engine.core.scheduler import StepPlan, plan
-from blink.engine.core.state import SlotState
+from blink.engine.core.state import Slots
 from blink.shared.request_schema import Request
 from blink.shared.slot_table import Geometry, slot_dtype, write_request
 
@@ -30,14 +30,14 @@ class ModelFreeEngine:
     num_pages: int = 64
     budget: int = 32
     policy: str = "fcfs"
-    state: SlotState = field(init=False)
+    state: Slots = field(init=False)
     pool: PagePool = field(init=False)
 
     def __post_init__(self) -> None:
         cpu = torch.device("cpu")
         kv = SimpleNamespace(num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float32)  # only its shape
         self.pool = PagePool(kv, self.num_pages, self.page_size, cpu)
-        self.state = SlotState(self.num_slots, self.max_len, -(-self.max_len // self.page_size), VOCAB, cpu)
+        self.state = Slots(self.num_slots, self.max_len, -(-self.max_len // self.page_size), VOCAB, cpu)
         self.geometry = Geometry(self.num_slots, self.max_len, window=1)
         self.records = np.zeros(self.num_slots, dtype=slot_dtype(self.geometry))
         self.cost = torch.zeros(3, dtype=torch.float64)

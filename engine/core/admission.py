@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from blink.engine.core.state import SlotState, SlotStatus
+from blink.engine.core.state import Slots, SlotStatus
 from blink.shared.request_schema import FIELDS, FIRST, MAX_STOP_IDS
 
 # How a field of each wire type is viewed in place: every u4 field holds values below 2**31, and the seed's top
@@ -49,7 +49,7 @@ def field_views(raw: torch.Tensor, record: np.dtype) -> dict[str, torch.Tensor]:
     return views
 
 
-def admit(state: SlotState, admitted: torch.Tensor, records: dict[str, torch.Tensor], now: torch.Tensor,
+def admit(state: Slots, admitted: torch.Tensor, records: dict[str, torch.Tensor], now: torch.Tensor,
           arrival: torch.Tensor, max_len: int) -> None:
     """Copies the records of the `admitted` slots ([S] bool) into the state and marks them SUBMITTED; the others
     keep theirs. records: field_views; now: [1] float64, seconds on the host's clock (for TTFT deadlines);
@@ -81,7 +81,7 @@ def admit(state: SlotState, admitted: torch.Tensor, records: dict[str, torch.Ten
     land("status", SlotStatus.ADMITTED)
 
 
-def admit_records(state: SlotState, records: np.ndarray, slots: list[int], now: float, arrivals: int, vocab: int,
+def admit_records(state: Slots, records: np.ndarray, slots: list[int], now: float, arrivals: int, vocab: int,
                   max_len: int) -> list[int]:
     """Host side: checks the records of `slots` (structured slot records: a table's, or the offline API's),
     copies their prompts and admits the valid ones, numbered from `arrivals` in slot order. Returns the slots

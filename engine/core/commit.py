@@ -10,7 +10,7 @@ from blink.engine.core.kv_cache import PagePool
 from blink.engine.core.rotation import HostMirror
 from blink.engine.core.sampler import SampleOutput
 from blink.engine.core.scheduler import StepPlan
-from blink.engine.core.state import SlotState, SlotStatus
+from blink.engine.core.state import Slots, SlotStatus
 from blink.shared.slot_table import Finish
 
 
@@ -27,7 +27,7 @@ class StepOutput:
     row_logits: torch.Tensor  # [R, V] float32 logits the rows sampled from, before penalties
 
 
-def commit(state: SlotState, pool: PagePool, mirror: HostMirror | None, plan: StepPlan, rows: int, out: SampleOutput,
+def commit(state: Slots, pool: PagePool, mirror: HostMirror | None, plan: StepPlan, rows: int, out: SampleOutput,
            logits: torch.Tensor, eos_ids: torch.Tensor, count_outputs: bool) -> StepOutput:
     S = state.num_slots
     state.num_computed += plan.take

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from blink.engine.core.state import SlotState
+from blink.engine.core.state import Slots
 
 POLICIES = ("fcfs", "priority", "slo")
 MIN_CAPPED_TOKENS = 64  # a TPOT cap never leaves prefills less than this (or the slot count)
@@ -39,7 +39,7 @@ class Policy:
         if self.name not in POLICIES:
             raise ValueError(f"scheduling policy must be one of {', '.join(POLICIES)}, got {self.name!r}")
 
-    def keep_keys(self, s: SlotState) -> list[torch.Tensor]:
+    def keep_keys(self, s: Slots) -> list[torch.Tensor]:
         """Precedence for pages: who keeps them when they run short."""
         if self.name == "fcfs":
             return [s.arrival]
@@ -47,24 +47,24 @@ class Policy:
             return [s.priority, s.arrival]
         return [s.service_class, s.priority, s.ttft_deadline, s.arrival]
 
-    def budget_keys(self, s: SlotState, prefill: torch.Tensor) -> list[torch.Tensor]:
+    def budget_keys(self, s: Slots, prefill: torch.Tensor) -> list[torch.Tensor]:
         """Precedence for tokens: decodes before prefill chunks, inside the class for `slo`."""
         keys = self.keep_keys(s)
         at = 1 if self.name == "slo" else 0
         return [*keys[:at], prefill.long(), *keys[at:]]
 
-    def victim_keys(self, s: SlotState) -> list[torch.Tensor]:
+    def victim_keys(self, s: Slots) -> list[torch.Tensor]:
         """Who gives pages back first."""
         if self.name != "slo":
             return [-k for k in self.keep_keys(s)]
         return [-s.service_class, -s.priority, -(s.seq_len - s.prompt_len), -s.arrival]
 
-    def latency_sensitive(self, s: SlotState) -> torch.Tensor:
+    def latency_sensitive(self, s: Slots) -> torch.Tensor:
         if self.name != "slo":
             return torch.zeros_like(s.rotated)
         return s.service_class == 0
 
-    def token_cap(self, s: SlotState, decoding: torch.Tensor, cost: torch.Tensor, budget: int) -> torch.Tensor:
+    def token_cap(self, s: Slots, decoding: torch.Tensor, cost: torch.Tensor, budget: int) -> torch.Tensor:
         """The most tokens a step may run so that it ends within the tightest TPOT SLO of the sequences decoding
         in it, by the step-time model cost = [seconds per step, seconds per token, ...]."""
         if self.name != "slo":

@@ -17,7 +17,7 @@ import torch
 from blink.engine.core.kv_cache import PagePool
 from blink.engine.core.policy import Policy, lexsort
 from blink.engine.core.rotation import HostMirror, PageMoves
-from blink.engine.core.state import SlotState, SlotStatus
+from blink.engine.core.state import Slots, SlotStatus
 
 QUERY_BLOCK = 64  # prefill chunks are attended in blocks of this many queries
 
@@ -65,7 +65,7 @@ class PlanSizes(NamedTuple):
     pages_in: int  # and back
 
 
-def plan(state: SlotState, pool: PagePool, token_budget: int, track_prompts: bool, policy: Policy,
+def plan(state: Slots, pool: PagePool, token_budget: int, track_prompts: bool, policy: Policy,
          mirror: HostMirror | None, cost: torch.Tensor) -> StepPlan:
     """cost: [seconds per step, seconds per token, seconds since the previous plan], from the driver's
     step-time model."""
@@ -167,7 +167,7 @@ def _pack(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.zeros(n + 1, dtype=torch.int64, device=mask.device).scatter_(0, rank, index)[:n], mask.sum()
 
 
-def _make_room(state: SlotState, pool: PagePool, need: torch.Tensor, take: torch.Tensor, keep: torch.Tensor,
+def _make_room(state: Slots, pool: PagePool, need: torch.Tensor, take: torch.Tensor, keep: torch.Tensor,
                victims: torch.Tensor, crossing: torch.Tensor):
     """Keeps the longest prefix of slots, in `keep` order, whose new pages (and a page for each slot ahead that
     will cross into a new page next step) fit once every slot after it gives its pages back; then takes pages,
@@ -187,7 +187,7 @@ def _make_room(state: SlotState, pool: PagePool, need: torch.Tensor, take: torch
     return torch.where(fits, need, 0), torch.where(runs, take, 0), evicted, reserve
 
 
-def _hold_new(state: SlotState, pool: PagePool, policy: Policy, mirror: HostMirror | None,
+def _hold_new(state: Slots, pool: PagePool, policy: Policy, mirror: HostMirror | None,
               token_budget: int) -> torch.Tensor:
     """Which requests may not start (all but the latency-sensitive, which may take pages by recompute at worst):
     none without a mirror; all while it is nearly full; and, while rotated requests wait to come back, those whose
@@ -201,20 +201,20 @@ def _hold_new(state: SlotState, pool: PagePool, policy: Policy, mirror: HostMirr
     return (mirror.nearly_full() | crowds) & ~policy.latency_sensitive(state)
 
 
-def _comeback_pages(state: SlotState, page: int, token_budget: int) -> torch.Tensor:
+def _comeback_pages(state: Slots, page: int, token_budget: int) -> torch.Tensor:
     """What a rotated request needs to come back: its pages, and those its next step adds."""
     next_tokens = (state.seq_len - state.num_computed).clamp(max=token_budget)
     return torch.maximum((state.num_computed + next_tokens + page - 1) // page, state.host_held)
 
 
-def _rotate_out(state: SlotState, mirror: HostMirror, evicted: torch.Tensor, victims: torch.Tensor) -> torch.Tensor:
+def _rotate_out(state: Slots, mirror: HostMirror, evicted: torch.Tensor, victims: torch.Tensor) -> torch.Tensor:
     """The victims whose pages the mirror can take, in victim order; the others are recomputed later."""
     pages = torch.where(evicted & (state.num_computed > 0), state.pages_held, 0)[victims]
     fits_v = (pages > 0) & (pages.cumsum(0) <= mirror.free.num_free)
     return torch.empty_like(fits_v).scatter_(0, victims, fits_v)
 
 
-def _move_out(state: SlotState, mirror: HostMirror, out: torch.Tensor):
+def _move_out(state: Slots, mirror: HostMirror, out: torch.Tensor):
     pages = torch.where(out, state.pages_held, 0)
     mirror.free.allocate(pages, state.host_table, state.host_held, max_new=state.block_table.shape[1] - 1)
     state.pages_out += pages
@@ -222,7 +222,7 @@ def _move_out(state: SlotState, mirror: HostMirror, out: torch.Tensor):
     return _pairs(out, state.block_table, state.host_table, pages)
 
 
-def _move_in(state: SlotState, pool: PagePool, mirror: HostMirror, candidates: torch.Tensor, keep: torch.Tensor,
+def _move_in(state: Slots, pool: PagePool, mirror: HostMirror, candidates: torch.Tensor, keep: torch.Tensor,
              reserve: torch.Tensor | int, token_budget: int):
     """Brings rotated requests back, in keep order, while the pool's free pages cover them, the pages their next
     step needs (so that they do not come back only to be rotated out again) and the reserve. They run from the
@@ -246,7 +246,7 @@ def _pairs(which: torch.Tensor, src_table: torch.Tensor, dst_table: torch.Tensor
     return src_table[:, :-1].flatten()[index], dst_table[:, :-1].flatten()[index], n
 
 
-def _track_prompt_tokens(state: SlotState, admitted: torch.Tensor) -> None:
+def _track_prompt_tokens(state: Slots, admitted: torch.Tensor) -> None:
     """For penalties: which vocab ids each newly admitted prompt holds; output counts start at zero."""
     cols = torch.arange(state.max_len, device=admitted.device)
     in_prompt = (admitted[:, None] & (cols[None, :] < state.prompt_len[:, None])).int()

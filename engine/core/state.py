@@ -24,7 +24,10 @@ class SlotStatus(IntEnum):
     FINISHED = 3
 
 
-class SlotState:
+class Slots:
+    """The engine's slots: a tensor per field of every slot's sequence, on the engine's device (the slot table's
+    SlotState is the state word of a record; these are the sequences behind them)."""
+
     def __init__(self, num_slots: int, max_len: int, max_pages: int, vocab_size: int, device: torch.device):
         S = num_slots
 

@@ -18,7 +18,7 @@ from blink.engine.core.policy import Policy
 from blink.engine.core.rotation import HostMirror
 from blink.engine.core.sampler import SamplerFeatures, SamplingRows, hash32, sample
 from blink.engine.core.scheduler import QUERY_BLOCK, PlanSizes, StepPlan, plan
-from blink.engine.core.state import SlotState
+from blink.engine.core.state import Slots
 from blink.engine.model.attention import AttentionBatch, build_row_group
 from blink.engine.model.model import Transformer
 
@@ -44,7 +44,7 @@ def ladder(top: int, start: int) -> list[int]:
 
 
 class Step:
-    def __init__(self, model: Transformer, pool: PagePool, state: SlotState, eos_ids: list[int],
+    def __init__(self, model: Transformer, pool: PagePool, state: Slots, eos_ids: list[int],
                  token_budget: int, policy: Policy):
         self.model, self.pool, self.state = model, pool, state
         self.token_budget, self.policy = token_budget, policy

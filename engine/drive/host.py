@@ -23,7 +23,7 @@ from blink.engine.core.commit import StepOutput
 from blink.engine.core.kv_cache import PagePool
 from blink.engine.core.policy import StepCostModel
 from blink.engine.core.sampler import GREEDY_BELOW, SamplerFeatures
-from blink.engine.core.state import SlotState
+from blink.engine.core.state import Slots
 from blink.engine.drive.driver import Fenced
 from blink.engine.engine import Engine
 from blink.shared.slot_table import Finish, RequestStats, SlotTable
@@ -86,7 +86,7 @@ class HostLoop:
         return events
 
 
-def sampler_features(state: SlotState, slots: Sequence[int]) -> SamplerFeatures:
+def sampler_features(state: Slots, slots: Sequence[int]) -> SamplerFeatures:
     """What the resident requests ask of the sampler, from their state (one host read)."""
     s = torch.as_tensor(list(slots), device=state.status.device)
     penalties = ((state.repetition_penalty[s] != 1) | (state.presence_penalty[s] != 0)
@@ -97,7 +97,7 @@ def sampler_features(state: SlotState, slots: Sequence[int]) -> SamplerFeatures:
     return SamplerFeatures(*wanted.tolist())
 
 
-def _events(out: StepOutput, resident: Sequence[int], features: SamplerFeatures, state: SlotState,
+def _events(out: StepOutput, resident: Sequence[int], features: SamplerFeatures, state: Slots,
             page_bytes: int) -> dict[int, SlotEvent]:
     tokens, reasons = out.token.tolist(), out.finish_reason.tolist()
     if features.logprobs:

@@ -231,7 +231,7 @@ class Inbox:
 
 def take_requests(table: DeviceTable, inbox: Inbox, state, vocab: int, max_len: int) -> None:
     """Takes what the ingress published (up to the limit): each valid prompt into `state`'s token history (a
-    blink.engine.core.state.SlotState), its request's fields into `inbox.requests` for
+    blink.engine.core.state.Slots), its request's fields into `inbox.requests` for
     blink.engine.core.admission, which `inbox.admit` then names; and mirrors each resident slot's cancel flag and
     window room."""
     g, S = table.geometry, state.num_slots
