@@ -1,4 +1,4 @@
-"""`blink bench serve|plot|offline|overhead`: each subcommand's module declares its flags and runs it.
+"""`blink bench serve|plot|offline|overhead|step`: each subcommand's module declares its flags and runs it.
 
 Only the module of the command asked for is imported: `offline` needs torch and transformers, `serve` does not.
 """
@@ -15,6 +15,7 @@ COMMANDS = {
     "plot": ("blink.bench.plot", "P99 TTFT and TPOT against request rate, a line per result set, as PNGs"),
     "offline": ("blink.bench.offline", "the engine's offline throughput against transformers' generate"),
     "overhead": ("blink.bench.overhead", "HTTP streaming through `blink serve` against the offline engine"),
+    "step": ("blink.bench.step", "ops and bytes one captured step spends outside the model, for Llama 3 shapes"),
 }
 
 

@@ -352,3 +352,17 @@ def test_against_blink_serve_every_backend_and_plots(tmp_path):
         assert png[:8] == b"\x89PNG\r\n\x1a\n"
         height, width, _ = matplotlib.image.imread(plots / name).shape
         assert width > 400 and height > 300
+
+
+def test_bench_step_counts_what_a_step_does_outside_the_model(capsys):
+    """The dry run of `blink bench step`: a small vocabulary, a few slots; it counts ops and bytes, and more slots
+    cost more bytes (the per-slot state it walks), whatever the machine."""
+    from blink.bench.cli import main
+
+    assert main(["step", "--shape", "llama3-1b", "--slots", "2", "8", "--vocab", "4096", "--context", "128",
+                 "--no-save"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("llama3-1b")]
+    assert len(lines) == 2
+    gigabytes = [float(line.split(" GB outside")[0].rsplit(",", 1)[1]) for line in lines]
+    ops = [int(line.split(" ops,")[0].rsplit(":", 1)[1]) for line in lines]
+    assert all(n > 100 for n in ops) and gigabytes[1] > gigabytes[0]

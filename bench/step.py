@@ -1,0 +1,187 @@
+"""`blink bench step`: what one captured step costs outside the model, counted rather than timed.
+
+The device modes replay the same step whatever the batch, so its bookkeeping (admission, planning, sampling, the
+commit, the exchange with the slot table) is paid every step. This runs that step (`DeviceStep.run`, on the CPU
+with the exchange kernels in Triton's interpreter) under a torch dispatch mode that counts every tensor op outside
+the model's forward and logits, and the bytes each one reads and writes (its tensors' sizes: an upper bound for
+in-place views, a lower bound for ops that read an input twice). The exchange kernels (admission from the table,
+emission into it, the demand) are not counted: interpreted, they copy every argument, which a GPU does not; on
+the device they read each slot's control words, and a prompt once, when it is admitted. The shapes that matter
+are the vocabulary, the context, the slots and the token bucket; the model itself is a one-layer stand-in with
+the real vocabulary, so the counts hold for the 1B and 8B Llama 3 shapes alike, and are compared with their
+weight bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+
+SHAPES = {  # Llama 3's vocabulary; the weight bytes one decode step reads in bf16
+    "llama3-1b": {"vocab": 128256, "weight_bytes": 2.47e9},
+    "llama3-8b": {"vocab": 128256, "weight_bytes": 16.06e9},
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--shape", nargs="+", choices=sorted(SHAPES), default=sorted(SHAPES))
+    p.add_argument("--slots", nargs="+", type=int, default=[16, 256])
+    p.add_argument("--context", type=int, default=4096, help="max_model_len")
+    p.add_argument("--bucket", type=int, default=16, help="the token bucket of the step counted (decodes)")
+    p.add_argument("--vocab", type=int, help="override the shape's vocabulary (a quick run)")
+    p.add_argument("--result-dir", type=Path, default=Path("bench/results"))
+    p.add_argument("--no-save", action="store_true")
+
+
+def run(args: argparse.Namespace) -> None:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel is defined: the CPU runs them interpreted
+    from blink.bench.machine import blink_source, machine, save
+
+    rows = []
+    vocabs = sorted({args.vocab or SHAPES[s]["vocab"] for s in args.shape})
+    for vocab in vocabs:
+        with _stand_in(vocab, args.context) as model_dir:
+            for slots in args.slots:
+                counted = count_step(model_dir, slots, args.context, args.bucket)
+                for shape in args.shape:
+                    if (args.vocab or SHAPES[shape]["vocab"]) != vocab:
+                        continue
+                    share = counted["bytes"] / SHAPES[shape]["weight_bytes"]
+                    rows.append({"shape": shape, "vocab": vocab, "slots": slots, "context": args.context,
+                                 "bucket": args.bucket, **counted, "weight_bytes": SHAPES[shape]["weight_bytes"],
+                                 "bytes_over_weights": share})
+                    print(f"{shape:10s} vocab {vocab:6d} slots {slots:4d} context {args.context:6d} bucket "
+                          f"{args.bucket:3d}: {counted['ops']:4d} ops, {counted['bytes'] / 1e9:7.3f} GB outside "
+                          f"the forward = {share:6.1%} of the weights ({counted['seconds']:.2f} s on this CPU)")
+                    for name, (ops, nbytes) in list(counted["top"].items())[:5]:
+                        print(f"    {nbytes / 1e9:7.3f} GB in {ops:3d} × {name}")
+    result = {"benchmark": "step", "machine": machine(), "blink": blink_source(), "rows": rows}
+    if not args.no_save:
+        print(f"saved {save('step', result, args.result_dir)}")
+
+
+def count_step(model_dir: Path, slots: int, context: int, bucket: int) -> dict[str, object]:
+    """Ops and bytes of one steady decode step of the device step (every slot resident, decoding), outside the
+    model's forward and logits."""
+    import torch
+
+    from blink.engine.drive import device_step
+    from blink.engine.drive.device_step import DeviceStep
+    from blink.engine.engine import Engine, EngineConfig
+    from blink.shared.slot_table import Geometry, Request, SlotTable
+
+    engine = Engine(EngineConfig(model=str(model_dir), device="cpu", max_num_seqs=slots,
+                                 max_num_batched_tokens=max(bucket, slots), max_model_len=context, swap_space=0))
+    table = SlotTable.create(f"bench-step-{uuid.uuid4().hex[:10]}", Geometry(slots, context, window=1 << 16))
+    try:
+        device = DeviceStep(engine, table)
+        for slot in range(slots):
+            table.publish(slot, Request([1 + slot % 50, 2, 3], max_tokens=context - 8, temperature=0.0))
+        with torch.inference_mode():
+            for _ in range(3):  # admission and prefill, then decodes
+                device.clock[0] = time.monotonic()
+                device.run(device.buckets[-1])
+            counter = _OpCounter()
+            with counter, _uncounted(counter, engine.model, ("forward", "logits")), \
+                    _uncounted(counter, device_step, ("take_requests", "emit", "report_demand")):
+                started = time.perf_counter()
+                device.clock[0] = time.monotonic()
+                device.run(bucket)
+                seconds = time.perf_counter() - started
+        device.close()
+    finally:
+        table.unlink()
+    top = dict(sorted(counter.by_op.items(), key=lambda kv: -kv[1][1]))
+    return {"ops": counter.ops, "bytes": counter.bytes, "seconds": seconds, "top": top}
+
+
+class _OpCounter:
+    """Counts the aten ops dispatched while it is active (and not paused), and their tensors' bytes."""
+
+    def __init__(self) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                if not counter.paused:
+                    counter.record(str(func.overloadpacket), (args, kwargs or {}, out))
+                return out
+
+        self.mode = Mode()
+        self.paused = False
+        self.ops = 0
+        self.bytes = 0
+        self.by_op: dict[str, list[int]] = {}
+
+    def record(self, name: str, values) -> None:
+        import torch
+        from torch.utils._pytree import tree_leaves
+
+        nbytes = sum(t.numel() * t.element_size() for t in tree_leaves(values) if isinstance(t, torch.Tensor))
+        self.ops += 1
+        self.bytes += nbytes
+        entry = self.by_op.setdefault(name, [0, 0])
+        entry[0] += 1
+        entry[1] += nbytes
+
+    def __enter__(self):
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.mode.__exit__(*exc)
+
+
+@contextmanager
+def _uncounted(counter: _OpCounter, owner, names: tuple[str, ...]):
+    """These attributes of `owner` run uncounted: the model's forward and logits (this benchmark is about
+    everything else), the exchange kernels (see the module's docstring)."""
+    originals = {name: getattr(owner, name) for name in names}
+
+    def paused(fn):
+        def call(*args, **kwargs):
+            counter.paused = True
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                counter.paused = False
+        return call
+
+    for name, fn in originals.items():
+        setattr(owner, name, paused(fn))
+    try:
+        yield
+    finally:
+        for name, fn in originals.items():
+            setattr(owner, name, fn)
+
+
+@contextmanager
+def _stand_in(vocab: int, context: int):
+    """A one-layer Llama with the real vocabulary and context, random weights, and the default model's tokenizer
+    (the step never detokenizes)."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from blink.engine.model.default_model import ensure_default_model, random_weights
+
+    config = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=vocab, hidden_act="silu",
+                  hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=1, head_dim=32, max_position_embeddings=context, rms_norm_eps=1e-5,
+                  rope_theta=500000.0, tie_word_embeddings=False, torch_dtype="float32", eos_token_id=vocab - 1)
+    with tempfile.TemporaryDirectory(prefix="blink-bench-step-") as tmp:
+        target = Path(tmp)
+        (target / "config.json").write_text(json.dumps(config))
+        shutil.copy(ensure_default_model() / "tokenizer.json", target / "tokenizer.json")
+        save_file(random_weights(config), str(target / "model.safetensors"), metadata={"format": "pt"})
+        yield target
