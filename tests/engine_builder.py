@@ -54,7 +54,7 @@ class ModelFreeEngine:
     def step(self) -> StepPlan:
         """Plans one step and advances what it scheduled; returns the plan."""
         s = self.state
-        planned = plan(s, self.pool, self.budget, False, Policy(self.policy), None, self.cost)
+        planned = plan(s, self.pool, self.budget, Policy(self.policy), None, self.cost)
         s.num_computed += planned.take
         done = (planned.take > 0) & (s.num_computed == s.seq_len)
         s.tokens[done.nonzero()[:, 0], s.seq_len[done]] = 1

@@ -29,7 +29,7 @@ DERIVED = {"prompt_len", "num_stop_ids"}  # from the prompt and the stop ids
 # Every state tensor admission writes: the schema's, and what it derives or resets.
 LANDED = [f.name for f in FIELDS if f.state is not None] + [
     "seq_len", "stop_ids", "tpot_slo", "status", "num_computed", "finish_reason", "cancel", "paused", "rotated",
-    "preemptions", "pages_out", "pages_in", "wait_s"]
+    "preemptions", "pages_out", "pages_in", "wait_s", "prompt_mask", "output_counts"]
 
 
 def test_the_request_sets_every_field_of_the_schema():
@@ -39,7 +39,14 @@ def test_the_request_sets_every_field_of_the_schema():
             assert getattr(EVERY_FIELD, f.name) != f.default, f.name
 
 
+def _used(engine):
+    """Slot 0 as an earlier request left it: admission must clear what the penalties count."""
+    engine.state.prompt_mask[0] = True
+    engine.state.output_counts[0] = 7
+
+
 def _host(engine, table, now):
+    _used(engine)
     table.publish(0, EVERY_FIELD)
     assert admit_records(engine.state, table.slots, [0], now, 0, engine.model_config.vocab_size,
                          engine.max_model_len) == []
@@ -47,6 +54,7 @@ def _host(engine, table, now):
 
 
 def _device(engine, table, now):
+    _used(engine)
     device = DeviceStep(engine, table)  # the record the host path read is still published
     try:
         device.clock[0] = now
@@ -61,6 +69,7 @@ def _offline(engine, table, now):
     params = SamplingParams(max_tokens=r.max_tokens, logprobs=r.logprobs, seed=r.seed, stop_token_ids=[3, 4],
                             service_class=ServiceClass(r.service_class), ttft_slo_ms=r.ttft_slo_ms,
                             tpot_slo_ms=r.tpot_slo_ms, **{f.name: getattr(r, f.name) for f in FIELDS if f.knob})
+    _used(engine)
     driver = OfflineDriver(engine)
     driver.add_request("every-field", r.prompt, params, r.max_tokens)
     driver._fill_slots()
@@ -94,6 +103,8 @@ def test_the_host_path_lands_what_the_record_says(tiny_engine, small_table):
     assert state.tpot_slo[0].item() == pytest.approx(0.040)
     assert state.ttft_deadline[0].item() == pytest.approx(now + 0.250)
     assert state.status[0] == SlotStatus.ADMITTED and state.tokens[0, :5].tolist() == EVERY_FIELD.prompt
+    assert state.prompt_mask[0].nonzero()[:, 0].tolist() == sorted(EVERY_FIELD.prompt)  # for the penalties
+    assert not state.output_counts[0].any()
 
 
 def test_no_slo_lands_as_none(tiny_engine, small_table):

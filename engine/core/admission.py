@@ -5,8 +5,9 @@ API with records it writes itself, the device modes with the bytes their exchang
 table after its acquire loads (blink.engine.kernels.exchange). It is tensor code with no host read and no shape
 that depends on data (masked writes over every slot), so the device modes capture it in their step graphs.
 
-The prompt is not its business: whoever holds the record checks it and copies it into the token history (the host
-here, in `admit_records`; the device in the exchange kernel), and an invalid record is ended there, never
+The prompt is not its business: whoever holds the record checks it and copies it into the token history, marks
+its tokens for the penalties and clears the output counts (the host here, in `admit_records`; the device in the
+exchange kernel), once per request rather than over every slot each step; an invalid record is ended there, never
 admitted.
 """
 
@@ -93,7 +94,11 @@ def admit_records(state: Slots, records: np.ndarray, slots: list[int], now: floa
         if not 0 < n < max_len or prompt.min() < 0 or prompt.max() >= vocab:
             invalid.append(slot)
             continue
-        state.tokens[slot, :n] = torch.from_numpy(prompt.astype(np.int32))
+        ids = torch.from_numpy(prompt.astype(np.int64)).to(state.tokens.device)
+        state.tokens[slot, :n] = ids.int()
+        state.prompt_mask[slot] = False  # the penalties' bookkeeping, once per request
+        state.prompt_mask[slot, ids] = True
+        state.output_counts[slot] = 0
         valid.append(slot)
     if valid:
         device = state.status.device

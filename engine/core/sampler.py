@@ -66,16 +66,36 @@ def hash32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of 32-bit words held in int32 (torch's >> on int32 copies the sign bit)."""
+    return (x >> k) & ((1 << (32 - k)) - 1)
+
+
+_MUL2_I32 = 0x846CA68B - (1 << 32)  # lowbias32's second multiplier, as the int32 with its bits
+
+
+def hash32_words(x: torch.Tensor) -> torch.Tensor:
+    """hash32 on int32 tensors holding 32-bit words: the same bits, in a quarter of hash32's passes and half its
+    bytes (int32 multiplication wraps modulo 2**32, which is the arithmetic lowbias32 wants)."""
+    x = x ^ _shr(x, 16)
+    x = x * 0x7FEB352D
+    x = x ^ _shr(x, 15)
+    x = x * torch.tensor(_MUL2_I32, dtype=torch.int32, device=x.device)
+    return x ^ _shr(x, 16)
+
+
 def uniform_noise(seed: torch.Tensor, step_index: torch.Tensor, vocab_hash: torch.Tensor) -> torch.Tensor:
-    """Uniform (0, 1) float32 of shape [R, V], a pure function of (seed, step_index, vocab id)."""
+    """Uniform (0, 1) float32 of shape [R, V], a pure function of (seed, step_index, vocab id). The [R, V] part
+    runs on 32-bit words (vocab_hash: hash32 of the ids, either dtype)."""
     key = hash32(seed & _MASK32) ^ hash32(((seed >> 32) & _MASK32) ^ 0x9E3779B9)
     key = hash32(hash32(key) ^ (step_index & _MASK32))
-    return bits_to_uniform(hash32(key[:, None] ^ vocab_hash[None, :]))
+    return bits_to_uniform(hash32_words(key.to(torch.int32)[:, None] ^ vocab_hash.to(torch.int32)[None, :]))
 
 
 def bits_to_uniform(bits: torch.Tensor) -> torch.Tensor:
-    """32 random bits to float32 in (0, 1); 23 of them, so the largest value stays below 1 in float32."""
-    return ((bits >> 9).float() + 0.5) * (1.0 / (1 << 23))
+    """32 random bits (int64 below 2**32, or int32 words) to float32 in (0, 1); 23 of them, so the largest value
+    stays below 1 in float32."""
+    return (_shr(bits, 9).float() + 0.5) * (1.0 / (1 << 23))
 
 
 def apply_penalties(logits: torch.Tensor, rows: SamplingRows, output_counts: torch.Tensor,

@@ -65,8 +65,8 @@ class PlanSizes(NamedTuple):
     pages_in: int  # and back
 
 
-def plan(state: Slots, pool: PagePool, token_budget: int, track_prompts: bool, policy: Policy,
-         mirror: HostMirror | None, cost: torch.Tensor) -> StepPlan:
+def plan(state: Slots, pool: PagePool, token_budget: int, policy: Policy, mirror: HostMirror | None,
+         cost: torch.Tensor) -> StepPlan:
     """cost: [seconds per step, seconds per token, seconds since the previous plan], from the driver's
     step-time model."""
     S = state.num_slots
@@ -76,8 +76,6 @@ def plan(state: Slots, pool: PagePool, token_budget: int, track_prompts: bool, p
     # Admit.
     admitted = state.status == SlotStatus.ADMITTED
     state.status.masked_fill_(admitted, SlotStatus.RUNNING)
-    if track_prompts:
-        _track_prompt_tokens(state, admitted)
     running = state.status == SlotStatus.RUNNING
     resident = running & ~state.rotated
 
@@ -244,12 +242,3 @@ def _pairs(which: torch.Tensor, src_table: torch.Tensor, dst_table: torch.Tensor
     j = torch.arange(src_table.shape[1] - 1, device=which.device)
     index, n = _pack((which[:, None] & (j[None, :] < count[:, None])).flatten())
     return src_table[:, :-1].flatten()[index], dst_table[:, :-1].flatten()[index], n
-
-
-def _track_prompt_tokens(state: Slots, admitted: torch.Tensor) -> None:
-    """For penalties: which vocab ids each newly admitted prompt holds; output counts start at zero."""
-    cols = torch.arange(state.max_len, device=admitted.device)
-    in_prompt = (admitted[:, None] & (cols[None, :] < state.prompt_len[:, None])).int()
-    counts = torch.zeros_like(state.output_counts).scatter_add_(1, state.tokens[:, :-1].long(), in_prompt)
-    state.prompt_mask.copy_(torch.where(admitted[:, None], counts > 0, state.prompt_mask))
-    state.output_counts.masked_fill_(admitted[:, None], 0)

@@ -51,7 +51,7 @@ class Step:
         device = state.status.device
         self.cost = torch.zeros(3, dtype=torch.float64, device=device)  # see policy.StepCostModel
         self.eos_ids = torch.tensor(eos_ids or [-1], dtype=torch.int64, device=device)
-        self.vocab_hash = hash32(torch.arange(model.cfg.vocab_size, dtype=torch.int64, device=device))
+        self.vocab_hash = hash32(torch.arange(model.cfg.vocab_size, dtype=torch.int64, device=device)).to(torch.int32)
         self.token_buckets = ladder(token_budget, 16)
         # Context and row counts only shape the torch attention reference, which the host mode runs as it is,
         # so they are fine-grained (contexts) or exact (rows); the device loops' kernels do not use them.
@@ -62,7 +62,7 @@ class Step:
 
     def plan(self, features: SamplerFeatures, mirror: HostMirror | None) -> StepPlan:
         """mirror: where KV pages rotate (the host drive mode's); None: preempted requests are recomputed."""
-        return plan(self.state, self.pool, self.token_budget, features.penalties, self.policy, mirror, self.cost)
+        return plan(self.state, self.pool, self.token_budget, self.policy, mirror, self.cost)
 
     def shape_for(self, sizes: PlanSizes) -> StepShape:
         tokens = _bucket(self.token_buckets, sizes.tokens)

@@ -67,7 +67,7 @@ class DeviceStep:
         self._last_now.copy_(inbox.now)
         self.take()
         # No KV rotation (mirror None): its copies need the host to read move counts between plan and forward.
-        planned = plan(state, engine.pool, bucket, ALL_FEATURES.penalties, self.step.policy, None, self.step.cost)
+        planned = plan(state, engine.pool, bucket, self.step.policy, None, self.step.cost)
         out = self.step.run(planned, self.shape(bucket), ALL_FEATURES, None)
         emit(self.table, inbox, state, out, self.page_bytes)
         report_demand(state, self._demand)

@@ -105,15 +105,24 @@ def _select(table, offsets, epoch, status, cancel, paused, admit, arrival, arriv
 
 
 @triton.jit
-def _admit(table, offsets, admit, tokens, tokens_stride, requests, SPAN_START: tl.constexpr,
-           SPAN: tl.constexpr, vocab, max_len, RECORD: tl.constexpr, BLOCK_SPAN: tl.constexpr, BLOCK_P: tl.constexpr,
-           INTERPRET: tl.constexpr):
-    """One program per slot selected for admission: checks its prompt and copies it into the token history, copies
-    the request's fields (bytes, whole) into `requests` for blink.engine.core.admission, and hands the slot to the
-    engine; an invalid record is ended instead (and dropped from `admit`)."""
+def _admit(table, offsets, admit, tokens, tokens_stride, prompt_mask, output_counts, requests,
+           SPAN_START: tl.constexpr, SPAN: tl.constexpr, vocab, max_len, RECORD: tl.constexpr,
+           BLOCK_SPAN: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_V: tl.constexpr, INTERPRET: tl.constexpr):
+    """One program per slot selected for admission: checks its prompt and copies it into the token history, marks
+    its tokens for the penalties (and clears the output counts), copies the request's fields (bytes, whole) into
+    `requests` for blink.engine.core.admission, and hands the slot to the engine; an invalid record is ended
+    instead (and dropped from `admit`). The bookkeeping is per request: no step walks every slot's vocabulary."""
     s = tl.program_id(0)
     if not tl.load(admit + s):
         return
+    row = s.to(tl.int64) * vocab
+    start = 0
+    while start < vocab:
+        v = start + tl.arange(0, BLOCK_V)
+        tl.store(prompt_mask + row + v, 0, mask=v < vocab)
+        tl.store(output_counts + row + v, 0, mask=v < vocab)
+        start += BLOCK_V
+    tl.debug_barrier()  # cleared before the prompt's tokens are marked, by whichever thread
     record = table + RECORDS_AT + s.to(tl.int64) * RECORD
     n = tl.load(_field(record, offsets, K_PROMPT_LEN, tl.uint32)).to(tl.int64)
     prompt = _field(record, offsets, K_PROMPT, tl.int32)
@@ -127,6 +136,7 @@ def _admit(table, offsets, admit, tokens, tokens_stride, requests, SPAN_START: t
         outside = (t < 0) | (t >= vocab)
         bad |= tl.max((outside & inside).to(tl.int32), 0) != 0
         tl.store(history + j, tl.where(outside, 0, t), mask=inside & (j < max_len))  # in range: rows index by it
+        tl.store(prompt_mask + row + t, 1, mask=inside & ~outside)
         start += BLOCK_P
     state_word = _field(record, offsets, K_STATE, tl.uint32)
     if bad:  # the ingress validates; a record that still fails is ended, not served
@@ -240,9 +250,10 @@ def take_requests(table: DeviceTable, inbox: Inbox, state, vocab: int, max_len: 
                   HEADER_EPOCH=header_offset("epoch"), WINDOW=g.window, BLOCK_S=next_power_of_2(S),
                   INTERPRET=INTERPRET)
     start, span_bytes = span(slot_dtype(g))
-    _admit[(S,)](table.memory, table.offsets, inbox.admit, state.tokens, state.tokens.stride(0), inbox.requests,
-                 SPAN_START=start, SPAN=span_bytes, vocab=vocab, max_len=max_len, RECORD=table.record_bytes,
-                 BLOCK_SPAN=next_power_of_2(span_bytes), BLOCK_P=min(1024, next_power_of_2(g.max_prompt_tokens)),
+    _admit[(S,)](table.memory, table.offsets, inbox.admit, state.tokens, state.tokens.stride(0), state.prompt_mask,
+                 state.output_counts, inbox.requests, SPAN_START=start, SPAN=span_bytes, vocab=vocab, max_len=max_len,
+                 RECORD=table.record_bytes, BLOCK_SPAN=next_power_of_2(span_bytes),
+                 BLOCK_P=min(1024, next_power_of_2(g.max_prompt_tokens)), BLOCK_V=min(1024, next_power_of_2(vocab)),
                  INTERPRET=INTERPRET)
 
 
