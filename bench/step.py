@@ -3,8 +3,9 @@
 The device modes replay the same step whatever the batch, so its bookkeeping (admission, planning, sampling, the
 commit, the exchange with the slot table) is paid every step. This runs that step (`DeviceStep.run`, on the CPU
 with the exchange kernels in Triton's interpreter) under a torch dispatch mode that counts every tensor op outside
-the model's forward and logits, and the bytes each one reads and writes (its tensors' sizes: an upper bound for
-in-place views, a lower bound for ops that read an input twice). The exchange kernels (admission from the table,
+the model's forward and logits, and the bytes each one reads and writes: its tensors' sizes, except that a view
+moves nothing and an indexed read or write (index, index_put_, scatter_...) touches the rows it names, not the
+whole tensor it indexes. The exchange kernels (admission from the table,
 emission into it, the demand) are not counted: interpreted, they copy every argument, which a GPU does not; on
 the device they read each slot's control words, and a prompt once, when it is admitted. The shapes that matter
 are the vocabulary, the context, the slots and the token bucket; the model itself is a one-layer stand-in with
@@ -35,6 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context", type=int, default=4096, help="max_model_len")
     p.add_argument("--bucket", type=int, default=16, help="the token bucket of the step counted (decodes)")
     p.add_argument("--vocab", type=int, help="override the shape's vocabulary (a quick run)")
+    p.add_argument("--label", help="names the code measured in the saved result (e.g. the commit of a baseline)")
     p.add_argument("--result-dir", type=Path, default=Path("bench/results"))
     p.add_argument("--no-save", action="store_true")
 
@@ -61,7 +63,7 @@ def run(args: argparse.Namespace) -> None:
                           f"the forward = {share:6.1%} of the weights ({counted['seconds']:.2f} s on this CPU)")
                     for name, (ops, nbytes) in list(counted["top"].items())[:5]:
                         print(f"    {nbytes / 1e9:7.3f} GB in {ops:3d} × {name}")
-    result = {"benchmark": "step", "machine": machine(), "blink": blink_source(), "rows": rows}
+    result = {"benchmark": "step", "label": args.label, "machine": machine(), "blink": blink_source(), "rows": rows}
     if not args.no_save:
         print(f"saved {save('step', result, args.result_dir)}")
 
@@ -101,6 +103,11 @@ def count_step(model_dir: Path, slots: int, context: int, bucket: int) -> dict[s
     return {"ops": counter.ops, "bytes": counter.bytes, "seconds": seconds, "top": top}
 
 
+_INDEXED_READS = {"aten.index", "aten.gather", "aten.index_select"}
+_INDEXED_WRITES = {"aten.index_put_", "aten._index_put_impl_", "aten.scatter_", "aten.scatter_add_",
+                   "aten.index_copy_", "aten.index_fill_"}
+
+
 class _OpCounter:
     """Counts the aten ops dispatched while it is active (and not paused), and their tensors' bytes."""
 
@@ -113,7 +120,7 @@ class _OpCounter:
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 out = func(*args, **(kwargs or {}))
                 if not counter.paused:
-                    counter.record(str(func.overloadpacket), (args, kwargs or {}, out))
+                    counter.record(func, args, kwargs or {}, out)
                 return out
 
         self.mode = Mode()
@@ -122,11 +129,22 @@ class _OpCounter:
         self.bytes = 0
         self.by_op: dict[str, list[int]] = {}
 
-    def record(self, name: str, values) -> None:
+    def record(self, func, args: tuple, kwargs: dict, out) -> None:
         import torch
         from torch.utils._pytree import tree_leaves
 
-        nbytes = sum(t.numel() * t.element_size() for t in tree_leaves(values) if isinstance(t, torch.Tensor))
+        def size(*values) -> int:
+            return sum(t.numel() * t.element_size() for t in tree_leaves(values) if isinstance(t, torch.Tensor))
+
+        name = str(func.overloadpacket)
+        if func.is_view:
+            nbytes = 0  # a new shape over the same memory
+        elif name in _INDEXED_READS:
+            nbytes = size(args[1:], kwargs) + 2 * size(out)  # the rows read, the indices, the rows written
+        elif name in _INDEXED_WRITES:
+            nbytes = 2 * size(args[1:], kwargs)  # the indices and values, read; as many elements updated
+        else:
+            nbytes = size(args, kwargs, out)
         self.ops += 1
         self.bytes += nbytes
         entry = self.by_op.setdefault(name, [0, 0])
