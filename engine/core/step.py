@@ -52,7 +52,11 @@ class Step:
         self.cost = torch.zeros(3, dtype=torch.float64, device=device)  # see policy.StepCostModel
         self.eos_ids = torch.tensor(eos_ids or [-1], dtype=torch.int64, device=device)
         self.vocab_hash = hash32(torch.arange(model.cfg.vocab_size, dtype=torch.int64, device=device)).to(torch.int32)
+        # The device modes capture a graph per token bucket: few, from 16. The host mode captures nothing, so its
+        # forward runs on the next power of two of the live tokens: a lone decode is a matrix-vector product, not
+        # 16 rows of padding (on a CPU, where the matmuls are compute-bound, that padding cost 16x the work).
         self.token_buckets = ladder(token_budget, 16)
+        self.host_buckets = ladder(token_budget, 1)
         # Context and row counts only shape the torch attention reference, which the host mode runs as it is,
         # so they are fine-grained (contexts) or exact (rows); the device loops' kernels do not use them.
         page = pool.page_size
@@ -65,7 +69,7 @@ class Step:
         return plan(self.state, self.pool, self.token_budget, self.policy, mirror, self.cost)
 
     def shape_for(self, sizes: PlanSizes) -> StepShape:
-        tokens = _bucket(self.token_buckets, sizes.tokens)
+        tokens = _bucket(self.host_buckets, sizes.tokens)
         return StepShape(
             tokens=tokens,
             context=_bucket(self.context_buckets, sizes.max_context),
