@@ -13,7 +13,7 @@ from blink.engine.core.policy import Policy
 from blink.engine.core.rotation import HostMirror
 from blink.engine.core.state import Slots
 from blink.engine.core.step import Step
-from blink.engine.device import available_memory, configure_threads, resolve_device
+from blink.engine.device import auto_dtype, available_memory, configure_threads, resolve_device
 from blink.engine.model.checkpoint import load_config, read_generation_defaults
 from blink.engine.model.config import DTYPES, ModelConfig
 from blink.engine.model.default_model import ensure_default_model
@@ -64,8 +64,8 @@ class Engine:
         self.model_dir = Path(config.model) if config.model else ensure_default_model()
 
         cfg = load_config(self.model_dir)
-        if config.dtype != "auto":
-            cfg = dataclasses.replace(cfg, dtype=DTYPES[config.dtype])
+        dtype = auto_dtype(cfg.dtype, self.device) if config.dtype == "auto" else DTYPES[config.dtype]
+        cfg = dataclasses.replace(cfg, dtype=dtype)
         self.model_config = cfg
         self.tokenizer = Tokenizer(self.model_dir)
         self.generation = read_generation_defaults(self.model_dir)

@@ -184,7 +184,7 @@ def test_greedy_tokens_are_the_same_with_triton_kernels(kind, checkpoint, monkey
         # A 96-token budget: the 100-token prompt prefills in two chunks, the first longer than QUERY_BLOCK, while
         # the others decode; 8-token pages make every row cross pages.
         llm = LLM(str(checkpoint(kind)), max_num_seqs=4, max_num_batched_tokens=96, num_pages=80, page_size=8,
-                  max_model_len=128)
+                  max_model_len=128, dtype="float32")  # the tolerances below are float32's
         assert llm.engine.model.kernels == kernels
         results[kernels] = llm.generate(prompts, params)
     for torch_out, triton_out in zip(results["torch"], results["triton"], strict=True):

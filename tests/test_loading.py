@@ -107,3 +107,16 @@ def test_missing_file_is_named(checkpoint, tmp_path, name):
 def test_a_directory_that_does_not_exist_is_named(tmp_path):
     with pytest.raises(CheckpointError, match="nowhere"):
         LLM(str(tmp_path / "nowhere"))
+
+
+def test_dtype_auto_runs_a_float32_checkpoint_in_bfloat16_where_the_cpu_has_it(monkeypatch):
+    import torch
+
+    from blink.engine import device
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    for has_bf16, expected in ((True, torch.bfloat16), (False, torch.float32)):
+        monkeypatch.setattr(device, "cpu_has_bf16", lambda has=has_bf16: has)
+        assert device.auto_dtype(torch.float32, cpu) == expected
+        assert device.auto_dtype(torch.float16, cpu) == torch.float16  # a half checkpoint stays as it is
+        assert device.auto_dtype(torch.float32, cuda) == torch.float32

@@ -39,7 +39,8 @@ def test_greedy_tokens_and_logits_match_transformers(kind, checkpoint):
     expected_tokens, expected_logits = _reference(model_dir, prompts)
 
     # A 32-token budget forces the longer prompts to prefill in chunks while others decode.
-    llm = LLM(str(model_dir), max_num_seqs=8, max_num_batched_tokens=32, num_pages=200)
+    # float32 as the reference runs (auto would pick bfloat16 on a CPU with native bfloat16).
+    llm = LLM(str(model_dir), max_num_seqs=8, max_num_batched_tokens=32, num_pages=200, dtype="float32")
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS))
     for out, expected in zip(outputs, expected_tokens, strict=True):
         assert out.token_ids == expected

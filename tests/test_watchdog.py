@@ -148,8 +148,9 @@ def test_sigkill_the_engine(server, table, phase):
         prompts, max_tokens = ["a queued request"] * 16, 8
         when = lambda t: (states == SlotState.SUBMITTED).sum() == 16  # noqa: E731
     elif phase == "prefilling":
+        # Killed while most prompts are still prefilling: the first may be through before the last arrives.
         prompts, max_tokens = [LONG_PROMPT] * 16, 8
-        when = lambda t: ((states == SlotState.ADMITTED) & (produced == 0)).sum() == 16  # noqa: E731
+        when = lambda t: ((states == SlotState.ADMITTED) & (produced == 0)).sum() >= 8  # noqa: E731
     elif phase == "decoding":
         prompts, max_tokens = ["decode for a long time"] * 16, 1500
         when = decoding(table, 16)
