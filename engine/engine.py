@@ -96,9 +96,10 @@ class Engine:
         self._mirror_pages = mirror_pages if config.swap_space > 0 and mirror_pages > 1 else 0
         self.step = Step(self.model, self.pool, self.state, list(self.generation.eos_token_ids), budget,
                          Policy(config.scheduling_policy))
-        log.info("engine ready: %s on %s, %d slots, %d-token budget, %d KV pages of %d, context %d, %s scheduling, "
-                 "%d host pages for KV rotation", cfg.architecture, self.device, num_slots, budget, num_pages, page,
-                 max_len, config.scheduling_policy, max(0, self._mirror_pages - 1))
+        log.info("engine ready: %s on %s in %s (dtype %s), %d slots, %d-token budget, %d KV pages of %d, context %d, "
+                 "%s scheduling, %d host pages for KV rotation", cfg.architecture, self.device,
+                 str(cfg.dtype).removeprefix("torch."), config.dtype, num_slots, budget, num_pages, page, max_len,
+                 config.scheduling_policy, max(0, self._mirror_pages - 1))
 
     @cached_property
     def mirror(self) -> HostMirror | None:
