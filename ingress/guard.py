@@ -3,7 +3,7 @@ size and time limits. A pure ASGI middleware, so streamed responses pass through
 
 The body is read here, whole, before the route runs: a body over `max_request_bytes` is answered 413 as soon as
 its Content-Length (or, when streamed, its bytes so far) says so, without reading the rest, and one that does not
-arrive within `body_timeout_s` is answered 408. Either way no slot was taken and no work was done.
+arrive within `request_timeout_s` is answered 408. Either way no slot was taken and no work was done.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ class RequestGuard:
 
     async def _read_body(self, content_length: bytes | None, receive) -> tuple[bytes | None, APIError | None]:
         """The whole body, or why not: (None, None) when the client disconnected."""
-        limit, timeout_s = self.state.max_request_bytes, self.state.body_timeout_s
+        limit, timeout_s = self.state.max_request_bytes, self.state.request_timeout_s
         too_large = APIError(413, f"the request body is larger than this server's limit of {limit} bytes",
                              code="request_too_large")
         if content_length is not None and content_length.isdigit() and int(content_length) > limit:

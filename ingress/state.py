@@ -29,7 +29,7 @@ class IngressState:
     client: SlotClient | RemoteSlotClient
     metrics: Metrics
     max_request_bytes: int = 4 << 20
-    body_timeout_s: float = 30.0
+    request_timeout_s: float = 30.0
     api_key: str | None = None
     engine_status: Callable[[], EngineStatus | None] = lambda: None
     draining: bool = False

@@ -14,6 +14,7 @@ import zmq
 import zmq.asyncio
 
 from blink.ingress.app import create_app
+from blink.ingress.header_deadline import with_header_deadline
 from blink.ingress.metrics import Metrics
 from blink.ingress.rdma_link import RdmaLink
 from blink.ingress.remote_slots import RemoteSlotClient
@@ -115,11 +116,12 @@ async def serve(settings: Settings, keys: sockets.Keys, info: control.EngineInfo
     # On another host the engine's model directory may not exist: --model names a local copy of the tokenizer.
     state = IngressState(info=info, tokenizer=Tokenizer(settings.model or info.model_dir), client=client,
                          metrics=Metrics(info.model, info.drive, client.transport),
-                         max_request_bytes=settings.max_request_bytes, body_timeout_s=settings.body_timeout,
+                         max_request_bytes=settings.max_request_bytes, request_timeout_s=settings.request_timeout,
                          api_key=settings.api_key, engine_status=engine_status, classes=settings.class_defaults())
     log.info("ingress transport", transport=client.transport, degraded=state.degraded)
     config = uvicorn.Config(create_app(state), host=settings.host, port=settings.port, loop="none",
-                            log_config=None, access_log=False, timeout_graceful_shutdown=settings.shutdown_timeout)
+                            http=with_header_deadline(settings.request_timeout), log_config=None, access_log=False,
+                            timeout_graceful_shutdown=settings.shutdown_timeout)
     server = DrainingServer(config, state, settings.shutdown_timeout)
     zmq_api = asyncio.create_task(ZmqApi(state, settings.zmq_endpoint).serve())
     orders = asyncio.create_task(IngressControl(state, settings, keys).serve())

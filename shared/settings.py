@@ -32,8 +32,8 @@ class Settings(BaseSettings):
                                 "Bearer KEY`, the ZeroMQ API's `api_key`); /health, /ready and /metrics stay open")
     max_request_bytes: int = Field(4 << 20, ge=1024, description="the largest request body the ingress reads; "
                                    "larger ones are answered 413 before they are read")
-    body_timeout: float = Field(30.0, gt=0, description="seconds a client may take to send a request's body; a "
-                                "slower one is answered 408 and dropped")
+    request_timeout: float = Field(30.0, gt=0, description="seconds a client may take to send a request's headers, "
+                                   "and again its body; a slower one is dropped (408 for a body)")
     shutdown_timeout: float = Field(30.0, ge=0)
     runtime_dir: str | None = Field(None, description="where the deployment's private directory (0700: IPC sockets, "
                                     "the generated control key) is made (default: $XDG_RUNTIME_DIR, else /tmp)")

@@ -29,7 +29,7 @@ MODEL = "blink-tiny-llama-v1"
 KEY = "sekret-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 POST_ROUTES = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
-BODY_TIMEOUT_S = 2.0
+REQUEST_TIMEOUT_S = 2.0
 STREAM_TOKENS = 1500
 
 
@@ -67,7 +67,8 @@ class LongStream:
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory):
     ports = {name: free_port() for name in ("control", "relay", "zmq")}
-    with running_server(tmp_path_factory.mktemp("hostile"), "--api-key", KEY, "--body-timeout", str(BODY_TIMEOUT_S),
+    with running_server(tmp_path_factory.mktemp("hostile"), "--api-key", KEY,
+                        "--request-timeout", str(REQUEST_TIMEOUT_S),
                         "--control-port", str(ports["control"]), "--relay-port", str(ports["relay"]),
                         "--zmq-port", str(ports["zmq"]), "--max-num-seqs", "4") as server:
         server.ports = ports
@@ -175,7 +176,7 @@ def test_large_legitimate_work_runs_off_the_event_loop(deployment):
 
 def test_a_stalled_body_is_dropped(deployment):
     host, port = deployment.url.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port)), timeout=BODY_TIMEOUT_S + 10) as conn:
+    with socket.create_connection((host, int(port)), timeout=REQUEST_TIMEOUT_S + 10) as conn:
         conn.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
                      "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"model\": ".encode())
         start = time.monotonic()
@@ -183,7 +184,18 @@ def test_a_stalled_body_is_dropped(deployment):
         while chunk := conn.recv(65536):
             answer += chunk
     assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
-    assert BODY_TIMEOUT_S - 0.5 < time.monotonic() - start < BODY_TIMEOUT_S + 3
+    assert REQUEST_TIMEOUT_S - 0.5 < time.monotonic() - start < REQUEST_TIMEOUT_S + 3
+    _still_serving(deployment)
+
+
+def test_trickled_headers_and_a_silent_connection_are_cut_off(deployment):
+    host, port = deployment.url.removeprefix("http://").split(":")
+    for opening in (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n", b""):  # half the headers; nothing at all
+        with socket.create_connection((host, int(port)), timeout=REQUEST_TIMEOUT_S + 10) as conn:
+            conn.sendall(opening)
+            start = time.monotonic()
+            assert conn.recv(65536) == b""  # closed, without an answer
+        assert time.monotonic() - start < REQUEST_TIMEOUT_S + 3
     _still_serving(deployment)
 
 
