@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import structlog
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from blink.ingress.errors import (
@@ -23,7 +23,8 @@ from blink.ingress.errors import (
     validation_error_handler,
 )
 from blink.ingress.generate import Delta, choice_deltas, merged, slot_request
-from blink.ingress.guard import RequestGuard, declare_security
+from blink.ingress.guard import RequestGuard
+from blink.ingress.openapi import describe
 from blink.ingress.protocol import (
     ChatRequest,
     CompletionRequest,
@@ -49,10 +50,10 @@ def create_app(state: IngressState) -> FastAPI:
     app.add_exception_handler(RequestValidationError, validation_error_handler)
     app.add_exception_handler(StarletteHTTPException, http_error_handler)
     app.add_middleware(RequestGuard, state=state)
-    if state.api_key is not None:
-        declare_security(app)
+    describe(app, secured=state.api_key is not None)
 
-    @app.get("/health")
+    @app.get("/health", response_class=Response, responses={200: {"description": "up (an empty body)",
+                                                                   "content": {}}})
     async def health() -> Response:
         return Response(status_code=200)
 
@@ -75,7 +76,8 @@ def create_app(state: IngressState) -> FastAPI:
                 "kv_host_pages": state.info.kv_host_pages, "limitations": state.info.limitations}
         return JSONResponse(body, status_code=200 if ok else 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"description": "Prometheus' text format", "content": {"text/plain": {}}}})
     async def metrics() -> Response:
         status = await asyncio.to_thread(state.engine_status)
         return Response(state.metrics.render(state.client, status, state.degraded), media_type="text/plain")

@@ -57,4 +57,5 @@ async def validation_error_handler(_: Request, exc: RequestValidationError) -> J
 
 async def http_error_handler(_: Request, exc: StarletteHTTPException) -> JSONResponse:
     kinds = {404: "not_found_error", 405: "invalid_request_error"}
-    return error_response(exc.status_code, str(exc.detail), kinds.get(exc.status_code, "invalid_request_error"))
+    return error_response(exc.status_code, str(exc.detail), kinds.get(exc.status_code, "invalid_request_error"),
+                          headers=exc.headers)  # 405's Allow

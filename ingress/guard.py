@@ -13,7 +13,6 @@ import secrets
 import uuid
 
 import structlog
-from fastapi import FastAPI
 
 from blink.ingress.errors import APIError, error_response
 from blink.ingress.state import IngressState
@@ -104,20 +103,3 @@ def _replay(body: bytes, receive):
 
     return replay
 
-
-def declare_security(app: FastAPI) -> None:
-    """The OpenAPI schema says which routes want `Authorization: Bearer KEY` (every one but the open ones)."""
-    make_schema = app.openapi
-
-    def openapi() -> dict:
-        if app.openapi_schema is None:
-            schema = make_schema()
-            schema.setdefault("components", {})["securitySchemes"] = {
-                "apiKey": {"type": "http", "scheme": "bearer", "description": "the server's --api-key"}}
-            for path, operations in schema.get("paths", {}).items():
-                if path not in OPEN_PATHS:
-                    for operation in operations.values():
-                        operation["security"] = [{"apiKey": []}]
-        return app.openapi_schema
-
-    app.openapi = openapi

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 
 from blink.shared.request_schema import INT32_MAX, MAX_LOGPROBS, MAX_STOP_IDS, SamplingKnobs
 from blink.shared.service_class import ClassName
@@ -39,6 +39,12 @@ class SamplingFields(SamplingKnobs):
     service_class: ClassName | None = None
     ttft_slo_ms: float | None = Field(None, gt=0, allow_inf_nan=False)
     tpot_slo_ms: float | None = Field(None, gt=0, allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _stream_options_need_a_stream(self) -> SamplingFields:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options may only be given with stream: true")  # as OpenAI and vLLM answer
+        return self
 
     @field_validator("stop")
     @classmethod

@@ -174,6 +174,7 @@ def test_admission_limit_over_the_control_plane(server):
     ({"model": MODEL, "prompt": "x", "max_tokens": 5000}, 400, "max_tokens", "context_length_exceeded"),
     ({"model": MODEL, "prompt": "x" * 9000}, 400, "prompt", "context_length_exceeded"),
     ({"model": MODEL, "prompt": "x", "frobnicate": 1}, 400, "frobnicate", "invalid_value"),
+    ({"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, 400, None, "invalid_value"),
 ])
 def test_bad_completions_get_400_with_the_envelope(server, body, status, param, code):
     r = httpx.post(f"{server.url}/v1/completions", json=body)
@@ -195,6 +196,20 @@ def test_malformed_json_and_bad_chat(server):
                                                                                          "content": "hi"}]})
     assert r.status_code == 400 and r.json()["error"]["param"].startswith("messages")
     assert httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"] == MODEL
+
+
+def test_the_openapi_schema_describes_what_is_served(server):
+    schema = httpx.get(f"{server.url}/openapi.json").json()
+    assert '"422"' not in json.dumps(schema)  # validation errors are 400s here
+    completions = schema["paths"]["/v1/completions"]["post"]["responses"]
+    for status in ("400", "413", "429", "503"):
+        assert completions[status]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorEnvelope")
+    assert set(schema["components"]["schemas"]["ErrorDetail"]["properties"]) == {"message", "type", "param", "code"}
+    assert "text/plain" in schema["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
+    assert not schema["paths"]["/health"]["get"]["responses"]["200"]["content"]
+    assert httpx.get(f"{server.url}/health").content == b""
+    r = httpx.get(f"{server.url}/v1/completions")
+    assert r.status_code == 405 and r.headers["allow"] == "POST" and r.json()["error"]["type"]
 
 
 def test_tokenize_detokenize_and_request_ids(server, offline):
