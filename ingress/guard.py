@@ -45,9 +45,9 @@ class RequestGuard:
                     return  # the client left while sending
                 receive = _replay(body, receive)
             if error is not None:
-                headers = {"Connection": "close"} if error.status in (408, 413) else None  # the rest goes unread
+                closing = {"Connection": "close"} if error.status in (408, 413) else None  # the rest goes unread
                 await error_response(error.status, error.message, error.type, code=error.code,
-                                     headers=headers)(scope, receive, send_with_id)
+                                     headers=closing)(scope, receive, send_with_id)
             else:
                 await self.app(scope, receive, send_with_id)
         finally:
