@@ -71,7 +71,7 @@ def private_dir(settings: Settings, create: bool = False) -> Path:
     if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
         raise PermissionError(f"{path} is not a directory of this user's: pick another --runtime-dir or --deployment")
     if info.st_mode & 0o077:
-        os.chmod(path, 0o700)  # ours, but made with a lax umask by an older Blink: close it
+        os.chmod(path, 0o700)  # ours, but open to others (made by hand, or by an older Blink): close it
     return path
 
 
