@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -47,6 +47,33 @@ class SlotEvent:
         return {**dict(self.top), self.token: self.logprob} if self.logprob is not None else {}
 
 
+@dataclass(frozen=True)
+class Asked:
+    """What a resident request asked of the sampler, read once from its record at admission: the host picks each
+    step's sampler features and the top logprobs to publish from these, without reading the engine's state."""
+
+    features: SamplerFeatures
+    logprobs: int  # top logprobs per token; -1: none
+
+    @classmethod
+    def of(cls, r: np.void) -> Asked:
+        """From a slot record (blink.shared.request_schema's fields)."""
+        return cls(SamplerFeatures(
+            penalties=bool(r["repetition_penalty"] != 1 or r["presence_penalty"] != 0 or r["frequency_penalty"] != 0),
+            filtering=bool(r["top_k"] > 0 or r["top_p"] < 1 or r["min_p"] > 0),
+            random=bool(r["temperature"] >= GREEDY_BELOW),
+            logprobs=bool(r["logprobs"] >= 0),
+            min_tokens=bool(r["min_tokens"] > 0),
+        ), int(r["logprobs"]))
+
+
+def merged_features(asked: Iterable[Asked]) -> SamplerFeatures:
+    """What a step must do for all of these requests together."""
+    asked = list(asked)
+    return SamplerFeatures(**{name: any(getattr(a.features, name) for a in asked)
+                              for name in SamplerFeatures.__dataclass_fields__})
+
+
 class HostLoop:
     def __init__(self, engine: Engine):
         self.engine = engine
@@ -58,8 +85,8 @@ class HostLoop:
         self.page_bytes = PagePool.bytes_per_page(engine.model_config, engine.pool.page_size)
 
     @torch.inference_mode()
-    def step(self, resident: Sequence[int]) -> dict[int, SlotEvent]:
-        """One step over the resident slots; returns each slot's event."""
+    def step(self, resident: Mapping[int, Asked]) -> dict[int, SlotEvent]:
+        """One step over the resident slots (slot -> what its request asked); returns each slot's event."""
         self.ran = False
         if not resident:
             self._planned_at = None  # nobody waited meanwhile
@@ -67,7 +94,7 @@ class HostLoop:
         started = time.perf_counter()
         self.cost_model.planning(started - (self._planned_at or started))
         self._planned_at = started
-        features = sampler_features(self.engine.state, resident)
+        features = merged_features(resident.values())
         step, mirror = self.engine.step, self.mirror
         plan = step.plan(features, mirror)
         sizes = plan.read_sizes()
@@ -86,34 +113,22 @@ class HostLoop:
         return events
 
 
-def sampler_features(state: Slots, slots: Sequence[int]) -> SamplerFeatures:
-    """What the resident requests ask of the sampler, from their state (one host read)."""
-    s = torch.as_tensor(list(slots), device=state.status.device)
-    penalties = ((state.repetition_penalty[s] != 1) | (state.presence_penalty[s] != 0)
-                 | (state.frequency_penalty[s] != 0))
-    filtering = (state.top_k[s] > 0) | (state.top_p[s] < 1) | (state.min_p[s] > 0)
-    wanted = torch.stack([penalties.any(), filtering.any(), (state.temperature[s] >= GREEDY_BELOW).any(),
-                          (state.logprobs[s] >= 0).any(), (state.min_tokens[s] > 0).any()])
-    return SamplerFeatures(*wanted.tolist())
-
-
-def _events(out: StepOutput, resident: Sequence[int], features: SamplerFeatures, state: Slots,
+def _events(out: StepOutput, resident: Mapping[int, Asked], features: SamplerFeatures, state: Slots,
             page_bytes: int) -> dict[int, SlotEvent]:
     tokens, reasons = out.token.tolist(), out.finish_reason.tolist()
     if features.logprobs:
         logprob, top_ids, top_lp = out.logprob.tolist(), out.top_ids.tolist(), out.top_logprobs.tolist()
-        asked = state.logprobs.tolist()
     if any(reasons):
         counts = torch.stack([state.preemptions, state.pages_out, state.pages_in]).tolist()
         waited = state.wait_s.tolist()
     events = {}
-    for slot in resident:
+    for slot, asked in resident.items():
         token, reason = tokens[slot], reasons[slot]
         if token < 0 and reason == Finish.NONE:
             continue
         event = SlotEvent(token if token >= 0 else None)
-        if features.logprobs and asked[slot] >= 0 and token >= 0:
-            k = asked[slot]
+        if asked.logprobs >= 0 and token >= 0:
+            k = asked.logprobs
             event.logprob, event.top = logprob[slot], list(zip(top_ids[slot][:k], top_lp[slot][:k], strict=True))
         if reason != Finish.NONE:
             event.finish_reason = FINISH_NAMES[Finish(reason)]
@@ -140,7 +155,7 @@ class HostDriver:
         self.epoch = int(table.header["epoch"])
         self.loop = HostLoop(engine)
         self.mirror = self.loop.mirror
-        self.slots: set[int] = set()  # resident
+        self.resident_asked: dict[int, Asked] = {}  # resident slot -> what its request asked
         self.max_running: int | None = None  # admission limit set over the control plane
         self.failure: BaseException | None = None
         self._arrivals = 0
@@ -149,7 +164,7 @@ class HostDriver:
 
     @property
     def resident(self) -> int:
-        return len(self.slots)
+        return len(self.resident_asked)
 
     def set_admission_limit(self, limit: int | None) -> None:
         self.max_running = limit
@@ -187,10 +202,9 @@ class HostDriver:
         not write into slots the ingress has since given to other requests."""
         self.check_epoch()
         self._admit()
-        if not self.slots:
+        if not self.resident_asked:
             return False
-        resident = sorted(self.slots)
-        slots = np.array(resident, dtype=np.int64)
+        slots = np.fromiter(self.resident_asked, dtype=np.int64)
         table = self.table.slots  # field by field: whole records would copy prompts and windows each step
         cancel = table["cancel"][slots] != 0
         full = (table["produced"][slots].astype(np.int64) - table["consumed"][slots]) >= self.table.geometry.window
@@ -198,7 +212,7 @@ class HostDriver:
         index = torch.from_numpy(slots).to(state.cancel.device)
         state.cancel[index] = torch.from_numpy(cancel).to(state.cancel.device)
         state.paused[index] = torch.from_numpy(full).to(state.paused.device)
-        events = self.loop.step(resident)
+        events = self.loop.step(self.resident_asked)
         self.check_epoch()
         for slot, event in events.items():
             self._publish(slot, event)
@@ -213,7 +227,7 @@ class HostDriver:
     def _admit(self) -> None:
         submitted = self.table.submitted().tolist()
         if self.max_running is not None:
-            submitted = submitted[:max(0, self.max_running - len(self.slots))]  # the rest wait, SUBMITTED
+            submitted = submitted[:max(0, self.max_running - self.resident)]  # the rest wait, SUBMITTED
         if not submitted:
             return
         engine = self.engine
@@ -224,7 +238,7 @@ class HostDriver:
             if slot in invalid:  # the ingress validates; a record that still fails is ended, not served
                 self.table.finish(slot, Finish.ABORT)
             else:
-                self.slots.add(slot)
+                self.resident_asked[slot] = Asked.of(self.table.slots[slot])
         self._arrivals += len(submitted) - len(invalid)
 
     def _publish(self, slot: int, event: SlotEvent) -> None:
@@ -234,7 +248,7 @@ class HostDriver:
         if event.finish_reason:
             self.table.finish(slot, _FINISH[event.finish_reason], event.stats)
             self.engine.state.release_slot(slot)
-            self.slots.discard(slot)
+            del self.resident_asked[slot]
 
 
 _FINISH = {"stop": Finish.STOP, "length": Finish.LENGTH, "abort": Finish.ABORT}

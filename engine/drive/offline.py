@@ -13,7 +13,7 @@ import numpy as np
 
 from blink.engine.core.admission import admit_records
 from blink.engine.core.commit import StepOutput
-from blink.engine.drive.host import HostLoop, SlotEvent
+from blink.engine.drive.host import Asked, HostLoop, SlotEvent
 from blink.engine.engine import Engine
 from blink.engine.sampling_params import SamplingParams
 from blink.shared.request_schema import Request, knobs_of
@@ -43,6 +43,7 @@ class OfflineDriver:
         self.loop = HostLoop(engine)
         self._queue: deque[_Pending] = deque()
         self._resident: dict[int, _Pending] = {}  # slot -> request
+        self._asked: dict[int, Asked] = {}  # slot -> what it asked of the sampler
         self._free_slots = list(range(self.state.num_slots - 1, -1, -1))
         # The slot records requests are written into, as the ingress writes them into the slot table: admission
         # reads them as it reads the table's.
@@ -79,12 +80,12 @@ class OfflineDriver:
 
     def step(self) -> list[TokenEvent]:
         self._fill_slots()
-        slot_events = self.loop.step(sorted(self._resident))
+        slot_events = self.loop.step(self._asked)
         events = []
         for slot, e in slot_events.items():
             request_id = self._resident[slot].request_id
             if e.finish_reason:
-                del self._resident[slot]
+                del self._resident[slot], self._asked[slot]
                 self.state.release_slot(slot)
                 self._free_slots.append(slot)
             events.append(TokenEvent(e.token, e.logprob, e.top, e.finish_reason, e.stats, request_id=request_id))
@@ -105,6 +106,7 @@ class OfflineDriver:
                                 engine.model_config.vocab_size, engine.max_model_len)
         if invalid:  # LLM checked every prompt before queueing it
             raise RuntimeError(f"invalid requests reached slots {invalid}")
+        self._asked.update((slot, Asked.of(self.records[slot])) for slot in slots)
         self._arrivals += len(slots)
 
     def _request(self, pending: _Pending, now: float) -> Request:
