@@ -80,7 +80,7 @@ def hash32_words(x: torch.Tensor) -> torch.Tensor:
     x = x ^ _shr(x, 16)
     x = x * 0x7FEB352D
     x = x ^ _shr(x, 15)
-    x = x * torch.tensor(_MUL2_I32, dtype=torch.int32, device=x.device)
+    x = x * _MUL2_I32  # a Python scalar, not a tensor: no host-to-device copy inside a captured step
     return x ^ _shr(x, 16)
 
 
