@@ -41,7 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="openai: /v1/completions; openai-chat: /v1/chat/completions; blink-zmq: Blink's ZeroMQ API")
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (also read for its model and "
                    "/ready with --backend blink-zmq)")
-    p.add_argument("--zmq-endpoint", default="ipc:///tmp/blink-default-api", help="for --backend blink-zmq")
+    p.add_argument("--zmq-endpoint", help="for --backend blink-zmq (default: the ZeroMQ API of the deployment that "
+                   "BLINK_DEPLOYMENT and BLINK_RUNTIME_DIR name, on this host)")
     p.add_argument("--model", help="the model to request (default: the server's first in /v1/models)")
     p.add_argument("--tokenizer", help="tokenizer.json or checkpoint dir for prompt lengths (default: the served "
                    "model's, when it is a directory or Blink's default model)")
@@ -84,6 +85,10 @@ def run(args: argparse.Namespace) -> Path:
     goodput = parse_goodput(args.goodput)
     if args.class_slo and not args.class_mix:
         raise SystemExit("--class-slo judges the classes of --class-mix; without a mix, requests have no class")
+    if args.backend == "blink-zmq" and args.zmq_endpoint is None:
+        from blink.shared.settings import Settings
+
+        args.zmq_endpoint = Settings().zmq_endpoint  # this host's deployment, as its services name it
     signal.signal(signal.SIGTERM, _interrupt)
     load = Interference(args.interference, args.interference_cpus) if args.interference else nullcontext()
     with load:
