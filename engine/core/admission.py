@@ -45,8 +45,9 @@ def field_views(raw: torch.Tensor, record: np.dtype) -> dict[str, torch.Tensor]:
     for f in FIELDS:
         offset, size = record.fields[f.name][1] - start, np.dtype(f.wire).itemsize
         views[f.name] = raw[:, offset:offset + size].view(_VIEW[f.wire])[:, 0]
-    offset = record.fields["stop_ids"][1] - start
-    views["stop_ids"] = raw[:, offset:offset + 4 * MAX_STOP_IDS].view(torch.int32)
+    stop_ids, offset = record.fields["stop_ids"][:2]
+    offset -= start
+    views["stop_ids"] = raw[:, offset:offset + stop_ids.itemsize].view(torch.int32)  # the record's count of them
     return views
 
 
