@@ -22,6 +22,8 @@ class RequestOutput:
     text: str = ""
     finish_reason: str | None = None  # stop | length | abort
     logprobs: list[dict[int, float]] | None = None  # per generated token: its logprob and the top ones
+    # vLLM's: per prompt token, its logprob given those before it and the top ones (None for the first)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 class LLM:
@@ -52,12 +54,16 @@ class LLM:
             outputs[out.request_id] = out
             if params.logprobs is not None:
                 out.logprobs = []
+            if params.prompt_logprobs is not None:
+                out.prompt_logprobs = [None]
             self._driver.add_request(out.request_id, out.prompt_token_ids, params, max_tokens)
         while self._driver.has_work():
             for event in self._driver.step():
                 out = outputs.get(event.request_id)
                 if out is None:
                     continue  # an aborted leftover
+                if out.prompt_logprobs is not None:
+                    out.prompt_logprobs += [{**dict(p.top), p.token: p.logprob} for p in event.prompt]
                 if event.token is not None:
                     out.token_ids.append(event.token)
                     if out.logprobs is not None:

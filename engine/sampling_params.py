@@ -18,6 +18,7 @@ class SamplingParams(SamplingKnobs):
     stop_token_ids: list[StrictInt] = Field(default_factory=list, max_length=MAX_STOP_IDS)
     seed: StrictInt | None = Field(None, ge=0, lt=2**63)
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's: per prompt token, top k
     service_class: ServiceClass = ServiceClass.LATENCY_SENSITIVE
     ttft_slo_ms: float | None = Field(None, gt=0.0, allow_inf_nan=False)
     tpot_slo_ms: float | None = Field(None, gt=0.0, allow_inf_nan=False)

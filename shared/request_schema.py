@@ -49,7 +49,8 @@ class RequestField:
 # In record order. The record's other parts (control words, the prompt, the output window) are the slot table's.
 FIELDS: tuple[RequestField, ...] = (
     RequestField("prompt_len", "<u4", 0, "int64", doc="tokens in the prompt"),
-    RequestField("max_tokens", "<u4", 16, "int64", ge=1, doc="tokens to generate at most (the context caps it)"),
+    RequestField("max_tokens", "<u4", 16, "int64", ge=0,
+                 doc="tokens to generate at most (the context caps it); 0: none, the prompt's logprobs only"),
     RequestField("priority", "<i4", 0, "int64", knob=True, ge=-(2**15), lt=2**15,
                  doc="lower runs first (vLLM's priority scheduling)"),
     RequestField("ignore_eos", "<u4", False, "bool", knob=True, doc="generate past the end-of-sequence token"),
@@ -62,6 +63,9 @@ FIELDS: tuple[RequestField, ...] = (
     RequestField("presence_penalty", "<f4", 0.0, "float32", knob=True, ge=-2.0, le=2.0),
     RequestField("frequency_penalty", "<f4", 0.0, "float32", knob=True, ge=-2.0, le=2.0),
     RequestField("logprobs", "<i4", -1, "int64", ge=-1, le=MAX_LOGPROBS, doc="top logprobs per token; -1: none"),
+    RequestField("prompt_logprobs", "<i4", -1, "int64", ge=-1, le=MAX_LOGPROBS,
+                 doc="top logprobs per prompt token; -1: none. The engine publishes the prompt's tokens after the "
+                     "first, each with its logprob given those before it, ahead of the generated ones"),
     RequestField("seed", "<u8", 0, "int64", ge=0, lt=2**63, doc="of the request's random draws"),
     RequestField("service_class", "<u4", 0, "int64", doc="blink.shared.service_class.ServiceClass"),
     RequestField("ttft_slo_ms", "<f4", INF, gt=0.0,

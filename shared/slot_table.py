@@ -28,7 +28,7 @@ import numpy as np
 from blink.shared.request_schema import FIELDS, MAX_LOGPROBS, MAX_STOP_IDS, Request, record_fields
 
 MAGIC = 0x424C494E4B534C54  # "BLINKSLT"
-VERSION = 4  # 4: the header carries the admission limit
+VERSION = 5  # 5: records carry prompt_logprobs
 SHM_DIR = Path(os.environ.get("BLINK_SHM_DIR", "/dev/shm"))  # another directory stands for another host in tests
 
 

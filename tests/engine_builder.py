@@ -14,7 +14,7 @@ import torch
 from blink.engine.core.admission import admit_records
 from blink.engine.core.kv_cache import PagePool
 from blink.engine.core.policy import Policy
-from blink.engine.core.scheduler import StepPlan, plan
+from blink.engine.core.scheduler import StepPlan, advance, plan
 from blink.engine.core.state import Slots
 from blink.shared.request_schema import Request
 from blink.shared.slot_table import Geometry, slot_dtype, write_request
@@ -30,6 +30,7 @@ class ModelFreeEngine:
     num_pages: int = 64
     budget: int = 32
     policy: str = "fcfs"
+    prompt_rows: int = 0  # prompt logprobs a step scores at most
     state: Slots = field(init=False)
     pool: PagePool = field(init=False)
 
@@ -54,8 +55,8 @@ class ModelFreeEngine:
     def step(self) -> StepPlan:
         """Plans one step and advances what it scheduled; returns the plan."""
         s = self.state
-        planned = plan(s, self.pool, self.budget, Policy(self.policy), None, self.cost)
-        s.num_computed += planned.take
+        planned = plan(s, self.pool, self.budget, Policy(self.policy), None, self.cost, self.prompt_rows)
+        advance(s, planned)
         done = (planned.take > 0) & (s.num_computed == s.seq_len)
         s.tokens[done.nonzero()[:, 0], s.seq_len[done]] = 1
         s.seq_len += done.long()

@@ -23,7 +23,7 @@ EVERY_FIELD = Request(
     prompt=[5, 6, 7, 8, 9], max_tokens=7, priority=-3, ignore_eos=True, temperature=0.7, top_p=0.9, top_k=12,
     min_p=0.05, repetition_penalty=1.2, presence_penalty=0.3, frequency_penalty=-0.4, logprobs=3, seed=2**62 + 5,
     service_class=int(ServiceClass.BEST_EFFORT), ttft_slo_ms=250.0, tpot_slo_ms=40.0, stop_token_ids=(3, 4),
-    min_tokens=2,
+    min_tokens=2, prompt_logprobs=4,
 )
 DERIVED = {"prompt_len", "num_stop_ids"}  # from the prompt and the stop ids
 # Every state tensor admission writes: the schema's, and what it derives or resets.
@@ -66,7 +66,8 @@ def _device(engine, table, now):
 
 def _offline(engine, table, now):
     r = EVERY_FIELD
-    params = SamplingParams(max_tokens=r.max_tokens, logprobs=r.logprobs, seed=r.seed, stop_token_ids=[3, 4],
+    params = SamplingParams(max_tokens=r.max_tokens, logprobs=r.logprobs, prompt_logprobs=r.prompt_logprobs,
+                            seed=r.seed, stop_token_ids=[3, 4],
                             service_class=ServiceClass(r.service_class), ttft_slo_ms=r.ttft_slo_ms,
                             tpot_slo_ms=r.tpot_slo_ms, **{f.name: getattr(r, f.name) for f in FIELDS if f.knob})
     _used(engine)

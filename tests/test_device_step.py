@@ -14,7 +14,8 @@ from blink.shared.slot_table import Finish, Request, SlotState, SlotTable
 
 REQUESTS = {
     0: Request([5, 6, 7, 8], 6, temperature=0.0, ignore_eos=True, logprobs=2),
-    1: Request(list(range(10, 45)), 5, temperature=0.0, ignore_eos=True),  # prefilled over several steps
+    # Prefilled over several steps, scoring its prompt (34 entries through a window of 3) before generating.
+    1: Request(list(range(10, 45)), 5, temperature=0.0, ignore_eos=True, prompt_logprobs=2),
     2: Request([99] * 7, 7, temperature=0.8, top_k=20, seed=1234, ignore_eos=True),
     3: Request([42, 43], 9, temperature=0.0, stop_token_ids=(7,), repetition_penalty=1.3),
 }
@@ -64,8 +65,10 @@ def test_device_step_serves_the_table_as_the_host_driver_does(tiny_engine, table
     device, step = _device(tiny_engine(), table)
     got = _serve(table, step, REQUESTS)
     assert got == expected
-    assert [len(got[s][0]) for s in (0, 1, 2)] == [6, 5, 7]
-    assert got[0][1][0] != [0, 0] and all(ids == [0, 0] for ids in got[1][1])  # top logprobs only where asked
+    assert [len(got[s][0]) for s in (0, 1, 2)] == [6, 34 + 5, 7]
+    assert got[1][0][:34] == list(range(11, 45))  # the prompt's tokens after the first, scored
+    # Top logprobs only where asked (slot 1 asked for its prompt's).
+    assert got[0][1][0] != [0, 0] and got[1][1][0] != [0, 0] and all(ids == [0, 0] for ids in got[2][1])
     assert int(device.demand[1]) == 0  # nothing resident: every slot was handed back
 
 

@@ -41,3 +41,27 @@ def test_a_cancelled_request_gets_no_budget():
     engine.add(1, prompt_len=12)
     engine.state.cancel[0] = True
     assert engine.takes(engine.step())[:2] == [0, 12]
+
+
+def test_prompt_logprobs_prefill_no_more_than_the_window_holds_and_the_step_scores():
+    engine = ModelFreeEngine(budget=32, prompt_rows=8)
+    engine.add(0, prompt_len=20, prompt_logprobs=1)
+    engine.add(1, prompt_len=12, prompt_logprobs=0)
+    engine.add(2, prompt_len=12)  # asks for none: only the budget limits it
+    engine.state.room[0] = 5  # the reader has read little: five entries fit its window
+    planned = engine.step()
+    # Slot 0 scores positions 0-4 (five entries, as its window holds); slot 1 the three prompt rows left, then stops
+    # at the prompt rows' limit; slot 2 takes the rest of the budget.
+    assert engine.takes(planned) == [5, 3, 12, 0]
+    assert planned.prompt_entries.tolist() == [5, 3, 0, 0]
+    assert planned.read_sizes().prompt_entries == 8
+    assert engine.state.scored.tolist()[:2] == [5, 3]
+    engine.state.room[0] = 64
+    planned = engine.step()
+    # Slot 0 scores positions 5-12 (eight rows, all of them); slot 1 waits for the next step's rows.
+    assert engine.takes(planned)[:2] == [8, 0] and planned.prompt_entries.tolist()[:2] == [8, 0]
+    planned = engine.step()
+    # Slot 0's last prompt token scores nothing (its logits give the first generated token): 6 rows; slot 1 scores
+    # positions 3-4 of its own in the 2 rows left.
+    assert engine.takes(planned)[:2] == [7, 2] and planned.prompt_entries.tolist()[:2] == [6, 2]
+    assert engine.state.scored.tolist()[:2] == [19, 5]

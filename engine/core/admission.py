@@ -25,7 +25,7 @@ _VIEW = {"<u4": torch.int32, "<i4": torch.int32, "<f4": torch.float32, "<u8": to
 _LANDED_OTHERWISE = {"max_tokens", "seed"}  # schema fields with a conversion of their own below
 # What a new request starts from, whatever the slot held before.
 _RESET = (("num_computed", 0), ("finish_reason", 0), ("cancel", False), ("paused", False), ("rotated", False),
-          ("preemptions", 0), ("pages_out", 0), ("pages_in", 0), ("wait_s", 0.0))
+          ("preemptions", 0), ("pages_out", 0), ("pages_in", 0), ("wait_s", 0.0), ("scored", 0))
 
 
 def span(record: np.dtype) -> tuple[int, int]:
@@ -67,7 +67,7 @@ def admit(state: Slots, admitted: torch.Tensor, records: dict[str, torch.Tensor]
             land(f.name, records[f.name])
     n = records["prompt_len"].long()
     land("seq_len", n)
-    land("max_tokens", torch.minimum(records["max_tokens"].long().clamp(min=1), max_len - n))
+    land("max_tokens", torch.minimum(records["max_tokens"].long().clamp(min=0), max_len - n))
     land("seed", records["seed"] & (2**63 - 1))
     inf = float("inf")
     ttft = records["ttft_slo_ms"].double()  # what remained of the SLO at publication

@@ -1,4 +1,5 @@
-"""The end of a step: append sampled tokens, check stops and cancellation, release finished pages."""
+"""The end of a step: append sampled tokens, check stops and cancellation, release finished pages; and the prompt
+logprobs the step scored, for the requests that asked."""
 
 from __future__ import annotations
 
@@ -9,9 +10,36 @@ import torch
 from blink.engine.core.kv_cache import PagePool
 from blink.engine.core.rotation import HostMirror
 from blink.engine.core.sampler import SampleOutput
-from blink.engine.core.scheduler import StepPlan
+from blink.engine.core.scheduler import StepPlan, advance
 from blink.engine.core.state import Slots, SlotStatus
+from blink.shared.request_schema import MAX_LOGPROBS
 from blink.shared.slot_table import Finish
+
+
+@dataclass
+class PromptScores:
+    """The prompt tokens a step scored ([P] each, packed slot after slot; slot -1 past the real ones) and where
+    each slot's run of them starts ([S]): published ahead of the slot's token, in this order."""
+
+    slot: torch.Tensor
+    token: torch.Tensor  # the prompt token scored
+    logprob: torch.Tensor  # its logprob given the prompt before it
+    top_ids: torch.Tensor  # [P, MAX_LOGPROBS]
+    top_logprobs: torch.Tensor
+    first: torch.Tensor  # [S] index of each slot's first row
+    count: torch.Tensor  # [S] rows of each slot (the plan's prompt_entries)
+
+
+def score_prompt(state: Slots, plan: StepPlan, batch_index: torch.Tensor, logits: torch.Tensor) -> PromptScores:
+    """batch_index: [P] the batch tokens whose logits ([P, V] float32) score the prompt token after them."""
+    slot, pos = plan.token_slot[batch_index], plan.token_pos[batch_index]
+    count = plan.prompt_entries
+    real = torch.arange(batch_index.shape[0], device=slot.device) < count.sum()
+    token = state.tokens[slot, (pos + 1).clamp(max=state.max_len)].long()
+    logprobs = logits.log_softmax(-1)
+    top_logprobs, top_ids = logprobs.topk(min(MAX_LOGPROBS, logprobs.shape[-1]), dim=-1)
+    return PromptScores(torch.where(real, slot, -1), token, logprobs.gather(1, token[:, None])[:, 0], top_ids,
+                        top_logprobs, count.cumsum(0) - count, count)
 
 
 @dataclass
@@ -25,13 +53,17 @@ class StepOutput:
     top_logprobs: torch.Tensor | None
     row_slot: torch.Tensor  # [R] slot of each logits row
     row_logits: torch.Tensor  # [R, V] float32 logits the rows sampled from, before penalties
+    prompt: PromptScores | None = None  # when a resident request asked for its prompt's logprobs
 
 
 def commit(state: Slots, pool: PagePool, mirror: HostMirror | None, plan: StepPlan, rows: int, out: SampleOutput,
-           logits: torch.Tensor, eos_ids: torch.Tensor, count_outputs: bool) -> StepOutput:
+           logits: torch.Tensor, eos_ids: torch.Tensor, count_outputs: bool,
+           prompt: PromptScores | None = None) -> StepOutput:
     S = state.num_slots
-    state.num_computed += plan.take
-    slot, valid = plan.sample_slot[:rows], plan.sample_valid[:rows]
+    advance(state, plan)
+    slot, sampled = plan.sample_slot[:rows], plan.sample_valid[:rows]
+    # max_tokens 0 (the prompt's logprobs only): the row ends its request without a token.
+    valid = sampled & (state.max_tokens[slot] > 0)
     # Invalid rows are routed to index S (a trash entry) or to the tokens' trash column.
     target = torch.where(valid, slot, S)
     tok = out.tokens
@@ -44,8 +76,8 @@ def commit(state: Slots, pool: PagePool, mirror: HostMirror | None, plan: StepPl
     stopped = (state.stop_ids[slot] == tok[:, None]).any(-1)
     stopped |= torch.isin(tok, eos_ids) & ~state.ignore_eos[slot]
     too_long = (seq_len - state.prompt_len[slot] >= state.max_tokens[slot]) | (seq_len >= state.max_len)
-    row_reason = torch.where(stopped, Finish.STOP, torch.where(too_long, Finish.LENGTH, 0))
-    reason = _per_slot(S, target, row_reason, 0)
+    row_reason = torch.where(stopped & valid, Finish.STOP, torch.where(too_long, Finish.LENGTH, 0))
+    reason = _per_slot(S, torch.where(sampled, slot, S), row_reason, 0)
     running = state.status == SlotStatus.RUNNING
     reason = torch.where(running & state.cancel & (reason == 0), Finish.ABORT, reason)
 
@@ -68,6 +100,7 @@ def commit(state: Slots, pool: PagePool, mirror: HostMirror | None, plan: StepPl
         top_logprobs=per_slot(out.top_logprobs, 0.0),
         row_slot=torch.where(valid, slot, -1),
         row_logits=logits,
+        prompt=prompt,
     )
 
 

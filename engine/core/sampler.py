@@ -25,6 +25,7 @@ class SamplerFeatures:
     random: bool = False  # some temperature > 0
     logprobs: bool = False
     min_tokens: bool = False  # some request holds its stops back for its first tokens
+    prompt_logprobs: bool = False  # some request asked for its prompt's logprobs (the step scores them)
 
 
 @dataclass

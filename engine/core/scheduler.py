@@ -48,8 +48,9 @@ class StepPlan:
     sample_slot: torch.Tensor  # [S] slots that sample this step, packed first
     sample_token: torch.Tensor  # [S] batch index of each sampling row's last token
     sample_valid: torch.Tensor  # [S]
+    prompt_entries: torch.Tensor  # [S] prompt logprobs each slot publishes this step, ahead of its token
     moves: PageMoves | None  # KV rotation's page copies, when the engine has a host mirror
-    sizes: torch.Tensor  # [6]: PlanSizes's fields, on the device
+    sizes: torch.Tensor  # [7]: PlanSizes's fields, on the device
 
     def read_sizes(self) -> PlanSizes:
         """The host's one read of a plan (a sync): what it needs to pick the forward's buckets and copy pages."""
@@ -63,12 +64,13 @@ class PlanSizes(NamedTuple):
     chunk_rows: int  # blocks of sequences computing several (prefill chunks)
     pages_out: int  # KV pages rotating to the host mirror
     pages_in: int  # and back
+    prompt_entries: int  # prompt logprobs the step computes
 
 
 def plan(state: Slots, pool: PagePool, token_budget: int, policy: Policy, mirror: HostMirror | None,
-         cost: torch.Tensor) -> StepPlan:
+         cost: torch.Tensor, prompt_rows: int) -> StepPlan:
     """cost: [seconds per step, seconds per token, seconds since the previous plan], from the driver's
-    step-time model."""
+    step-time model; prompt_rows: the prompt logprobs one step may compute at most."""
     S = state.num_slots
     device = state.status.device
     page = pool.page_size
@@ -84,11 +86,16 @@ def plan(state: Slots, pool: PagePool, token_budget: int, policy: Policy, mirror
     held_back = fresh & _hold_new(state, pool, policy, mirror, token_budget)
     live = resident & ~state.paused & ~state.cancel & ~held_back
     demand = torch.where(live, state.seq_len - state.num_computed, 0)
+    # A request that asks for its prompt's logprobs publishes one per prompt token it computes (and then its first
+    # token): no more than its output window has room for.
+    scoring = (state.prompt_logprobs >= 0) & (state.scored < state.prompt_len - 1)
+    demand = torch.where(scoring, demand.minimum(state.room), demand)
     order = lexsort(policy.budget_keys(state, demand > 1), first=demand > 0)
     cap = policy.token_cap(state, demand == 1, cost, token_budget)
     wanted = demand[order]
     before = wanted.cumsum(0) - wanted
     take = torch.empty_like(demand).scatter_(0, order, (cap - before).clamp(min=0).minimum(wanted))
+    take, entries = _score_prompts(state, take, order, prompt_rows)
 
     # Pages: victims give theirs back when they run short, rotated out while the mirror has room.
     covered = (state.num_computed + take + page - 1) // page
@@ -127,17 +134,44 @@ def plan(state: Slots, pool: PagePool, token_budget: int, policy: Policy, mirror
     input_ids = state.tokens[token_slot, token_pos].long()
 
     first_pos = state.num_computed
-    decode_slot, num_decodes = _pack(take == 1)
+    decode_slot, num_decodes = pack(take == 1)
     decode_rows = QueryRows(starts[decode_slot], take[decode_slot], first_pos[decode_slot], decode_slot, num_decodes)
     chunk_rows = _chunk_rows(take, starts, first_pos, token_budget)
-    sample_slot, num_samples = _pack((take > 0) & (state.num_computed + take == state.seq_len))
+    sample_slot, num_samples = pack((take > 0) & (state.num_computed + take == state.seq_len))
     sample_valid = torch.arange(S, device=device) < num_samples
     sample_token = torch.where(sample_valid, ends[sample_slot] - 1, 0)
 
     max_context = torch.where(token_valid, token_pos + 1, 0).amax()
-    sizes = torch.cat([torch.stack([ends[-1], max_context, num_decodes, chunk_rows.count]), moved])
+    entries = torch.where(take > 0, entries, 0)  # a slot that lost its pages to a victim's need computes nothing
+    sizes = torch.cat([torch.stack([ends[-1], max_context, num_decodes, chunk_rows.count]), moved,
+                       entries.sum()[None]])
     return StepPlan(take, token_slot, token_pos, token_valid, input_ids, decode_rows, chunk_rows, sample_slot,
-                    sample_token, sample_valid, moves, sizes)
+                    sample_token, sample_valid, entries, moves, sizes)
+
+
+def _score_prompts(state: Slots, take: torch.Tensor, order: torch.Tensor,
+                   prompt_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prompt logprobs each slot computes with its tokens (its positions from `scored` up to the prompt's
+    second last: each one's logits score the next prompt token), at most prompt_rows in all, handed out in the
+    budget's order; a slot past that computes only as many tokens as it may score. Returns (take, entries)."""
+    start = torch.maximum(state.num_computed, state.scored)
+    asks = state.prompt_logprobs >= 0
+    entries = torch.where(asks, (torch.minimum(state.num_computed + take, state.prompt_len - 1) - start).clamp(min=0),
+                          0)
+    wanted = entries[order]
+    allowed = torch.empty_like(entries).scatter_(0, order, (prompt_rows - (wanted.cumsum(0) - wanted)).clamp(min=0))
+    cut = entries > allowed
+    # A cut slot computes up to its last allowed position (the positions it scored before are recomputed, if any).
+    take = torch.where(cut, (start + allowed - state.num_computed).clamp(min=0), take)
+    return take, torch.minimum(entries, allowed)
+
+
+def advance(state: Slots, planned: StepPlan) -> None:
+    """What a step computed as planned: tokens whose K/V are now cached, prompt positions now scored."""
+    state.scored.copy_(torch.where(planned.prompt_entries > 0,
+                                   torch.maximum(state.num_computed, state.scored) + planned.prompt_entries,
+                                   state.scored))
+    state.num_computed += planned.take
 
 
 def max_chunk_rows(token_budget: int, num_slots: int) -> int:
@@ -150,14 +184,14 @@ def _chunk_rows(take: torch.Tensor, starts: torch.Tensor, first_pos: torch.Tenso
     per_slot = token_budget // QUERY_BLOCK + 1
     j = torch.arange(per_slot, device=take.device)
     blocks = torch.where(take > 1, (take + QUERY_BLOCK - 1) // QUERY_BLOCK, 0)
-    index, count = _pack((j[None, :] < blocks[:, None]).flatten())
+    index, count = pack((j[None, :] < blocks[:, None]).flatten())
     index = index[: max_chunk_rows(token_budget, S)]
     slot, offset = index // per_slot, index % per_slot * QUERY_BLOCK
     length = (take[slot] - offset).clamp(max=QUERY_BLOCK)
     return QueryRows(starts[slot] + offset, length, first_pos[slot] + offset, slot, count)
 
 
-def _pack(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def pack(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The indices where mask is set, packed first (the rest 0), and how many there are."""
     n = mask.shape[0]
     rank = torch.where(mask, mask.cumsum(0) - 1, n)
@@ -240,5 +274,5 @@ def _move_in(state: Slots, pool: PagePool, mirror: HostMirror, candidates: torch
 def _pairs(which: torch.Tensor, src_table: torch.Tensor, dst_table: torch.Tensor, count: torch.Tensor):
     """(source page, destination page) for the first count[s] columns of every slot in `which`, packed first."""
     j = torch.arange(src_table.shape[1] - 1, device=which.device)
-    index, n = _pack((which[:, None] & (j[None, :] < count[:, None])).flatten())
+    index, n = pack((which[:, None] & (j[None, :] < count[:, None])).flatten())
     return src_table[:, :-1].flatten()[index], dst_table[:, :-1].flatten()[index], n

@@ -47,6 +47,10 @@ class Slots:
         self.tpot_slo = torch.full((S,), float("inf"), dtype=torch.float64, device=device)  # seconds
         self.cancel = zeros(S, dtype=torch.bool)
         self.paused = zeros(S, dtype=torch.bool)  # set while the reader's output window is full
+        # Entries the reader's output window has room for (the driver's mirror of it, like `paused`): a request
+        # that asks for its prompt's logprobs computes no more prompt tokens in a step than it can publish.
+        self.room = torch.full((S,), max_len + 1, dtype=torch.int64, device=device)
+        self.scored = zeros(S)  # prompt positions whose next token's logprob was published (prompt_logprobs)
         self.seq_len = zeros(S)  # prompt + generated tokens
         self.num_computed = zeros(S)  # tokens whose K/V are in the cache
         self.finish_reason = zeros(S)

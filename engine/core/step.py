@@ -12,12 +12,12 @@ from dataclasses import dataclass
 
 import torch
 
-from blink.engine.core.commit import StepOutput, commit
+from blink.engine.core.commit import StepOutput, commit, score_prompt
 from blink.engine.core.kv_cache import PagePool
 from blink.engine.core.policy import Policy
 from blink.engine.core.rotation import HostMirror
 from blink.engine.core.sampler import SamplerFeatures, SamplingRows, hash32, sample
-from blink.engine.core.scheduler import QUERY_BLOCK, PlanSizes, StepPlan, plan
+from blink.engine.core.scheduler import QUERY_BLOCK, PlanSizes, StepPlan, pack, plan
 from blink.engine.core.state import Slots
 from blink.engine.model.attention import AttentionBatch, build_row_group
 from blink.engine.model.model import Transformer
@@ -32,6 +32,7 @@ class StepShape:
     decode_rows: int  # sequences computing one token
     chunk_rows: int  # blocks of QUERY_BLOCK queries of the sequences computing several (prefill chunks)
     rows: int  # logits rows: min(slots, tokens)
+    prompt_rows: int = 0  # prompt logprobs the step may compute (plan caps them at this)
 
 
 def ladder(top: int, start: int) -> list[int]:
@@ -66,7 +67,8 @@ class Step:
 
     def plan(self, features: SamplerFeatures, mirror: HostMirror | None) -> StepPlan:
         """mirror: where KV pages rotate (the host drive mode's); None: preempted requests are recomputed."""
-        return plan(self.state, self.pool, self.token_budget, self.policy, mirror, self.cost)
+        prompt_rows = self.token_budget if features.prompt_logprobs else 0
+        return plan(self.state, self.pool, self.token_budget, self.policy, mirror, self.cost, prompt_rows)
 
     def shape_for(self, sizes: PlanSizes) -> StepShape:
         tokens = _bucket(self.host_buckets, sizes.tokens)
@@ -76,6 +78,7 @@ class Step:
             decode_rows=sizes.decode_rows,
             chunk_rows=sizes.chunk_rows,
             rows=min(self.state.num_slots, tokens),
+            prompt_rows=_bucket(self.host_buckets, sizes.prompt_entries) if sizes.prompt_entries else 0,
         )
 
     def run(self, plan: StepPlan, shape: StepShape, features: SamplerFeatures, mirror: HostMirror | None) -> StepOutput:
@@ -83,7 +86,10 @@ class Step:
         B, R = shape.tokens, shape.rows
         batch = self._attention_batch(plan, shape)
         hidden = model.forward(plan.input_ids[:B], plan.token_pos[:B], batch, pool.k, pool.v)
-        logits = model.logits(hidden[plan.sample_token[:R]])
+        prompt_tokens = _prompt_tokens(state, plan, B, shape.prompt_rows)
+        # One pass over the output embedding for the sampling rows and the prompt rows together.
+        logits = model.logits(hidden[torch.cat([plan.sample_token[:R], prompt_tokens])])
+        logits, prompt_logits = logits[:R], logits[R:]
         slot = plan.sample_slot[:R]
         rows = SamplingRows(
             temperature=state.temperature[slot], top_p=state.top_p[slot], top_k=state.top_k[slot],
@@ -97,7 +103,9 @@ class Step:
             rows.held = torch.where(young, torch.cat([eos, state.stop_ids[slot]], 1), -1)
         penalties = (state.output_counts[slot], state.prompt_mask[slot]) if features.penalties else (None, None)
         out = sample(logits, rows, features, self.vocab_hash, *penalties)
-        return commit(state, pool, mirror, plan, R, out, logits, self.eos_ids, count_outputs=features.penalties)
+        scored = score_prompt(state, plan, prompt_tokens, prompt_logits) if shape.prompt_rows else None
+        return commit(state, pool, mirror, plan, R, out, logits, self.eos_ids, count_outputs=features.penalties,
+                      prompt=scored)
 
     def _attention_batch(self, plan: StepPlan, shape: StepShape) -> AttentionBatch:
         B, page = shape.tokens, self.pool.page_size
@@ -116,6 +124,17 @@ class Step:
                 groups.append(build_row_group(rows.head(n), table, page, queries, shape.context,
                                               self.model.cfg.sliding_window, B))
         return AttentionBatch(write_rows, groups)
+
+
+def _prompt_tokens(state: Slots, plan: StepPlan, tokens: int, prompt_rows: int) -> torch.Tensor:
+    """[prompt_rows] batch indices of the tokens whose logits score a prompt token this step, packed first (in batch
+    order, so slot after slot; the rest 0)."""
+    if not prompt_rows:
+        return plan.sample_token[:0]
+    slot, pos = plan.token_slot[:tokens], plan.token_pos[:tokens]
+    start = torch.maximum(state.num_computed, state.scored)[slot]  # num_computed: before this step's commit
+    scores = plan.token_valid[:tokens] & (pos >= start) & (pos < start + plan.prompt_entries[slot])
+    return pack(scores)[0][:prompt_rows]
 
 
 def _bucket(ladder: list[int], size: int) -> int:

@@ -26,6 +26,10 @@ from blink.shared.slot_table import SlotTable, slot_dtype
 # leave tokens unchanged).
 ALL_FEATURES = SamplerFeatures(**dict.fromkeys(SamplerFeatures.__dataclass_fields__, True))
 
+# Prompt logprobs a captured step scores at most (a request that asks for them is prefilled this many tokens a
+# step): rows of logits every captured step computes beside its sampling rows, in the same output-embedding pass.
+PROMPT_ROWS = 16
+
 # What the device modes do not do yet (the host mode does both), said at start-up and in /ready.
 LIMITATIONS = (
     "no KV rotation: preempted requests are recomputed (the rotation's copies are not in the captured step yet)",
@@ -67,7 +71,7 @@ class DeviceStep:
         self._last_now.copy_(inbox.now)
         self.take()
         # No KV rotation (mirror None): its copies need the host to read move counts between plan and forward.
-        planned = plan(state, engine.pool, bucket, self.step.policy, None, self.step.cost)
+        planned = plan(state, engine.pool, bucket, self.step.policy, None, self.step.cost, self.prompt_rows(bucket))
         out = self.step.run(planned, self.shape(bucket), ALL_FEATURES, None)
         emit(self.table, inbox, state, out, self.page_bytes)
         report_demand(state, self._demand)
@@ -83,7 +87,12 @@ class DeviceStep:
     def shape(self, bucket: int) -> StepShape:
         S = self.state.num_slots
         return StepShape(tokens=bucket, context=self.step.context_buckets[-1], decode_rows=min(S, bucket),
-                         chunk_rows=max_chunk_rows(bucket, S), rows=min(S, bucket))
+                         chunk_rows=max_chunk_rows(bucket, S), rows=min(S, bucket),
+                         prompt_rows=self.prompt_rows(bucket))
+
+    @staticmethod
+    def prompt_rows(bucket: int) -> int:
+        return min(bucket, PROMPT_ROWS)
 
     def bucket_for(self, demand: int) -> int:
         return next((b for b in self.buckets if b >= demand), self.buckets[-1])

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from blink.engine.core.admission import admit_records
-from blink.engine.core.commit import StepOutput
+from blink.engine.core.commit import PromptScores, StepOutput
 from blink.engine.core.kv_cache import PagePool
 from blink.engine.core.policy import StepCostModel
 from blink.engine.core.sampler import GREEDY_BELOW, SamplerFeatures
@@ -32,14 +32,25 @@ FINISH_NAMES = {Finish.STOP: "stop", Finish.LENGTH: "length", Finish.ABORT: "abo
 
 
 @dataclass
+class Scored:
+    """A prompt token, its logprob given the prompt before it, and the k most likely tokens there."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
 class SlotEvent:
-    """What one slot produced in a step: a token (or none, when it was aborted) and, last, its finish."""
+    """What one slot produced in a step: the prompt tokens it scored (if it asked), a token (or none: aborted, or
+    still in its prompt) and, last, its finish."""
 
     token: int | None
     logprob: float | None = None
     top: list[tuple[int, float]] = field(default_factory=list)  # the k most likely tokens the request asked for
     finish_reason: str | None = None  # stop | length | abort
     stats: RequestStats | None = None  # with the finish
+    prompt: list[Scored] = field(default_factory=list)
 
     @property
     def top_logprobs(self) -> dict[int, float]:
@@ -54,6 +65,7 @@ class Asked:
 
     features: SamplerFeatures
     logprobs: int  # top logprobs per token; -1: none
+    prompt_logprobs: int = -1  # top logprobs per prompt token; -1: none
 
     @classmethod
     def of(cls, r: np.void) -> Asked:
@@ -64,7 +76,8 @@ class Asked:
             random=bool(r["temperature"] >= GREEDY_BELOW),
             logprobs=bool(r["logprobs"] >= 0),
             min_tokens=bool(r["min_tokens"] > 0),
-        ), int(r["logprobs"]))
+            prompt_logprobs=bool(r["prompt_logprobs"] >= 0),
+        ), int(r["logprobs"]), int(r["prompt_logprobs"]))
 
 
 def merged_features(asked: Iterable[Asked]) -> SamplerFeatures:
@@ -121,12 +134,13 @@ def _events(out: StepOutput, resident: Mapping[int, Asked], features: SamplerFea
     if any(reasons):
         counts = torch.stack([state.preemptions, state.pages_out, state.pages_in]).tolist()
         waited = state.wait_s.tolist()
+    scored = _scored(out.prompt, resident) if out.prompt is not None else {}
     events = {}
     for slot, asked in resident.items():
         token, reason = tokens[slot], reasons[slot]
-        if token < 0 and reason == Finish.NONE:
+        if token < 0 and reason == Finish.NONE and slot not in scored:
             continue
-        event = SlotEvent(token if token >= 0 else None)
+        event = SlotEvent(token if token >= 0 else None, prompt=scored.get(slot, []))
         if asked.logprobs >= 0 and token >= 0:
             k = asked.logprobs
             event.logprob, event.top = logprob[slot], list(zip(top_ids[slot][:k], top_lp[slot][:k], strict=True))
@@ -137,6 +151,18 @@ def _events(out: StepOutput, resident: Mapping[int, Asked], features: SamplerFea
                                        in_pages * page_bytes, waited[slot] * 1000)
         events[slot] = event
     return events
+
+
+def _scored(prompt: PromptScores, resident: Mapping[int, Asked]) -> dict[int, list[Scored]]:
+    n = int(prompt.count.sum())
+    slots, tokens, logprobs = (x[:n].tolist() for x in (prompt.slot, prompt.token, prompt.logprob))
+    top_ids, top_logprobs = prompt.top_ids[:n].tolist(), prompt.top_logprobs[:n].tolist()
+    scored: dict[int, list[Scored]] = {}
+    for i, slot in enumerate(slots):
+        k = resident[slot].prompt_logprobs
+        scored.setdefault(slot, []).append(Scored(tokens[i], logprobs[i], list(zip(top_ids[i][:k],
+                                                                                  top_logprobs[i][:k], strict=True))))
+    return scored
 
 
 IDLE_BACKOFF_S = (0.0002, 0.005)  # an idle loop naps this long, doubling: wakes within ~5 ms
@@ -207,11 +233,12 @@ class HostDriver:
         slots = np.fromiter(self.resident_asked, dtype=np.int64)
         table = self.table.slots  # field by field: whole records would copy prompts and windows each step
         cancel = table["cancel"][slots] != 0
-        full = (table["produced"][slots].astype(np.int64) - table["consumed"][slots]) >= self.table.geometry.window
+        room = self.table.geometry.window - (table["produced"][slots].astype(np.int64) - table["consumed"][slots])
         state = self.engine.state
         index = torch.from_numpy(slots).to(state.cancel.device)
         state.cancel[index] = torch.from_numpy(cancel).to(state.cancel.device)
-        state.paused[index] = torch.from_numpy(full).to(state.paused.device)
+        state.paused[index] = torch.from_numpy(room <= 0).to(state.paused.device)
+        state.room[index] = torch.from_numpy(room).to(state.room.device)
         events = self.loop.step(self.resident_asked)
         self.check_epoch()
         for slot, event in events.items():
@@ -242,6 +269,8 @@ class HostDriver:
         self._arrivals += len(submitted) - len(invalid)
 
     def _publish(self, slot: int, event: SlotEvent) -> None:
+        for p in event.prompt:  # ahead of the token: the reader counts prompt_len - 1 of them first
+            self.table.emit(slot, p.token, p.logprob, [t for t, _ in p.top], [lp for _, lp in p.top])
         if event.token is not None:
             top = event.top
             self.table.emit(slot, event.token, event.logprob or 0.0, [t for t, _ in top], [lp for _, lp in top])

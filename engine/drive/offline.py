@@ -88,7 +88,8 @@ class OfflineDriver:
                 del self._resident[slot], self._asked[slot]
                 self.state.release_slot(slot)
                 self._free_slots.append(slot)
-            events.append(TokenEvent(e.token, e.logprob, e.top, e.finish_reason, e.stats, request_id=request_id))
+            events.append(TokenEvent(e.token, e.logprob, e.top, e.finish_reason, e.stats, e.prompt,
+                                     request_id=request_id))
         return events
 
     def _fill_slots(self) -> None:
@@ -115,6 +116,7 @@ class OfflineDriver:
         return Request(
             prompt=pending.prompt_token_ids, max_tokens=pending.max_tokens,
             logprobs=-1 if params.logprobs is None else params.logprobs,
+            prompt_logprobs=-1 if params.prompt_logprobs is None else params.prompt_logprobs,
             seed=self._seeds.getrandbits(63) if params.seed is None else params.seed,
             service_class=int(params.service_class), ttft_slo_ms=ttft_left_ms,
             tpot_slo_ms=params.tpot_slo_ms or math.inf, stop_token_ids=tuple(params.stop_token_ids),

@@ -24,11 +24,11 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 # Record fields the kernels touch, in the order of the offsets tensor; K_* name their indices. The request's own
 # fields are not among them: the admit kernel copies their bytes whole and blink.engine.core.admission lands them.
-FIELDS = ("state", "epoch", "cancel", "prompt_len", "logprobs", "prompt", "produced", "consumed", "finish_reason",
-          "preemptions", "pages_out", "pages_in", "bytes_out", "bytes_in", "wait_ms", "tokens", "logprob", "top_ids",
-          "top_logprobs")
-(K_STATE, K_EPOCH, K_CANCEL, K_PROMPT_LEN, K_LOGPROBS, K_PROMPT, K_PRODUCED, K_CONSUMED, K_FINISH, K_PREEMPTIONS,
- K_PAGES_OUT, K_PAGES_IN, K_BYTES_OUT, K_BYTES_IN, K_WAIT_MS, K_TOKENS, K_LOGPROB, K_TOP_IDS,
+FIELDS = ("state", "epoch", "cancel", "prompt_len", "logprobs", "prompt_logprobs", "prompt", "produced", "consumed",
+          "finish_reason", "preemptions", "pages_out", "pages_in", "bytes_out", "bytes_in", "wait_ms", "tokens",
+          "logprob", "top_ids", "top_logprobs")
+(K_STATE, K_EPOCH, K_CANCEL, K_PROMPT_LEN, K_LOGPROBS, K_PROMPT_LOGPROBS, K_PROMPT, K_PRODUCED, K_CONSUMED, K_FINISH,
+ K_PREEMPTIONS, K_PAGES_OUT, K_PAGES_IN, K_BYTES_OUT, K_BYTES_IN, K_WAIT_MS, K_TOKENS, K_LOGPROB, K_TOP_IDS,
  K_TOP_LOGPROBS) = (tl.constexpr(i) for i in range(len(FIELDS)))
 
 # The engine's FREE slot status (blink.engine.core.state.SlotStatus), restated as a Triton constant.
@@ -73,11 +73,11 @@ def _store_release(ptr, value, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _select(table, offsets, epoch, status, cancel, paused, admit, arrival, arrivals, limit, fenced,
+def _select(table, offsets, epoch, status, cancel, paused, window_room, admit, arrival, arrivals, limit, fenced,
             S, RECORD: tl.constexpr, HEADER_EPOCH: tl.constexpr, WINDOW: tl.constexpr, BLOCK_S: tl.constexpr,
             INTERPRET: tl.constexpr):
     """One program: which published slots to admit (in slot order, up to the running limit), and each resident
-    slot's cancel flag and window room."""
+    slot's cancel flag and window room (and whether it has none)."""
     if tl.load((table + HEADER_EPOCH).to(tl.pointer_type(tl.uint64)), volatile=True).to(tl.int64) != tl.load(epoch):
         tl.store(fenced, 1)  # a newer engine owns the table: touch nothing
         return
@@ -102,6 +102,7 @@ def _select(table, offsets, epoch, status, cancel, paused, admit, arrival, arriv
     consumed = tl.load(_field(record, offsets, K_CONSUMED, tl.uint32), volatile=True).to(tl.int64)
     tl.store(cancel + s, tl.load(_field(record, offsets, K_CANCEL, tl.uint32), volatile=True) != 0, mask=resident)
     tl.store(paused + s, produced - consumed >= WINDOW, mask=resident)
+    tl.store(window_room + s, WINDOW - (produced - consumed), mask=resident | take)  # an admitted one's too
 
 
 @triton.jit
@@ -153,11 +154,26 @@ def _admit(table, offsets, admit, tokens, tokens_stride, prompt_mask, output_cou
 
 
 @triton.jit
+def _put(record, offsets, i, t, lp, top_ids, top_logprobs, k, TOP: tl.constexpr, BLOCK_TOP: tl.constexpr):
+    """One entry of the output window (cell i): a token, its logprob and its k top (id, logprob) pairs."""
+    tl.store(_field(record, offsets, K_TOKENS, tl.int32) + i, t.to(tl.int32))
+    tl.store(_field(record, offsets, K_LOGPROB, tl.float32) + i, lp)
+    j = tl.arange(0, BLOCK_TOP)
+    wanted = j < k
+    ids = tl.load(top_ids + j, mask=wanted, other=0)
+    lps = tl.load(top_logprobs + j, mask=wanted, other=0.0)
+    tl.store(_field(record, offsets, K_TOP_IDS, tl.int32) + i * TOP + j, ids.to(tl.int32), mask=wanted)
+    tl.store(_field(record, offsets, K_TOP_LOGPROBS, tl.float32) + i * TOP + j, lps, mask=wanted)
+
+
+@triton.jit
 def _emit(table, offsets, fenced, token, finish, logprob, top_ids, top_logprobs, top_stride, status,
-             preemptions, pages_out, pages_in, wait_s, page_bytes, RECORD: tl.constexpr, WINDOW: tl.constexpr,
-             TOP: tl.constexpr, WIDTH: tl.constexpr, BLOCK_TOP: tl.constexpr, HEADER_STEPS: tl.constexpr,
-             INTERPRET: tl.constexpr):
-    """One program per slot: its token into the output window, then `produced`; its finish, then FINISHED."""
+          scored_first, scored_count, scored_token, scored_logprob, scored_top_ids, scored_top_logprobs,
+          scored_stride, preemptions, pages_out, pages_in, wait_s, page_bytes, RECORD: tl.constexpr,
+          WINDOW: tl.constexpr, TOP: tl.constexpr, WIDTH: tl.constexpr, BLOCK_TOP: tl.constexpr,
+          HEADER_STEPS: tl.constexpr, INTERPRET: tl.constexpr):
+    """One program per slot: the prompt tokens it scored, then its token, into the output window, then `produced`;
+    its finish, then FINISHED."""
     s = tl.program_id(0)
     if tl.load(fenced) != 0:
         return
@@ -167,20 +183,27 @@ def _emit(table, offsets, fenced, token, finish, logprob, top_ids, top_logprobs,
     record = table + RECORDS_AT + s.to(tl.int64) * RECORD
     t = tl.load(token + s)
     reason = tl.load(finish + s)
-    if t >= 0:
+    n = tl.load(scored_count + s)
+    if (t >= 0) | (n > 0):
         produced_word = _field(record, offsets, K_PRODUCED, tl.uint32)
         produced = tl.load(produced_word)
-        i = (produced % WINDOW).to(tl.int64)
-        tl.store(_field(record, offsets, K_TOKENS, tl.int32) + i, t.to(tl.int32))
-        tl.store(_field(record, offsets, K_LOGPROB, tl.float32) + i, tl.load(logprob + s))
-        j = tl.arange(0, BLOCK_TOP)
-        wanted = j < tl.minimum(tl.load(_field(record, offsets, K_LOGPROBS, tl.int32)), WIDTH)
-        ids = tl.load(top_ids + s * top_stride + j, mask=wanted, other=0)
-        lps = tl.load(top_logprobs + s * top_stride + j, mask=wanted, other=0.0)
-        tl.store(_field(record, offsets, K_TOP_IDS, tl.int32) + i * TOP + j, ids.to(tl.int32), mask=wanted)
-        tl.store(_field(record, offsets, K_TOP_LOGPROBS, tl.float32) + i * TOP + j, lps, mask=wanted)
+        k = tl.minimum(tl.load(_field(record, offsets, K_PROMPT_LOGPROBS, tl.int32)), WIDTH)
+        first = tl.load(scored_first + s)
+        e = 0
+        while e < n:  # a while loop: the interpreter cannot range() over a loaded value
+            row = first + e
+            _put(record, offsets, ((produced + e) % WINDOW).to(tl.int64), tl.load(scored_token + row),
+                 tl.load(scored_logprob + row), scored_top_ids + row * scored_stride,
+                 scored_top_logprobs + row * scored_stride, k, TOP, BLOCK_TOP)
+            e += 1
+        produced += n.to(tl.uint32)
+        if t >= 0:
+            k = tl.minimum(tl.load(_field(record, offsets, K_LOGPROBS, tl.int32)), WIDTH)
+            _put(record, offsets, (produced % WINDOW).to(tl.int64), t, tl.load(logprob + s),
+                 top_ids + s * top_stride, top_logprobs + s * top_stride, k, TOP, BLOCK_TOP)
+            produced += 1
         tl.debug_barrier()
-        _store_release(produced_word, produced + 1, INTERPRET)
+        _store_release(produced_word, produced, INTERPRET)
     if reason != 0:
         out_pages = tl.load(pages_out + s)
         in_pages = tl.load(pages_in + s)
@@ -245,8 +268,8 @@ def take_requests(table: DeviceTable, inbox: Inbox, state, vocab: int, max_len: 
     blink.engine.core.admission, which `inbox.admit` then names; and mirrors each resident slot's cancel flag and
     window room."""
     g, S = table.geometry, state.num_slots
-    _select[(1,)](table.memory, table.offsets, inbox.epoch, state.status, state.cancel, state.paused, inbox.admit,
-                  inbox.arrival, inbox.arrivals, inbox.limit, inbox.fenced, S, RECORD=table.record_bytes,
+    _select[(1,)](table.memory, table.offsets, inbox.epoch, state.status, state.cancel, state.paused, state.room,
+                  inbox.admit, inbox.arrival, inbox.arrivals, inbox.limit, inbox.fenced, S, RECORD=table.record_bytes,
                   HEADER_EPOCH=header_offset("epoch"), WINDOW=g.window, BLOCK_S=next_power_of_2(S),
                   INTERPRET=INTERPRET)
     start, span_bytes = span(slot_dtype(g))
@@ -258,15 +281,17 @@ def take_requests(table: DeviceTable, inbox: Inbox, state, vocab: int, max_len: 
 
 
 def emit(table: DeviceTable, inbox: Inbox, state, out, page_bytes: int) -> None:
-    """Writes each slot's token and finish (`out`: a blink.engine.core.commit.StepOutput) into the table."""
-    g = table.geometry
+    """Writes each slot's scored prompt tokens, token and finish (`out`: a blink.engine.core.commit.StepOutput of
+    a step with every sampler feature on) into the table."""
+    g, scored = table.geometry, out.prompt
     top = min(g.top_logprobs, out.top_ids.shape[1])
     _emit[(state.num_slots,)](table.memory, table.offsets, inbox.fenced, out.token, out.finish_reason,
-                                 out.logprob, out.top_ids, out.top_logprobs, out.top_ids.stride(0), state.status,
-                                 state.preemptions, state.pages_out, state.pages_in, state.wait_s, page_bytes,
-                                 RECORD=table.record_bytes, WINDOW=g.window, TOP=g.top_logprobs, WIDTH=top,
-                                 BLOCK_TOP=next_power_of_2(top), HEADER_STEPS=header_offset("steps"),
-                                 INTERPRET=INTERPRET)
+                              out.logprob, out.top_ids, out.top_logprobs, out.top_ids.stride(0), state.status,
+                              scored.first, scored.count, scored.token, scored.logprob, scored.top_ids,
+                              scored.top_logprobs, scored.top_ids.stride(0), state.preemptions, state.pages_out,
+                              state.pages_in, state.wait_s, page_bytes, RECORD=table.record_bytes, WINDOW=g.window,
+                              TOP=g.top_logprobs, WIDTH=top, BLOCK_TOP=next_power_of_2(top),
+                              HEADER_STEPS=header_offset("steps"), INTERPRET=INTERPRET)
 
 
 @triton.jit
