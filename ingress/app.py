@@ -8,7 +8,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import structlog
 from fastapi import FastAPI, Request
@@ -106,7 +106,8 @@ def create_app(state: IngressState) -> FastAPI:
         if len(prompts) * body.n > 16:
             raise APIError(400, "at most 16 choices (prompts times n) per request", param="n")
         jobs = [(p, i * body.n + j) for i, p in enumerate(prompts) for j in range(body.n)]
-        return await _respond(state, request, body, jobs, body.max_tokens, body.logprobs, chat=False)
+        echo = await _echoed_texts(state, body, prompts) if body.echo else None
+        return await _respond(state, request, body, jobs, body.max_tokens, body.logprobs, chat=False, echo=echo)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
@@ -137,8 +138,19 @@ async def _unless_disconnected(request: Request, awaitable):
             raise _ClientGone
 
 
+async def _echoed_texts(state: IngressState, body: CompletionRequest, prompts: list[list[int]]) -> list[str]:
+    """What echo repeats of each prompt: its text as given, or its tokens decoded."""
+    p = body.prompt
+    if isinstance(p, str):
+        return [p]
+    if isinstance(p[0], str):
+        return list(p)
+    return await state.off_loop(lambda: [state.tokenizer.decode(x, body.skip_special_tokens) for x in prompts])
+
+
 async def _respond(state: IngressState, request: Request, body: SamplingFields, jobs: list[tuple[list[int], int]],
-                   max_tokens: int | None, logprobs: int | None, chat: bool):
+                   max_tokens: int | None, logprobs: int | None, chat: bool, echo: list[str] | None = None):
+    """echo: each prompt's text, to go before its choices' (completions' echo)."""
     check_model(state, body.model)
     capacity = state.client.num_slots + state.client.max_waiting
     if len(jobs) > capacity:
@@ -147,16 +159,21 @@ async def _respond(state: IngressState, request: Request, body: SamplingFields, 
     if named_class is not None and named_class.strip().lower() not in CLASS_NAMES:
         raise APIError(400, f"x-blink-class must name a service class (latency_sensitive or best_effort, or ls or "
                        f"be), got {named_class[:64]!r}", param="x-blink-class")
+    # The prompt's logprobs are scored in the step: vLLM's prompt_logprobs, and what echo shows with logprobs.
+    asked = [k for k in (body.prompt_logprobs, logprobs if echo is not None else None) if k is not None]
+    prompt_logprobs = max(asked) if asked else None
     requests = []
     for prompt, index in jobs:
         room = context_room(state, prompt, max_tokens, "messages" if chat else "prompt")
         seed = body.seed + index if body.seed is not None else state.seeds.getrandbits(63)
-        requests.append((slot_request(prompt, body, max_tokens or room, logprobs, seed, state.classes, named_class),
-                         index))
+        requests.append((slot_request(prompt, body, room if max_tokens is None else max_tokens, logprobs, seed,
+                                      state.classes, named_class, prompt_logprobs), index))
     choices = [choice_deltas(state.client, state.tokenizer, r, body, i, state.metrics, state.info.eos_token_ids,
                              counts_prompt=i % body.n == 0) for r, i in requests]
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-    shape = _Shape(rid, int(time.time()), state.info.model, chat, state.tokenizer)
+    echoed = None if echo is None else {index: (echo[index // body.n], prompt) for prompt, index in jobs}
+    shape = _Shape(rid, int(time.time()), state.info.model, chat, state.tokenizer, logprobs is not None,
+                   body.prompt_logprobs, echoed)
     prompt_tokens = sum(len(p) for p, i in jobs if i % body.n == 0)  # each prompt once, whatever n
     deltas = merged(choices)
     try:
@@ -186,35 +203,84 @@ async def _respond(state: IngressState, request: Request, body: SamplingFields, 
 
 @dataclass
 class _Shape:
+    """Deltas into OpenAI's chunks and choices. For completions' echo, a choice's first chunk starts with its prompt
+    (text, and tokens with their logprobs when asked); text_offset counts characters from the choice's start."""
+
     id: str
     created: int
     model: str
     chat: bool
     tokenizer: Tokenizer
+    wants_logprobs: bool
+    prompt_logprobs: int | None  # vLLM's prompt_logprobs, as the body asked
+    echo: dict[int, tuple[str, list[int]]] | None  # choice index -> its prompt's text and tokens
+    _started: set[int] = field(default_factory=set)  # choices whose first chunk went out
+    _offsets: dict[int, int] = field(default_factory=dict)  # characters of each choice's text so far
 
-    def logprobs(self, delta: Delta) -> dict | None:
-        if not delta.logprobs:
+    def logprobs(self, delta: Delta, first: bool) -> dict | None:
+        if not self.wants_logprobs:
             return None
         tok = self.tokenizer.id_to_token
         if self.chat:
+            if not delta.logprobs:
+                return None
             return {"content": [{"token": tok(lp.token_id), "logprob": lp.logprob, "bytes": None,
                                  "top_logprobs": [{"token": tok(t), "logprob": v, "bytes": None} for t, v in lp.top]}
                                 for lp in delta.logprobs]}
-        return {"tokens": [tok(lp.token_id) for lp in delta.logprobs],
-                "token_logprobs": [lp.logprob for lp in delta.logprobs],
-                "top_logprobs": [{tok(t): v for t, v in lp.top} | {tok(lp.token_id): lp.logprob}
-                                 for lp in delta.logprobs],
-                "text_offset": []}
+        ids = [lp.token_id for lp in delta.logprobs]
+        lps: list[float | None] = [lp.logprob for lp in delta.logprobs]
+        tops: list[dict | None] = [{tok(t): v for t, v in lp.top} | {tok(lp.token_id): lp.logprob}
+                                   for lp in delta.logprobs]
+        if first and self.echo is not None:  # the prompt's first token has no logprob
+            scored = delta.prompt or []
+            ids = [self.echo[delta.index][1][0], *(lp.token_id for lp in scored), *ids]
+            lps = [None, *(lp.logprob for lp in scored), *lps]
+            tops = [None, *({tok(t): v for t, v in lp.top} | {tok(lp.token_id): lp.logprob} for lp in scored), *tops]
+        if not ids:
+            return None
+        pieces = self.tokenizer.raw.decode_batch([[t] for t in ids], skip_special_tokens=False)
+        offset = self._offsets.get(delta.index, 0)
+        offsets = []
+        for piece in pieces:
+            offsets.append(offset)
+            offset += len(piece)
+        self._offsets[delta.index] = offset
+        return {"tokens": [tok(t) for t in ids], "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def vllm_prompt_logprobs(self, delta: Delta) -> list[dict | None] | None:
+        """vLLM's prompt_logprobs field: per prompt token, {id: {logprob, rank, decoded_token}} (the first None)."""
+        if self.prompt_logprobs is None or delta.prompt is None:
+            return None
+
+        def entry(lp) -> dict:
+            ranked = [t for t, _ in lp.top]
+            rank = ranked.index(lp.token_id) + 1 if lp.token_id in ranked else None
+            top = {str(t): {"logprob": v, "rank": r, "decoded_token": self.tokenizer.decode([t], False)}
+                   for r, (t, v) in enumerate(lp.top[:self.prompt_logprobs], 1)}
+            return top | {str(lp.token_id): {"logprob": lp.logprob, "rank": rank,
+                                              "decoded_token": self.tokenizer.decode([lp.token_id], False)}}
+
+        return [None, *(entry(lp) for lp in delta.prompt)]
+
+    def choice(self, delta: Delta) -> dict:
+        first = delta.index not in self._started
+        self._started.add(delta.index)
+        text = delta.text
+        if first and self.echo is not None:
+            text = self.echo[delta.index][0] + text
+        choice = {"index": delta.index, "logprobs": self.logprobs(delta, first), "finish_reason": delta.finish_reason}
+        if (scored := self.vllm_prompt_logprobs(delta)) is not None:
+            choice["prompt_logprobs"] = scored
+        if self.chat:
+            choice["message" if delta.whole else "delta"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        return choice
 
     def chunk(self, delta: Delta) -> dict:
-        choice = {"index": delta.index, "logprobs": self.logprobs(delta), "finish_reason": delta.finish_reason}
-        if self.chat:
-            choice["delta"] = {"role": "assistant", "content": delta.text}
-            return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-                    "choices": [choice]}
-        choice["text"] = delta.text
-        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                "choices": [choice]}
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
+                "choices": [self.choice(delta)]}
 
 
 async def _sse(shape: _Shape, first: Delta | None, deltas: AsyncIterator[Delta],
@@ -249,16 +315,12 @@ def _collect(shape: _Shape, first: Delta | None, rest: list[Delta], num_choices:
     choices, completion_tokens = [], 0
     for index in range(num_choices):
         parts = by_index.get(index, [])
-        merged_delta = Delta(index, "".join(d.text for d in parts), [t for d in parts for t in d.token_ids],
-                             [lp for d in parts for lp in d.logprobs], next((d.finish_reason for d in reversed(parts)
-                                                                              if d.finish_reason), None))
-        completion_tokens += len(merged_delta.token_ids)
-        choice = {"index": index, "logprobs": shape.logprobs(merged_delta), "finish_reason": merged_delta.finish_reason}
-        if shape.chat:
-            choice["message"] = {"role": "assistant", "content": merged_delta.text}
-        else:
-            choice["text"] = merged_delta.text
-        choices.append(choice)
+        whole = Delta(index, "".join(d.text for d in parts), [t for d in parts for t in d.token_ids],
+                      [lp for d in parts for lp in d.logprobs],
+                      next((d.finish_reason for d in reversed(parts) if d.finish_reason), None),
+                      next((d.prompt for d in parts if d.prompt is not None), None), whole=True)
+        completion_tokens += len(whole.token_ids)
+        choices.append(shape.choice(whole))
     return {"id": shape.id, "object": "chat.completion" if shape.chat else "text_completion",
             "created": shape.created, "model": shape.model, "choices": choices,
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,

@@ -38,15 +38,19 @@ class Delta:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
+    prompt: list[TokenLogprob] | None = None  # the prompt's tokens after the first, scored, when asked: all at once
+    whole: bool = False  # a whole choice (the deltas merged), not a chunk of a stream
 
 
 def slot_request(prompt: list[int], fields: SamplingFields, max_tokens: int, logprobs: int | None,
-                 seed: int, classes: ClassDefaults, named_class: str | None = None) -> Request:
+                 seed: int, classes: ClassDefaults, named_class: str | None = None,
+                 prompt_logprobs: int | None = None) -> Request:
     """named_class: the x-blink-class header's, which the body's field overrides."""
     service_class, ttft, tpot = classes.resolve(fields.service_class or named_class, fields.ttft_slo_ms,
                                                 fields.tpot_slo_ms)
     return Request(
         prompt=prompt, max_tokens=max_tokens, logprobs=-1 if logprobs is None else logprobs, seed=seed,
+        prompt_logprobs=-1 if prompt_logprobs is None else prompt_logprobs,
         stop_token_ids=tuple(fields.stop_token_ids), service_class=int(service_class),
         ttft_slo_ms=ttft or math.inf, tpot_slo_ms=tpot or math.inf, **knobs_of(fields),
     )
@@ -68,6 +72,9 @@ async def choice_deltas(client: SlotClient, tokenizer: Tokenizer, request: Reque
         set() if request.ignore_eos else set(eos_token_ids))
     stream = await client.submit(request)
     k = max(request.logprobs, 0)
+    # The engine publishes the prompt's tokens after the first, scored, ahead of the generated ones.
+    prompt: list[TokenLogprob] = []
+    prompt_left = len(request.prompt) - 1 if request.prompt_logprobs >= 0 else 0
     of_class = metrics.of(ServiceClass(request.service_class))
     first_at = last_at = None
     stats: RequestStats | None = None
@@ -78,6 +85,14 @@ async def choice_deltas(client: SlotClient, tokenizer: Tokenizer, request: Reque
             now = time.monotonic()
             delta = Delta(index)
             for i, token in enumerate(out.tokens):
+                if prompt_left:
+                    top = zip(out.top_ids[i][:request.prompt_logprobs], out.top_logprobs[i][:request.prompt_logprobs],
+                              strict=True)
+                    prompt.append(TokenLogprob(token, out.logprobs[i], list(top)))
+                    prompt_left -= 1
+                    if not prompt_left:
+                        delta.prompt = prompt
+                    continue
                 generated += 1
                 delta.token_ids.append(token)
                 if request.logprobs >= 0:
@@ -91,15 +106,15 @@ async def choice_deltas(client: SlotClient, tokenizer: Tokenizer, request: Reque
                     delta.finish_reason = "stop"
                     break
             stats = out.stats or stats
-            if out.tokens:
+            if delta.token_ids:
                 if first_at is None:
                     first_at = now
                     of_class.ttft.observe(now - stream.submitted_at)
                 elif last_at is not None:
-                    of_class.itl.observe((now - last_at) / len(out.tokens))
+                    of_class.itl.observe((now - last_at) / len(delta.token_ids))
                 last_at = now
             if out.finish == Finish.FAILED:
-                if delta.text or delta.token_ids:
+                if delta.text or delta.token_ids or delta.prompt:
                     yield delta
                 finish_reason = "engine_failure"
                 raise engine_failed()
@@ -108,7 +123,7 @@ async def choice_deltas(client: SlotClient, tokenizer: Tokenizer, request: Reque
                 delta.text += tail.text
                 delta.finish_reason = "stop" if tail.stopped else FINISH_NAMES[out.finish]
             finish_reason = delta.finish_reason or finish_reason
-            if delta.text or delta.token_ids or delta.finish_reason:
+            if delta.text or delta.token_ids or delta.finish_reason or delta.prompt:
                 yield delta
             if delta.finish_reason:
                 break

@@ -35,6 +35,8 @@ class SamplingFields(SamplingKnobs):
     stop_token_ids: list[StrictInt] = Field(default_factory=list, max_length=MAX_STOP_IDS)
     include_stop_str_in_output: StrictBool = False
     skip_special_tokens: StrictBool = True
+    prompt_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS,
+                                              description="each prompt token's logprob and the top ones (vLLM's)")
     # Blink's: the service class (else the x-blink-class header, else the default) and SLOs (else the class's).
     service_class: ClassName | None = None
     ttft_slo_ms: float | None = Field(None, gt=0, allow_inf_nan=False)
@@ -66,9 +68,11 @@ class SamplingFields(SamplingKnobs):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
-    max_tokens: StrictInt | None = Field(16, ge=1)  # OpenAI's default for completions; chat fills the context
+    # OpenAI's default for completions (chat fills the context); 0 with echo scores the prompt only (lm-eval's
+    # loglikelihood requests).
+    max_tokens: StrictInt | None = Field(16, ge=0)
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: Literal[False] = False
+    echo: StrictBool = Field(False, description="the prompt before the completion, with its logprobs if asked")
     best_of: Literal[1] | None = None
     suffix: None = None
 
