@@ -85,6 +85,8 @@ class LLM:
             raise RequestError("the prompt is empty", param="prompt")
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
             raise RequestError(f"prompt token ids must be integers in [0, {vocab})", param="prompt")
+        if any(not 0 <= t < vocab for t in params.logit_bias or ()):
+            raise RequestError(f"logit_bias keys must be token ids in [0, {vocab})", param="logit_bias")
         limit = self.engine.max_model_len
         if len(ids) >= limit:
             raise RequestError(f"the prompt has {len(ids)} tokens, but the context limit is {limit} "

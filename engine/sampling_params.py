@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import ConfigDict, Field, StrictInt, field_validator
 
-from blink.shared.request_schema import MAX_LOGPROBS, MAX_STOP_IDS, SamplingKnobs
+from blink.shared.request_schema import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_IDS, SamplingKnobs, logit_bias_pairs
 from blink.shared.service_class import ServiceClass
 
 
@@ -19,9 +19,16 @@ class SamplingParams(SamplingKnobs):
     seed: StrictInt | None = Field(None, ge=0, lt=2**63)
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     prompt_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's: per prompt token, top k
+    logit_bias: dict[int, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)  # token id -> bias in [-100, 100]
     service_class: ServiceClass = ServiceClass.LATENCY_SENSITIVE
     ttft_slo_ms: float | None = Field(None, gt=0.0, allow_inf_nan=False)
     tpot_slo_ms: float | None = Field(None, gt=0.0, allow_inf_nan=False)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v: dict[int, float] | None) -> dict[int, float] | None:
+        logit_bias_pairs(v)
+        return v
 
     @field_validator("stop_token_ids")
     @classmethod

@@ -152,6 +152,7 @@ async def _respond(state: IngressState, request: Request, body: SamplingFields, 
                    max_tokens: int | None, logprobs: int | None, chat: bool, echo: list[str] | None = None):
     """echo: each prompt's text, to go before its choices' (completions' echo)."""
     check_model(state, body.model)
+    check_token_ids(state, [int(t) for t in body.logit_bias or ()], "logit_bias")
     capacity = state.client.num_slots + state.client.max_waiting
     if len(jobs) > capacity:
         raise APIError(400, f"{len(jobs)} choices can never fit: this server holds {capacity} at once", param="n")

@@ -15,7 +15,7 @@ from blink.ingress.errors import APIError
 from blink.ingress.metrics import ChoiceRecord, Metrics
 from blink.ingress.protocol import SamplingFields
 from blink.ingress.slots import SlotClient
-from blink.shared.request_schema import knobs_of
+from blink.shared.request_schema import knobs_of, logit_bias_pairs
 from blink.shared.service_class import ClassDefaults, ServiceClass
 from blink.shared.slot_table import Finish, Request, RequestStats
 from blink.shared.tokenizer import Tokenizer
@@ -51,7 +51,8 @@ def slot_request(prompt: list[int], fields: SamplingFields, max_tokens: int, log
     return Request(
         prompt=prompt, max_tokens=max_tokens, logprobs=-1 if logprobs is None else logprobs, seed=seed,
         prompt_logprobs=-1 if prompt_logprobs is None else prompt_logprobs,
-        stop_token_ids=tuple(fields.stop_token_ids), service_class=int(service_class),
+        stop_token_ids=tuple(fields.stop_token_ids), logit_bias=logit_bias_pairs(fields.logit_bias),
+        service_class=int(service_class),
         ttft_slo_ms=ttft or math.inf, tpot_slo_ms=tpot or math.inf, **knobs_of(fields),
     )
 

@@ -6,7 +6,14 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 
-from blink.shared.request_schema import INT32_MAX, MAX_LOGPROBS, MAX_STOP_IDS, SamplingKnobs
+from blink.shared.request_schema import (
+    INT32_MAX,
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_STOP_IDS,
+    SamplingKnobs,
+    logit_bias_pairs,
+)
 from blink.shared.service_class import ClassName
 
 MAX_STOP_STRINGS = 8
@@ -37,6 +44,8 @@ class SamplingFields(SamplingKnobs):
     skip_special_tokens: StrictBool = True
     prompt_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS,
                                               description="each prompt token's logprob and the top ones (vLLM's)")
+    logit_bias: dict[str, float] | None = Field(
+        None, max_length=MAX_LOGIT_BIAS, description="token id -> a bias in [-100, 100] added to its logit")
     # Blink's: the service class (else the x-blink-class header, else the default) and SLOs (else the class's).
     service_class: ClassName | None = None
     ttft_slo_ms: float | None = Field(None, gt=0, allow_inf_nan=False)
@@ -57,6 +66,12 @@ class SamplingFields(SamplingKnobs):
         if any(not s for s in stops):
             raise ValueError("stop strings must not be empty")
         return stops
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        logit_bias_pairs(v)
+        return v
 
     @field_validator("stop_token_ids")
     @classmethod

@@ -21,6 +21,8 @@ from pydantic import Field as PydanticField
 
 MAX_STOP_IDS = 16  # stop token ids a request may give
 MAX_LOGPROBS = 20  # top logprobs a request may ask for per token
+MAX_LOGIT_BIAS = 128  # tokens a request may bias
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for a bias: [-100, 100]
 INT32_MAX = 2**31 - 1
 INF = float("inf")
 
@@ -73,6 +75,7 @@ FIELDS: tuple[RequestField, ...] = (
                      "ttft_deadline)"),
     RequestField("tpot_slo_ms", "<f4", INF, gt=0.0, doc="inf: none (lands as tpot_slo, in seconds)"),
     RequestField("num_stop_ids", "<u4", 0, doc="how many of stop_ids are given"),
+    RequestField("num_logit_bias", "<u4", 0, doc="how many of logit_bias_ids (and their biases) are given"),
     RequestField("min_tokens", "<u4", 0, "int64", knob=True, ge=0, le=INT32_MAX,
                  doc="tokens generated before the end-of-sequence token, a stop id or a stop string may end the "
                      "request (vLLM's)"),
@@ -85,23 +88,26 @@ FIRST = FIELDS[0].name
 
 
 def record_fields(max_stop_ids: int) -> list[tuple]:
-    """The request's part of a slot record (numpy dtype entries), the stop ids last."""
-    return [*((f.name, f.wire) for f in FIELDS), ("stop_ids", "<i4", (max_stop_ids,))]
+    """The request's part of a slot record (numpy dtype entries), its arrays last: the stop ids, the biased
+    tokens and their biases (OpenAI's logit_bias)."""
+    return [*((f.name, f.wire) for f in FIELDS), ("stop_ids", "<i4", (max_stop_ids,)),
+            ("logit_bias_ids", "<i4", (MAX_LOGIT_BIAS,)), ("logit_bias", "<f4", (MAX_LOGIT_BIAS,))]
 
 
 def _request_fields() -> list[tuple]:
-    specials = {"prompt_len", "num_stop_ids"}  # derived from the prompt and the stop ids
+    specials = {"prompt_len", "num_stop_ids", "num_logit_bias"}  # derived from the prompt and the arrays
     return [("prompt", list[int]), ("max_tokens", int),
             *((f.name, f.python_type, field(default=f.default)) for f in FIELDS
               if f.name not in specials | {"max_tokens"}),
-            ("stop_token_ids", tuple[int, ...], field(default=()))]
+            ("stop_token_ids", tuple[int, ...], field(default=())),
+            ("logit_bias", tuple[tuple[int, float], ...], field(default=()))]
 
 
 Request = make_dataclass("Request", _request_fields())
 Request.__module__ = __name__  # for pickling and repr (make_dataclass's `module` is 3.12's)
 Request.__doc__ = """What the ingress writes into a slot: the prompt, max_tokens, then every field of FIELDS with its
-default (`logprobs` -1: none; `ttft_slo_ms`: what remains of the SLO at publication, inf: none) and the stop
-token ids."""
+default (`logprobs` -1: none; `ttft_slo_ms`: what remains of the SLO at publication, inf: none), the stop
+token ids and the logit biases ((token id, bias) pairs)."""
 
 
 def _pydantic_knob(f: RequestField) -> tuple:
@@ -114,6 +120,28 @@ def _pydantic_knob(f: RequestField) -> tuple:
 # API's SamplingParams): their names, defaults and limits, and so the OpenAPI schema, come from FIELDS.
 SamplingKnobs = create_model("SamplingKnobs", __config__=ConfigDict(extra="forbid"), __module__=__name__,
                              **{f.name: _pydantic_knob(f) for f in KNOBS})
+
+
+def logit_bias_pairs(bias: dict | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias ({token id, or its decimal string: bias}) as the record's (id, bias) pairs; a ValueError
+    says what is wrong. Whether each id is in the vocabulary is the caller's check (it knows the model)."""
+    if not bias:
+        return ()
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise ValueError(f"at most {MAX_LOGIT_BIAS} tokens may be biased")
+    pairs = []
+    for key, value in bias.items():
+        if isinstance(key, bool) or not (isinstance(key, int) or (isinstance(key, str) and key.isascii()
+                                                                   and key.isdigit())):
+            raise ValueError(f"logit_bias keys must be token ids, got {str(key)[:32]!r}")
+        if isinstance(value, bool) or not isinstance(value, int | float) or not -LOGIT_BIAS_LIMIT <= value <= \
+                LOGIT_BIAS_LIMIT:
+            raise ValueError(f"logit_bias values must be numbers in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]")
+        token = int(key)
+        if token > INT32_MAX:
+            raise ValueError("logit_bias keys must be token ids (below 2**31)")
+        pairs.append((token, float(value)))
+    return tuple(sorted(pairs))
 
 
 def knobs_of(source: object) -> dict[str, object]:

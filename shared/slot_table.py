@@ -25,10 +25,10 @@ from pathlib import Path
 
 import numpy as np
 
-from blink.shared.request_schema import FIELDS, MAX_LOGPROBS, MAX_STOP_IDS, Request, record_fields
+from blink.shared.request_schema import FIELDS, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_IDS, Request, record_fields
 
 MAGIC = 0x424C494E4B534C54  # "BLINKSLT"
-VERSION = 5  # 5: records carry prompt_logprobs
+VERSION = 5  # 5: records carry prompt_logprobs and logit biases
 SHM_DIR = Path(os.environ.get("BLINK_SHM_DIR", "/dev/shm"))  # another directory stands for another host in tests
 
 
@@ -131,10 +131,15 @@ def write_request(record: np.void, request: Request, g: Geometry) -> None:
         raise ValueError(f"prompt of {n} tokens does not fit a slot of {g.max_prompt_tokens}")
     if len(stops) > g.max_stop_ids:
         raise ValueError(f"at most {g.max_stop_ids} stop token ids fit a slot")
-    given = {"prompt_len": n, "num_stop_ids": len(stops)}
+    bias = request.logit_bias
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise ValueError(f"at most {MAX_LOGIT_BIAS} logit biases fit a slot")
+    given = {"prompt_len": n, "num_stop_ids": len(stops), "num_logit_bias": len(bias)}
     for f in FIELDS:
         record[f.name] = given[f.name] if f.name in given else getattr(request, f.name)
     record["stop_ids"][: len(stops)] = stops
+    if bias:
+        record["logit_bias_ids"][: len(bias)], record["logit_bias"][: len(bias)] = zip(*bias, strict=True)
     record["prompt"][:n] = request.prompt
 
 

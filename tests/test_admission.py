@@ -23,13 +23,14 @@ EVERY_FIELD = Request(
     prompt=[5, 6, 7, 8, 9], max_tokens=7, priority=-3, ignore_eos=True, temperature=0.7, top_p=0.9, top_k=12,
     min_p=0.05, repetition_penalty=1.2, presence_penalty=0.3, frequency_penalty=-0.4, logprobs=3, seed=2**62 + 5,
     service_class=int(ServiceClass.BEST_EFFORT), ttft_slo_ms=250.0, tpot_slo_ms=40.0, stop_token_ids=(3, 4),
-    min_tokens=2, prompt_logprobs=4,
+    min_tokens=2, prompt_logprobs=4, logit_bias=((2, -1.5), (11, 3.0)),
 )
-DERIVED = {"prompt_len", "num_stop_ids"}  # from the prompt and the stop ids
+DERIVED = {"prompt_len", "num_stop_ids", "num_logit_bias"}  # from the prompt and the arrays
 # Every state tensor admission writes: the schema's, and what it derives or resets.
 LANDED = [f.name for f in FIELDS if f.state is not None] + [
-    "seq_len", "stop_ids", "tpot_slo", "status", "num_computed", "finish_reason", "cancel", "paused", "rotated",
-    "preemptions", "pages_out", "pages_in", "wait_s", "prompt_mask", "output_counts"]
+    "seq_len", "stop_ids", "logit_bias_ids", "logit_bias", "tpot_slo", "status", "num_computed", "finish_reason",
+    "cancel", "paused", "rotated", "scored", "preemptions", "pages_out", "pages_in", "wait_s", "prompt_mask",
+    "output_counts"]
 
 
 def test_the_request_sets_every_field_of_the_schema():
@@ -67,6 +68,7 @@ def _device(engine, table, now):
 def _offline(engine, table, now):
     r = EVERY_FIELD
     params = SamplingParams(max_tokens=r.max_tokens, logprobs=r.logprobs, prompt_logprobs=r.prompt_logprobs,
+                            logit_bias=dict(r.logit_bias),
                             seed=r.seed, stop_token_ids=[3, 4],
                             service_class=ServiceClass(r.service_class), ttft_slo_ms=r.ttft_slo_ms,
                             tpot_slo_ms=r.tpot_slo_ms, **{f.name: getattr(r, f.name) for f in FIELDS if f.knob})

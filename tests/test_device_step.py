@@ -17,7 +17,7 @@ REQUESTS = {
     # Prefilled over several steps, scoring its prompt (34 entries through a window of 3) before generating.
     1: Request(list(range(10, 45)), 5, temperature=0.0, ignore_eos=True, prompt_logprobs=2),
     2: Request([99] * 7, 7, temperature=0.8, top_k=20, seed=1234, ignore_eos=True),
-    3: Request([42, 43], 9, temperature=0.0, stop_token_ids=(7,), repetition_penalty=1.3),
+    3: Request([42, 43], 9, temperature=0.0, stop_token_ids=(7,), repetition_penalty=1.3, logit_bias=((9, 4.0),)),
 }
 
 

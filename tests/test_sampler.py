@@ -172,3 +172,24 @@ def test_tiny_temperatures_are_greedy():
     rows = _rows(1, temperature=1e-39)
     out = sample(logits, rows, SamplerFeatures(random=True), hash32(torch.arange(3)))
     assert out.tokens.item() == 1
+
+
+def test_logit_bias_steers_greedy_and_seeded_sampling(checkpoint):
+    """OpenAI's logit_bias: +100 makes a token certain, -100 rules the greedy choice out; neither changes the
+    reported logprobs (raw, as vLLM reports them)."""
+    from blink.engine import LLM, SamplingParams
+
+    llm = LLM(str(checkpoint("llama-gqa")), max_num_seqs=4, max_num_batched_tokens=64, num_pages=64,
+              max_model_len=128)
+    prompt = [5, 6, 7, 8]
+    plain = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4, logprobs=0))[0]
+    forced, banned, seeded = llm.generate([prompt] * 3, [
+        SamplingParams(temperature=0, max_tokens=4, logit_bias={17: 100.0}, logprobs=0),
+        SamplingParams(temperature=0, max_tokens=1, logit_bias={plain.token_ids[0]: -100.0}),
+        SamplingParams(temperature=1.0, seed=3, max_tokens=4, logit_bias={42: 100.0}),
+    ])
+    assert forced.token_ids == [17] * 4 and seeded.token_ids == [42] * 4
+    assert banned.token_ids[0] != plain.token_ids[0]
+    assert forced.logprobs[0][17] < 0 and plain.logprobs[0][plain.token_ids[0]] >= forced.logprobs[0][17]
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={1: 101.0})

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from blink.engine.core.state import Slots, SlotStatus
-from blink.shared.request_schema import FIELDS, FIRST, MAX_STOP_IDS
+from blink.shared.request_schema import FIELDS, FIRST, MAX_LOGIT_BIAS, MAX_STOP_IDS
 
 # How a field of each wire type is viewed in place: every u4 field holds values below 2**31, and the seed's top
 # bit is masked off below, so signed views read them exactly.
@@ -45,9 +45,10 @@ def field_views(raw: torch.Tensor, record: np.dtype) -> dict[str, torch.Tensor]:
     for f in FIELDS:
         offset, size = record.fields[f.name][1] - start, np.dtype(f.wire).itemsize
         views[f.name] = raw[:, offset:offset + size].view(_VIEW[f.wire])[:, 0]
-    stop_ids, offset = record.fields["stop_ids"][:2]
-    offset -= start
-    views["stop_ids"] = raw[:, offset:offset + stop_ids.itemsize].view(torch.int32)  # the record's count of them
+    for name, dtype in (("stop_ids", torch.int32), ("logit_bias_ids", torch.int32), ("logit_bias", torch.float32)):
+        array, offset = record.fields[name][:2]
+        offset -= start
+        views[name] = raw[:, offset:offset + array.itemsize].view(dtype)  # as many as the record holds
     return views
 
 
@@ -77,6 +78,13 @@ def admit(state: Slots, admitted: torch.Tensor, records: dict[str, torch.Tensor]
     given = torch.arange(MAX_STOP_IDS, device=n.device) < records["num_stop_ids"].long()[:, None]
     stops = torch.where(given, records["stop_ids"].long(), -1)
     state.stop_ids.copy_(torch.where(admitted[:, None], stops, state.stop_ids))
+    # Ids outside the vocabulary are dropped here, whatever the edge checked: the sampler indexes by them.
+    bias_ids = records["logit_bias_ids"].long()
+    given = (torch.arange(MAX_LOGIT_BIAS, device=n.device) < records["num_logit_bias"].long()[:, None]) & (
+        bias_ids >= 0) & (bias_ids < state.output_counts.shape[1])
+    state.logit_bias_ids.copy_(torch.where(admitted[:, None], torch.where(given, bias_ids, -1), state.logit_bias_ids))
+    state.logit_bias.copy_(torch.where(admitted[:, None], torch.where(given, records["logit_bias"], 0.0),
+                                       state.logit_bias))
     land("arrival", arrival)
     for name, value in _RESET:
         land(name, value)

@@ -1,4 +1,4 @@
-"""Sampling for the rows of a step: penalties, temperature, min-p, top-k, top-p, seeded Gumbel-max.
+"""Sampling for the rows of a step: logit biases, penalties, temperature, min-p, top-k, top-p, seeded Gumbel-max.
 
 Randomness comes from a counter-based hash of (seed, index of the token being generated, vocab id),
 so a seeded request draws the same noise whatever else is in the batch and however it was scheduled.
@@ -26,6 +26,7 @@ class SamplerFeatures:
     logprobs: bool = False
     min_tokens: bool = False  # some request holds its stops back for its first tokens
     prompt_logprobs: bool = False  # some request asked for its prompt's logprobs (the step scores them)
+    logit_bias: bool = False  # some request biases tokens (OpenAI's logit_bias)
 
 
 @dataclass
@@ -42,6 +43,8 @@ class SamplingRows:
     seed: torch.Tensor
     step_index: torch.Tensor  # how many tokens the row's request has generated so far
     held: torch.Tensor | None = None  # [R, K] token ids the row may not sample yet (-1: none), for min_tokens
+    bias_ids: torch.Tensor | None = None  # [R, MAX_LOGIT_BIAS] token ids the row biases (-1: none)
+    bias: torch.Tensor | None = None  # [R, MAX_LOGIT_BIAS] what it adds to their logits
 
 
 @dataclass
@@ -141,6 +144,8 @@ def sample(
 ) -> SampleOutput:
     """logits: float32 [R, V]. Rows with temperature 0 are greedy."""
     raw = logits
+    if features.logit_bias:
+        logits = logits.scatter_add(1, rows.bias_ids.clamp(min=0), torch.where(rows.bias_ids >= 0, rows.bias, 0.0))
     if features.penalties:
         logits = apply_penalties(logits, rows, output_counts, prompt_mask)
     if features.min_tokens:

@@ -11,7 +11,7 @@ from enum import IntEnum
 
 import torch
 
-from blink.shared.request_schema import FIELDS, MAX_STOP_IDS
+from blink.shared.request_schema import FIELDS, MAX_LOGIT_BIAS, MAX_STOP_IDS
 
 
 class SlotStatus(IntEnum):
@@ -42,6 +42,8 @@ class Slots:
             if f.state is not None:
                 setattr(self, f.name, torch.full((S,), f.default, dtype=getattr(torch, f.state), device=device))
         self.stop_ids = torch.full((S, MAX_STOP_IDS), -1, dtype=torch.int64, device=device)
+        self.logit_bias_ids = torch.full((S, MAX_LOGIT_BIAS), -1, dtype=torch.int64, device=device)  # -1: none
+        self.logit_bias = torch.zeros((S, MAX_LOGIT_BIAS), dtype=torch.float32, device=device)
         self.arrival = zeros(S)  # admission order; ties in priority go to the earlier arrival
         self.ttft_deadline = torch.full((S,), float("inf"), dtype=torch.float64, device=device)  # host clock, s
         self.tpot_slo = torch.full((S,), float("inf"), dtype=torch.float64, device=device)  # seconds

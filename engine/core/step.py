@@ -101,6 +101,8 @@ class Step:
             eos = self.eos_ids[None, :].expand(R, -1).masked_fill(state.ignore_eos[slot][:, None], -1)
             young = (rows.step_index < state.min_tokens[slot])[:, None]
             rows.held = torch.where(young, torch.cat([eos, state.stop_ids[slot]], 1), -1)
+        if features.logit_bias:
+            rows.bias_ids, rows.bias = state.logit_bias_ids[slot], state.logit_bias[slot]
         penalties = (state.output_counts[slot], state.prompt_mask[slot]) if features.penalties else (None, None)
         out = sample(logits, rows, features, self.vocab_hash, *penalties)
         scored = score_prompt(state, plan, prompt_tokens, prompt_logits) if shape.prompt_rows else None

@@ -77,6 +77,7 @@ class Asked:
             logprobs=bool(r["logprobs"] >= 0),
             min_tokens=bool(r["min_tokens"] > 0),
             prompt_logprobs=bool(r["prompt_logprobs"] >= 0),
+            logit_bias=bool(r["num_logit_bias"] > 0),
         ), int(r["logprobs"]), int(r["prompt_logprobs"]))
 
 

@@ -16,7 +16,7 @@ from blink.engine.core.commit import StepOutput
 from blink.engine.drive.host import Asked, HostLoop, SlotEvent
 from blink.engine.engine import Engine
 from blink.engine.sampling_params import SamplingParams
-from blink.shared.request_schema import Request, knobs_of
+from blink.shared.request_schema import Request, knobs_of, logit_bias_pairs
 from blink.shared.slot_table import Geometry, slot_dtype, write_request
 
 
@@ -120,4 +120,5 @@ class OfflineDriver:
             seed=self._seeds.getrandbits(63) if params.seed is None else params.seed,
             service_class=int(params.service_class), ttft_slo_ms=ttft_left_ms,
             tpot_slo_ms=params.tpot_slo_ms or math.inf, stop_token_ids=tuple(params.stop_token_ids),
+            logit_bias=logit_bias_pairs(params.logit_bias),
             **knobs_of(params))
