@@ -34,7 +34,15 @@ from blink.ingress.protocol import (
 )
 from blink.ingress.slots import Overloaded
 from blink.ingress.state import IngressState
-from blink.ingress.validation import chat_prompt, check_model, check_token_ids, completion_prompts, context_room
+from blink.ingress.tools import ToolParser, ToolStream
+from blink.ingress.validation import (
+    chat_prompt,
+    chat_tool_parser,
+    check_model,
+    check_token_ids,
+    completion_prompts,
+    context_room,
+)
 from blink.shared.service_class import CLASS_NAMES
 from blink.shared.tokenizer import Tokenizer
 
@@ -111,11 +119,12 @@ def create_app(state: IngressState) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
+        tools = chat_tool_parser(state, body)
         prompt = await chat_prompt(state, body)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         jobs = [(prompt, j) for j in range(body.n)]
         return await _respond(state, request, body, jobs, body.max_completion_tokens or body.max_tokens, logprobs,
-                              chat=True)
+                              chat=True, tools=tools)
 
     return app
 
@@ -149,8 +158,10 @@ async def _echoed_texts(state: IngressState, body: CompletionRequest, prompts: l
 
 
 async def _respond(state: IngressState, request: Request, body: SamplingFields, jobs: list[tuple[list[int], int]],
-                   max_tokens: int | None, logprobs: int | None, chat: bool, echo: list[str] | None = None):
-    """echo: each prompt's text, to go before its choices' (completions' echo)."""
+                   max_tokens: int | None, logprobs: int | None, chat: bool, echo: list[str] | None = None,
+                   tools: ToolParser | None = None):
+    """echo: each prompt's text, to go before its choices' (completions' echo); tools: the parser that finds tool
+    calls in the choices' text (chat's)."""
     check_model(state, body.model)
     check_token_ids(state, [int(t) for t in body.logit_bias or ()], "logit_bias")
     capacity = state.client.num_slots + state.client.max_waiting
@@ -174,7 +185,7 @@ async def _respond(state: IngressState, request: Request, body: SamplingFields, 
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     echoed = None if echo is None else {index: (echo[index // body.n], prompt) for prompt, index in jobs}
     shape = _Shape(rid, int(time.time()), state.info.model, chat, state.tokenizer, logprobs is not None,
-                   body.prompt_logprobs, echoed)
+                   body.prompt_logprobs, echoed, tools)
     prompt_tokens = sum(len(p) for p, i in jobs if i % body.n == 0)  # each prompt once, whatever n
     deltas = merged(choices)
     try:
@@ -215,6 +226,8 @@ class _Shape:
     wants_logprobs: bool
     prompt_logprobs: int | None  # vLLM's prompt_logprobs, as the body asked
     echo: dict[int, tuple[str, list[int]]] | None  # choice index -> its prompt's text and tokens
+    tools: ToolParser | None = None  # finds tool calls in chat choices
+    _tool_streams: dict[int, ToolStream] = field(default_factory=dict)
     _started: set[int] = field(default_factory=set)  # choices whose first chunk went out
     _offsets: dict[int, int] = field(default_factory=dict)  # characters of each choice's text so far
 
@@ -273,7 +286,19 @@ class _Shape:
         if (scored := self.vllm_prompt_logprobs(delta)) is not None:
             choice["prompt_logprobs"] = scored
         if self.chat:
-            choice["message" if delta.whole else "delta"] = {"role": "assistant", "content": text}
+            message = {"role": "assistant", "content": text}
+            if self.tools is not None:
+                stream = self._tool_streams.setdefault(delta.index, ToolStream(self.tools))
+                message["content"] = stream.push(text)
+                if delta.finish_reason is not None:
+                    tail, calls = stream.finish()
+                    message["content"] += tail
+                    if calls:
+                        message["tool_calls"] = [c.as_openai(None if delta.whole else i) for i, c in enumerate(calls)]
+                        choice["finish_reason"] = "tool_calls"
+                        if delta.whole and not message["content"]:
+                            message["content"] = None  # as OpenAI answers a message that only calls tools
+            choice["message" if delta.whole else "delta"] = message
         else:
             choice["text"] = text
         return choice

@@ -13,6 +13,7 @@ from typing import TypeVar
 from blink.ingress.metrics import Metrics
 from blink.ingress.remote_slots import RemoteSlotClient
 from blink.ingress.slots import SlotClient
+from blink.ingress.tools import ToolParser
 from blink.shared.control import EngineInfo, EngineStatus
 from blink.shared.service_class import ClassDefaults
 from blink.shared.tokenizer import Tokenizer
@@ -35,6 +36,7 @@ class IngressState:
     draining: bool = False
     seeds: secrets.SystemRandom = field(default_factory=secrets.SystemRandom)
     classes: ClassDefaults = field(default_factory=ClassDefaults)  # the control plane may replace it
+    tool_parser: ToolParser | None = None  # --enable-auto-tool-choice --tool-call-parser's
     workers: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(WORKERS, thread_name_prefix="ingress-work"))
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from blink.ingress.chat import render_chat
 from blink.ingress.errors import APIError
-from blink.ingress.protocol import ChatRequest, CompletionRequest
+from blink.ingress.protocol import ChatRequest, CompletionRequest, NamedToolChoice
 from blink.ingress.state import IngressState
+from blink.ingress.tools import ToolParser
 
 
 def check_model(state: IngressState, model: str) -> None:
@@ -56,11 +57,35 @@ async def chat_prompt(state: IngressState, body: ChatRequest) -> list[int]:
         raise APIError(400, "this model has no chat template", param="messages")
     check_text_fits(state, "".join(m.text() for m in body.messages), "messages")
 
+    tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+
     def render() -> list[int]:
-        text = render_chat(state.tokenizer, body.messages, body.add_generation_prompt)
+        text = render_chat(state.tokenizer, body.messages, body.add_generation_prompt, tools)
         return state.tokenizer.encode(text, add_special_tokens=False)
 
     return await state.off_loop(render)
+
+
+def chat_tool_parser(state: IngressState, body: ChatRequest) -> ToolParser | None:
+    """The parser that finds tool calls in this request's output (None: its output is all content); a 400 for what
+    would need constrained decoding (docs/design.md: how it would fit the device loop)."""
+    if body.response_format is not None and body.response_format.type != "text":
+        raise APIError(400, f"response_format {body.response_format.type!r} needs constrained decoding (a grammar "
+                       "masking the vocabulary each step), which this server does not do yet", param="response_format",
+                       code="unsupported_parameter")
+    choice = body.tool_choice
+    if choice not in (None, "none") and not body.tools:
+        raise APIError(400, "tool_choice needs tools", param="tool_choice")
+    if choice == "required" or isinstance(choice, NamedToolChoice):
+        raise APIError(400, "forcing a tool call (tool_choice 'required' or a named function) needs constrained "
+                       "decoding, which this server does not do yet; 'auto' lets the model choose",
+                       param="tool_choice", code="unsupported_parameter")
+    if not body.tools or choice == "none":
+        return None
+    if state.tool_parser is None:
+        raise APIError(400, "\"auto\" tool choice requires the server to run with --enable-auto-tool-choice and "
+                       "--tool-call-parser", param="tool_choice")
+    return state.tool_parser
 
 
 def context_room(state: IngressState, prompt: list[int], max_tokens: int | None, prompt_param: str) -> int:

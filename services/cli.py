@@ -17,7 +17,11 @@ from blink.shared.settings import Settings
 def add_settings_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per Settings field; what is not given comes from BLINK_* variables or the defaults."""
     for name, field in Settings.model_fields.items():
-        parser.add_argument(f"--{name.replace('_', '-')}", dest=name, default=None, help=field.description)
+        flag = f"--{name.replace('_', '-')}"
+        if field.annotation is bool:  # a switch, as vLLM's --enable-auto-tool-choice
+            parser.add_argument(flag, dest=name, action="store_const", const=True, default=None, help=field.description)
+        else:
+            parser.add_argument(flag, dest=name, default=None, help=field.description)
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:

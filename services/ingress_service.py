@@ -20,6 +20,7 @@ from blink.ingress.rdma_link import RdmaLink
 from blink.ingress.remote_slots import RemoteSlotClient
 from blink.ingress.slots import SlotClient
 from blink.ingress.state import IngressState
+from blink.ingress.tools import PARSERS
 from blink.ingress.zmq_api import ZmqApi
 from blink.shared import control, sockets
 from blink.shared.rdma import RdmaUnavailable
@@ -117,7 +118,8 @@ async def serve(settings: Settings, keys: sockets.Keys, info: control.EngineInfo
     state = IngressState(info=info, tokenizer=Tokenizer(settings.model or info.model_dir), client=client,
                          metrics=Metrics(info.model, info.drive, client.transport),
                          max_request_bytes=settings.max_request_bytes, request_timeout_s=settings.request_timeout,
-                         api_key=settings.api_key, engine_status=engine_status, classes=settings.class_defaults())
+                         api_key=settings.api_key, engine_status=engine_status, classes=settings.class_defaults(),
+                         tool_parser=PARSERS[settings.tool_call_parser] if settings.enable_auto_tool_choice else None)
     log.info("ingress transport", transport=client.transport, degraded=state.degraded)
     config = uvicorn.Config(create_app(state), host=settings.host, port=settings.port, loop="none",
                             http=with_header_deadline(settings.request_timeout), log_config=None, access_log=False,

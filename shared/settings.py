@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from blink.shared.service_class import ClassDefaults, ClassName, ClassSLO
@@ -68,6 +68,10 @@ class Settings(BaseSettings):
         "decodes kept within their TPOT SLOs; priority: vLLM's; fcfs: arrival order")
     swap_space: float = Field(4.0, ge=0, allow_inf_nan=False, description="GiB of host memory KV pages rotate "
                               "to when the pool runs short; 0: preempted requests are recomputed instead")
+    enable_auto_tool_choice: bool = Field(False, description="find tool calls in chat output (tool_choice auto), "
+                                          "with --tool-call-parser (vLLM's flags)")
+    tool_call_parser: Literal["hermes", "llama3_json"] | None = Field(
+        None, description="how the model writes tool calls: hermes (<tool_call> JSON: Hermes, Qwen) or llama3_json")
     default_class: ClassName = Field("latency_sensitive", description="service class of requests that name none")
     ls_ttft_slo_ms: float | None = Field(None, gt=0, description="latency-sensitive requests' default TTFT SLO")
     ls_tpot_slo_ms: float | None = Field(None, gt=0, description="latency-sensitive requests' default TPOT SLO")
@@ -82,6 +86,12 @@ class Settings(BaseSettings):
     def _empty_is_unset(cls, value: object) -> object:
         """BLINK_MODEL= (as compose writes an unset ${BLINK_MODEL:-}) means the default, not a model named ''."""
         return None if value == "" else value
+
+    @model_validator(mode="after")
+    def _tool_choice_needs_a_parser(self) -> Settings:
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
+        return self
 
     def class_defaults(self) -> ClassDefaults:
         return ClassDefaults(

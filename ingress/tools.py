@@ -1,0 +1,149 @@
+"""Tool calls in a chat model's output, as vLLM's `--enable-auto-tool-choice --tool-call-parser NAME` finds them.
+
+A parser knows where a model's tool calls start and how each is written:
+
+- `hermes` (Hermes, Qwen 2.5/3, and most templates that render `tools`): `<tool_call>{"name": ..., "arguments":
+  {...}}</tool_call>`, one or more, after any text;
+- `llama3_json` (Llama 3.1/3.2's JSON tool calling): the whole answer is `{"name": ..., "parameters": {...}}`
+  (optionally after `<|python_tag|>`), several joined by `;`.
+
+`ToolStream` follows one choice's text as it streams: text before a call goes out as content at once; from the
+first marker on the text is held until the choice ends, then parsed into OpenAI's `tool_calls` (each call's whole
+arguments in one delta, which clients accumulate as they would fragments). Text that looked like a call but does
+not parse is given back as content, not lost.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: str  # a JSON object, as OpenAI sends it: a string
+    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+
+    def as_openai(self, index: int | None = None) -> dict:
+        call = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+        return call if index is None else {"index": index, **call}
+
+
+def _call(obj: object, arguments_key: str) -> ToolCall | None:
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    arguments = obj.get(arguments_key, obj.get("arguments", {}))
+    if isinstance(arguments, str):  # some models write the arguments already encoded
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return None
+    if not isinstance(arguments, dict):
+        return None
+    return ToolCall(obj["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+class HermesParser:
+    name = "hermes"
+    start = "<tool_call>"
+    _block = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall]] | None:
+        """(content before the calls, the calls), or None when the text holds no well-formed call."""
+        at = text.find(self.start)
+        if at < 0:
+            return None
+        calls = []
+        for body in self._block.findall(text[at:]):
+            try:
+                call = _call(json.loads(body), "arguments")
+            except ValueError:
+                return None
+            if call is None:
+                return None
+            calls.append(call)
+        return (text[:at], calls) if calls else None
+
+
+class Llama3JsonParser:
+    name = "llama3_json"
+    start = "{"
+    _tag = "<|python_tag|>"
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall]] | None:
+        body = text.strip()
+        if body.startswith(self._tag):
+            body = body[len(self._tag):].strip()
+        if not body.startswith("{"):
+            return None
+        decoder, calls, at = json.JSONDecoder(), [], 0
+        while at < len(body):
+            try:
+                obj, end = decoder.raw_decode(body, at)
+            except ValueError:
+                return None
+            call = _call(obj, "parameters")
+            if call is None:
+                return None
+            calls.append(call)
+            at = end
+            while at < len(body) and body[at] in " \n\t;":
+                at += 1
+        return ("", calls) if calls else None
+
+    def starts_call(self, text: str) -> bool:
+        stripped = text.lstrip()
+        return stripped.startswith("{") or stripped.startswith(self._tag)
+
+
+ToolParser = HermesParser | Llama3JsonParser
+PARSERS: dict[str, ToolParser] = {p.name: p for p in (HermesParser(), Llama3JsonParser())}
+
+
+class ToolStream:
+    """One streaming choice: push() the text deltas, then finish(); each returns (content to send now, calls)."""
+
+    def __init__(self, parser: ToolParser):
+        self.parser = parser
+        self.held = ""  # text from the first possible marker on
+        self.holding = False
+        self.seen = ""  # everything so far (Llama 3's calls are the whole answer)
+
+    def push(self, text: str) -> str:
+        self.seen += text
+        if self.holding:
+            self.held += text
+            return ""
+        if isinstance(self.parser, Llama3JsonParser):
+            if not self.seen.strip():
+                self.held += text
+                return ""
+            if self.parser.starts_call(self.seen):
+                self.holding, self.held = True, self.seen
+                return ""
+            out, self.held = self.held + text, ""
+            return out
+        buffered = self.held + text
+        at = buffered.find(self.parser.start)
+        if at >= 0:
+            self.holding, self.held = True, buffered[at:]
+            return buffered[:at]
+        # Keep back a tail that could be the marker's beginning, cut across deltas.
+        keep = next((n for n in range(min(len(self.parser.start) - 1, len(buffered)), 0, -1)
+                     if self.parser.start.startswith(buffered[-n:])), 0)
+        self.held = buffered[len(buffered) - keep:]
+        return buffered[:len(buffered) - keep]
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """What is left: the held text as calls, or as content when it does not parse."""
+        held, self.held = self.held, ""
+        if not self.holding:
+            return held, []
+        parsed = self.parser.parse(held)
+        if parsed is None:
+            return held, []
+        content, calls = parsed
+        return content, calls
