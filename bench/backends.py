@@ -45,6 +45,7 @@ class RequestOptions:
     ignore_eos: bool = False
     timeout_s: float = 600.0
     class_slos_ms: Mapping[str, Mapping[str, float]] = field(default_factory=dict)  # class -> {"ttft": ms, ...}
+    logprobs: int | None = None  # top logprobs per token to ask for (vLLM's --logprobs)
 
 
 def class_fields(sample: SampleRequest, options: RequestOptions) -> dict[str, object]:
@@ -78,8 +79,12 @@ class OpenAIBackend:
                 "stream_options": {"include_usage": True}}
         if self.chat:
             body["messages"] = [{"role": "user", "content": sample.prompt}]
-        else:
-            body["prompt"] = sample.prompt
+        else:  # as tokens where the dataset drew tokens: the server sees exactly the length drawn
+            body["prompt"] = sample.prompt_ids if sample.prompt_ids is not None else sample.prompt
+        if o.logprobs is not None:
+            body["logprobs"] = o.logprobs
+            if self.chat:
+                body["logprobs"], body["top_logprobs"] = True, o.logprobs
         if o.ignore_eos:  # vLLM's extension; OpenAI's own API would refuse the field
             body["ignore_eos"] = True
         return body | class_fields(sample, o)
@@ -91,7 +96,7 @@ class OpenAIBackend:
                 async with self.client.stream("POST", self.url, json=self.body(sample)) as response:
                     if response.status_code != 200:
                         await response.aread()
-                        record.error = f"HTTP {response.status_code}: {_error_message(response.text)}"
+                        record.error = f"HTTP {response.status_code}: {error_message(response.text)}"
                     else:
                         record.error = await self._read_stream(response, record)
         except TimeoutError:
@@ -113,7 +118,7 @@ class OpenAIBackend:
                 break
             event = json.loads(data)
             if "error" in event:
-                return f"error event: {_error_message(json.dumps(event))}"
+                return f"error event: {error_message(json.dumps(event))}"
             if choices := event.get("choices"):
                 record.chunk_times.append(time.perf_counter())
                 finished = finished or choices[0].get("finish_reason") is not None
@@ -168,7 +173,7 @@ class ZmqBackend:
         pass
 
 
-def _error_message(text: str) -> str:
+def error_message(text: str) -> str:
     try:
         return json.loads(text)["error"]["message"]
     except (ValueError, KeyError, TypeError):

@@ -1,9 +1,16 @@
 """What a serving benchmark sends: prompts with their token lengths and the output length each asks for.
 
-From a ShareGPT-format JSON file (each conversation's first turn is the prompt, the second its reference
-completion, whose length becomes the request's output length), or synthetic: lengths drawn from log-normal
-distributions matched to ShareGPT's published means (161 prompt and 338 output tokens, the vLLM paper) and
-filtered as vLLM's benchmark filters ShareGPT, with prompts made of random vocabulary tokens.
+The datasets, by vLLM's `--dataset-name`:
+- `sharegpt`: a ShareGPT-format JSON file (each conversation's first turn is the prompt, the second its reference
+  completion, whose length becomes the request's output length);
+- `synthetic` (Blink's default): lengths drawn from log-normal distributions matched to ShareGPT's published means
+  (161 prompt and 338 output tokens, the vLLM paper) and filtered as vLLM's benchmark filters ShareGPT, with prompts
+  made of random vocabulary tokens;
+- `random`: vLLM's, lengths uniform within `range_ratio` of the asked ones, after a shared prefix;
+- `prefix_repetition`: vLLM's, a few random prefixes each shared by many requests, then a random suffix each (what
+  a prefix cache serves).
+The random ones carry their token ids: a completions request sends them, so the server sees exactly the lengths
+drawn (text re-encoded in context can land a token or two off, and a server adds BOS).
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ class SampleRequest:
     prompt_len: int
     output_len: int
     service_class: str | None = None  # None: the request names no class and the server's default applies
+    prompt_ids: list[int] | None = None  # the prompt as tokens, where the dataset drew tokens
 
 
 @dataclass(frozen=True)
@@ -80,8 +88,7 @@ def sharegpt(path: Path, tokenizer: Tokenizer, num: int, limits: LengthLimits, s
 def synthetic(tokenizer: Tokenizer, num: int, limits: LengthLimits, seed: int, input_len: int | None = None,
               output_len: int | None = None) -> list[SampleRequest]:
     rng = random.Random(seed)
-    special = set(tokenizer.get_added_tokens_decoder())
-    vocab = [i for i in range(tokenizer.get_vocab_size()) if i not in special]
+    vocab = _plain_vocab(tokenizer)
     min_output = 1 if output_len else MIN_LEN  # a fixed output length is the user's choice, even 1 (TTFT only)
     if not limits.admit(input_len or MIN_LEN, output_len or MIN_LEN, min_output):
         raise SystemExit(f"--input-len {input_len} / --output-len {output_len} cannot fit {limits} (prompts need "
@@ -98,6 +105,43 @@ def synthetic(tokenizer: Tokenizer, num: int, limits: LengthLimits, seed: int, i
                 if len(samples) == num:
                     return samples
     raise SystemExit(f"could draw only {len(samples)} of {num} requests within {limits}")
+
+
+def _plain_vocab(tokenizer: Tokenizer) -> list[int]:
+    special = set(tokenizer.get_added_tokens_decoder())
+    return [i for i in range(tokenizer.get_vocab_size()) if i not in special]
+
+
+def random_tokens(tokenizer: Tokenizer, num: int, input_len: int, output_len: int, range_ratio: float, seed: int,
+                  prefix_len: int = 0) -> list[SampleRequest]:
+    """vLLM's `random` dataset: input and output lengths uniform in [len * (1 - r), len * (1 + r)], each prompt
+    after one shared random prefix of prefix_len tokens."""
+    if not 0 <= range_ratio < 1:
+        raise SystemExit("--random-range-ratio must be in [0, 1)")
+    rng, vocab = random.Random(seed), _plain_vocab(tokenizer)
+    prefix = rng.choices(vocab, k=prefix_len)
+
+    def length(n: int) -> int:
+        return max(1, rng.randint(math.floor(n * (1 - range_ratio)), math.ceil(n * (1 + range_ratio))))
+
+    return [_sample(tokenizer, prefix + rng.choices(vocab, k=length(input_len)), length(output_len))
+            for _ in range(num)]
+
+
+def prefix_repetition(tokenizer: Tokenizer, num: int, prefix_len: int, suffix_len: int, num_prefixes: int,
+                      output_len: int, seed: int) -> list[SampleRequest]:
+    """vLLM's `prefix_repetition` dataset: num_prefixes random prefixes, each shared by num / num_prefixes
+    requests (in a shuffled order), each followed by a random suffix of its own."""
+    rng, vocab = random.Random(seed), _plain_vocab(tokenizer)
+    prefixes = [rng.choices(vocab, k=prefix_len) for _ in range(num_prefixes)]
+    samples = [_sample(tokenizer, prefixes[i % num_prefixes] + rng.choices(vocab, k=suffix_len), output_len)
+               for i in range(num)]
+    rng.shuffle(samples)
+    return samples
+
+
+def _sample(tokenizer: Tokenizer, ids: list[int], output_len: int) -> SampleRequest:
+    return SampleRequest(tokenizer.decode(ids), len(ids), output_len, prompt_ids=ids)
 
 
 def random_text(tokenizer: Tokenizer, vocab: list[int], length: int, rng: random.Random) -> str:

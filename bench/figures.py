@@ -43,8 +43,8 @@ class RequestTimes:
         return all(ms[name] * 1000 <= limit for name, limit in slos_ms.items())
 
 
-def compute(records: list[RequestRecord], duration_s: float,
-            goodput_slos_ms: dict[str, float] | None = None) -> dict[str, object]:
+def compute(records: list[RequestRecord], duration_s: float, goodput_slos_ms: dict[str, float] | None = None,
+            percentiles: tuple[float, ...] = PERCENTILES) -> dict[str, object]:
     ok = [r for r in records if r.ok]
     times = [RequestTimes.of(r) for r in ok]
     samples = {"ttft": [t.ttft for t in times], "tpot": [t.tpot for t in times if t.tpot is not None],
@@ -65,8 +65,8 @@ def compute(records: list[RequestRecord], duration_s: float,
         figures[f"mean_{name}_ms"] = float(ms.mean()) if ms.size else None
         figures[f"median_{name}_ms"] = float(np.median(ms)) if ms.size else None
         figures[f"std_{name}_ms"] = float(ms.std()) if ms.size else None
-        for p in PERCENTILES:
-            figures[f"p{p}_{name}_ms"] = float(np.percentile(ms, p)) if ms.size else None
+        for p in percentiles:
+            figures[f"p{p:g}_{name}_ms"] = float(np.percentile(ms, p)) if ms.size else None
     figures["error_counts"] = dict(Counter(r.error for r in records if not r.ok))
     return figures
 
@@ -95,7 +95,8 @@ def peak_concurrency(records: list[RequestRecord]) -> int:
 
 
 def report(figures: dict[str, object], rate: float, max_concurrency: int | None,
-           extra: dict[str, str] | None = None) -> str:
+           extra: dict[str, str] | None = None, metrics: tuple[str, ...] = tuple(LATENCIES),
+           percentiles: tuple[float, ...] = PERCENTILES) -> str:
     """The block vLLM's `bench serve` prints, line for line, with Blink's additions (`extra`) before its end."""
     lines = ["{:=^50}".format(" Serving Benchmark Result ")]
 
@@ -118,13 +119,13 @@ def report(figures: dict[str, object], rate: float, max_concurrency: int | None,
     row("Peak output token throughput (tok/s):", float(figures["max_output_tokens_per_s"]))
     row("Peak concurrent requests:", figures["max_concurrent_requests"])
     row("Total Token throughput (tok/s):", figures["total_token_throughput"])
-    for name, title in LATENCIES.items():
-        lines.append(f"{title:-^50}")
+    for name in metrics:
+        lines.append(f"{LATENCIES[name]:-^50}")
         label = name.upper()
         row(f"Mean {label} (ms):", figures[f"mean_{name}_ms"])
         row(f"Median {label} (ms):", figures[f"median_{name}_ms"])
-        for p in PERCENTILES:
-            row(f"P{p} {label} (ms):", figures[f"p{p}_{name}_ms"])
+        for p in percentiles:
+            row(f"P{p:g} {label} (ms):", figures[f"p{p:g}_{name}_ms"])
     for label, value in (extra or {}).items():
         row(f"{label}:", value)
     lines.append("=" * 50)

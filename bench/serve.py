@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import json
 import math
 import os
 import signal
@@ -21,16 +22,26 @@ from pathlib import Path
 
 import httpx
 
-from blink.bench.backends import Backend, OpenAIBackend, RequestOptions, RequestRecord, ZmqBackend
+from blink.bench.backends import Backend, OpenAIBackend, RequestOptions, RequestRecord, ZmqBackend, error_message
 from blink.bench.classes import MergeSlos, assign, class_figures, class_report, parse_mix, parse_slo
-from blink.bench.dataset import LengthLimits, SampleRequest, load_tokenizer, sharegpt, synthetic
+from blink.bench.dataset import (
+    LengthLimits,
+    SampleRequest,
+    load_tokenizer,
+    prefix_repetition,
+    random_tokens,
+    sharegpt,
+    synthetic,
+)
 from blink.bench.energy import EnergyMeter
-from blink.bench.figures import RequestTimes, compute, report
+from blink.bench.figures import LATENCIES, PERCENTILES, RequestTimes, compute, report
 from blink.bench.interference import Interference
 from blink.bench.loadgen import run_load
 from blink.bench.machine import blink_source, machine, save
 
-BACKENDS = ("openai", "openai-chat", "blink-zmq")
+BACKENDS = ("openai", "openai-chat", "blink-zmq", "vllm")  # vllm: vLLM's name for the completions backend
+ENDPOINTS = {"/v1/completions": "openai", "/v1/chat/completions": "openai-chat"}
+DATASETS = ("synthetic", "sharegpt", "random", "prefix_repetition")
 CHECK_TIMEOUT_S = 120.0
 SPECIAL_TOKEN_ROOM = 8  # tokens a server may add to a prompt (BOS, a chat template's markers)
 SLO_NAMES = ("ttft", "tpot", "e2el")
@@ -47,7 +58,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", help="tokenizer.json or checkpoint dir for prompt lengths (default: the served "
                    "model's, when it is a directory or Blink's default model)")
     p.add_argument("--api-key")
-    p.add_argument("--dataset", type=Path, help="a ShareGPT-format JSON file (default: synthetic, ShareGPT-like)")
+    p.add_argument("--dataset", "--dataset-path", dest="dataset", type=Path,
+                   help="a ShareGPT-format JSON file (implies --dataset-name sharegpt)")
+    p.add_argument("--dataset-name", choices=DATASETS, help="synthetic (the default without a file: ShareGPT-like "
+                   "lengths, random tokens), sharegpt, random or prefix_repetition (vLLM's)")
     p.add_argument("--num-prompts", type=_positive(int), default=200)
     p.add_argument("--input-len", type=_positive(int), help="fixed prompt length (synthetic only)")
     p.add_argument("--output-len", type=_positive(int), help="fixed output length, instead of the dataset's")
@@ -76,10 +90,60 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--label", help="names this result set in plots (default: drive mode, transport, interference)")
     p.add_argument("--result-dir", type=Path, default=Path("."))
     p.add_argument("--disable-tqdm", action="store_true")
+    vllm = p.add_argument_group("vLLM's `bench serve` flags (the same names and meanings)")
+    vllm.add_argument("--host", help="the server's host (with --port: instead of --base-url)")
+    vllm.add_argument("--port", type=_positive(int))
+    vllm.add_argument("--endpoint", choices=ENDPOINTS, help="picks the backend: completions or chat")
+    vllm.add_argument("--random-input-len", type=_positive(int), default=1024)
+    vllm.add_argument("--random-output-len", type=_positive(int), default=128)
+    vllm.add_argument("--random-range-ratio", type=float, default=0.0)
+    vllm.add_argument("--random-prefix-len", type=int, default=0)
+    vllm.add_argument("--prefix-repetition-prefix-len", type=_positive(int), default=256)
+    vllm.add_argument("--prefix-repetition-suffix-len", type=_positive(int), default=256)
+    vllm.add_argument("--prefix-repetition-num-prefixes", type=_positive(int), default=10)
+    vllm.add_argument("--prefix-repetition-output-len", type=_positive(int), default=128)
+    vllm.add_argument("--logprobs", type=int, help="top logprobs to ask for with each token")
+    vllm.add_argument("--percentile-metrics", default=",".join(LATENCIES),
+                      help="latencies to report: ttft,tpot,itl,e2el")
+    vllm.add_argument("--metric-percentiles", default=",".join(map(str, PERCENTILES)), help="e.g. 50,90,99")
+    vllm.add_argument("--save-result", action="store_true", help="results are always saved (under --result-dir)")
+    vllm.add_argument("--save-detailed", action="store_true",
+                      help="also each request's lengths, TTFT, ITLs and error under vLLM's keys")
+    vllm.add_argument("--result-filename", help="the file's name in --result-dir (default: serve-TIME.json)")
+    vllm.add_argument("--append-result", action="store_true",
+                      help="append to --result-filename as a JSON line instead of rewriting it")
+    vllm.add_argument("--metadata", nargs="+", default=[], metavar="KEY=VALUE", help="saved with the result")
+
+
+def resolve_vllm_flags(args: argparse.Namespace) -> None:
+    """vLLM's spellings onto Blink's: the server's address, the backend, the dataset, the figures wanted."""
+    if args.host or args.port:
+        args.base_url = f"http://{args.host or '127.0.0.1'}:{args.port or 8000}"
+    if args.endpoint:
+        args.backend = ENDPOINTS[args.endpoint]
+    if args.backend == "vllm":
+        args.backend = "openai"
+    args.dataset_name = args.dataset_name or ("sharegpt" if args.dataset else "synthetic")
+    if (args.dataset_name == "sharegpt") != bool(args.dataset):
+        raise SystemExit("--dataset-name sharegpt reads --dataset-path, and only it does")
+    args.percentile_metrics = tuple(m.strip() for m in args.percentile_metrics.split(",") if m.strip())
+    if unknown := set(args.percentile_metrics) - set(LATENCIES):
+        raise SystemExit(f"--percentile-metrics: unknown {sorted(unknown)}; known: {','.join(LATENCIES)}")
+    try:
+        args.metric_percentiles = tuple(float(p) for p in args.metric_percentiles.split(","))
+    except ValueError:
+        raise SystemExit("--metric-percentiles: numbers, e.g. 50,90,99") from None
+    if any(not 0 <= p <= 100 for p in args.metric_percentiles):
+        raise SystemExit("--metric-percentiles must be in [0, 100]")
+    if any("=" not in item for item in args.metadata):
+        raise SystemExit("--metadata takes KEY=VALUE pairs")
+    if args.append_result and not args.result_filename:
+        raise SystemExit("--append-result appends to --result-filename")
 
 
 def run(args: argparse.Namespace) -> Path:
     """SIGTERM stops a run as ^C does: the interference processes are stopped before the process exits."""
+    resolve_vllm_flags(args)
     if args.dataset and args.input_len:
         raise SystemExit("--input-len applies to synthetic prompts; a --dataset brings its own")
     goodput = parse_goodput(args.goodput)
@@ -99,18 +163,17 @@ async def sweep(args: argparse.Namespace, goodput: dict[str, float], load: Inter
     server = await server_info(args.base_url, args.api_key)
     model = args.model or server.get("model")
     if model is None:
-        raise SystemExit(f"{args.base_url}: no model in /v1/models ({server.get('error')}); pass --model")
+        raise SystemExit(f"{args.base_url}/v1/models: {server.get('error')}" if server.get("error", "").startswith(
+            "HTTP") else f"{args.base_url}: no model in /v1/models ({server.get('error')}); pass --model")
     tokenizer = load_tokenizer(args.tokenizer, model)
     # The server adds special tokens (BOS, a chat template) to what the client counts: leave them room.
     limits = LengthLimits(args.max_prompt_len, min(args.max_total_len,
                                                    (server.get("max_model_len") or math.inf) - SPECIAL_TOKEN_ROOM))
-    if args.dataset:
-        samples = sharegpt(args.dataset, tokenizer, args.num_prompts, limits, args.seed, args.output_len)
-    else:
-        samples = synthetic(tokenizer, args.num_prompts, limits, args.seed, args.input_len, args.output_len)
+    samples = draw(args, tokenizer, limits)
     if args.class_mix:
         samples = assign(samples, args.class_mix, args.seed)
-    options = RequestOptions(model, args.temperature, args.ignore_eos, args.request_timeout, args.class_slo)
+    options = RequestOptions(model, args.temperature, args.ignore_eos, args.request_timeout, args.class_slo,
+                             args.logprobs)
     backend: Backend = (ZmqBackend(args.zmq_endpoint, options, args.api_key) if args.backend == "blink-zmq" else
                         OpenAIBackend(args.base_url, options, args.backend == "openai-chat", args.api_key))
     result = {
@@ -118,23 +181,48 @@ async def sweep(args: argparse.Namespace, goodput: dict[str, float], load: Inter
         "label": args.label or default_label(server, model, args.base_url, load),
         "backend": args.backend, "base_url": args.base_url,
         "zmq_endpoint": args.zmq_endpoint if args.backend == "blink-zmq" else None, "model_id": model,
-        "dataset": str(args.dataset) if args.dataset else "synthetic-sharegpt", "num_prompts": len(samples),
+        "dataset_name": args.dataset_name, "dataset": str(args.dataset) if args.dataset else None,
+        "tokenizer_id": args.tokenizer or model, "num_prompts": len(samples),
         "input_len": args.input_len, "output_len": args.output_len, "ignore_eos": args.ignore_eos,
         "burstiness": args.burstiness, "max_concurrency": args.max_concurrency, "seed": args.seed,
         "goodput_slos_ms": goodput or None, "class_mix": args.class_mix, "class_slos_ms": args.class_slo or None,
         "server": server, "interference": load.describe() if load else None,
-        "machine": machine(), "blink": blink_source(), "runs": [], "complete": False}
-    path = None
+        "machine": machine(), "blink": blink_source(), "runs": [], "complete": False,
+        **dict(item.split("=", 1) for item in args.metadata)}
+    path = args.result_dir / args.result_filename if args.result_filename and not args.append_result else None
     try:
         await check_server(backend, samples[0])
         for rate in args.request_rate:
-            result["runs"].append(await one_rate(args, backend, samples, rate, goodput))
+            run = await one_rate(args, backend, samples, rate, goodput)
+            result["runs"].append(run)
             result["complete"] = len(result["runs"]) == len(args.request_rate)
-            path = save("serve", result, args.result_dir, path)  # after every rate: an interrupted sweep keeps some
+            # vLLM's keys at the top level too, the latest rate's: its tools read one run per file.
+            result |= {"request_rate": run["request_rate"],
+                       **{k: v for k, v in run.items() if k not in ("requests", "classes", "energy")}}
+            if not args.append_result:  # after every rate: an interrupted sweep keeps some
+                path = save("serve", result, args.result_dir, path)
     finally:
         await backend.aclose()
+    if args.append_result:
+        path = args.result_dir / args.result_filename
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a") as f:  # JSON lines, as vLLM appends
+            f.write(("\n" if f.tell() else "") + json.dumps(result))
     print(f"saved {path}")
     return path
+
+
+def draw(args: argparse.Namespace, tokenizer, limits: LengthLimits) -> list[SampleRequest]:
+    name, n, seed = args.dataset_name, args.num_prompts, args.seed
+    if name == "sharegpt":
+        return sharegpt(args.dataset, tokenizer, n, limits, seed, args.output_len)
+    if name == "random":
+        return random_tokens(tokenizer, n, args.random_input_len, args.random_output_len, args.random_range_ratio,
+                             seed, args.random_prefix_len)
+    if name == "prefix_repetition":
+        return prefix_repetition(tokenizer, n, args.prefix_repetition_prefix_len, args.prefix_repetition_suffix_len,
+                                 args.prefix_repetition_num_prefixes, args.prefix_repetition_output_len, seed)
+    return synthetic(tokenizer, n, limits, seed, args.input_len, args.output_len)
 
 
 async def one_rate(args: argparse.Namespace, backend: Backend, samples: list[SampleRequest], rate: float,
@@ -143,16 +231,22 @@ async def one_rate(args: argparse.Namespace, backend: Backend, samples: list[Sam
     with meter or nullcontext():
         records, duration = await run_load(backend, samples, rate, args.burstiness, args.seed, args.max_concurrency,
                                            progress=not args.disable_tqdm)
-    figures = compute(records, duration, goodput)
+    figures = compute(records, duration, goodput, args.metric_percentiles)
     energy = meter.result(int(figures["total_output_tokens"])) if meter else {"available": False,
                                                                             "reason": "--no-energy"}
     extra = {"Energy per output token (J/tok)": energy["joules_per_output_token"]} if energy["available"] else {}
-    print(report(figures, rate, args.max_concurrency, extra), flush=True)
+    print(report(figures, rate, args.max_concurrency, extra, args.percentile_metrics, args.metric_percentiles),
+          flush=True)
     classes = class_figures(records, duration, args.class_slo) if args.class_mix else None
     for name, figures_of_class in (classes or {}).items():
         print(class_report(name, figures_of_class), flush=True)
+    detailed = {"input_lens": [r.prompt_len for r in records], "output_lens": [r.output_len for r in records],
+                "ttfts": [(r.chunk_times[0] - r.start) if r.ok else None for r in records],
+                "itls": [list(RequestTimes.of(r).itls) if r.ok else [] for r in records],
+                "errors": [r.error or "" for r in records]} if args.save_detailed else {}
     return {"request_rate": rate if math.isfinite(rate) else "inf", **figures, "energy": energy,
-            **({"classes": classes} if classes is not None else {}), "requests": [request_row(r) for r in records]}
+            **({"classes": classes} if classes is not None else {}), **detailed,
+            "requests": [request_row(r) for r in records]}
 
 
 def request_row(r: RequestRecord) -> dict[str, object]:
@@ -182,7 +276,11 @@ async def server_info(base_url: str, api_key: str | None) -> dict[str, object]:
     info: dict[str, object] = {}
     async with httpx.AsyncClient(base_url=base_url, timeout=10, headers=headers) as client:
         try:
-            models = (await client.get("/v1/models")).json()["data"]
+            response = await client.get("/v1/models")
+            if response.status_code != 200:  # said as what it is: a 401 is a missing key, not a missing model
+                info["error"] = f"HTTP {response.status_code}: {error_message(response.text)}"
+                return info
+            models = response.json()["data"]
             info |= {"model": models[0]["id"], "max_model_len": models[0].get("max_model_len")}
             ready = await client.get("/ready")
             if "application/json" in ready.headers.get("content-type", ""):

@@ -36,10 +36,22 @@ class Script:
     ttft_s: float = 0.2
     gap_s: float = 0.05
     served: list[Served] = field(default_factory=list)
+    api_key: str | None = None  # asked of every request, as `blink serve --api-key` asks
+
+
+def _unauthorized() -> JSONResponse:
+    return JSONResponse({"error": {"message": "a valid API key is required", "type": "invalid_request_error",
+                                   "param": None, "code": "invalid_api_key"}}, status_code=401)
 
 
 def app_for(script: Script) -> FastAPI:
     app = FastAPI()
+
+    @app.middleware("http")
+    async def key(request: Request, call_next):
+        if script.api_key and request.headers.get("authorization") != f"Bearer {script.api_key}":
+            return _unauthorized()
+        return await call_next(request)
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -50,6 +62,8 @@ def app_for(script: Script) -> FastAPI:
         received = time.perf_counter()
         body = await request.json()
         prompt, n = body["prompt"], body["max_tokens"]
+        if isinstance(prompt, list):  # token ids: no script in them
+            prompt = f"{len(prompt)} tokens"
         if prompt.startswith("http-400"):
             return JSONResponse({"error": {"message": "scripted refusal", "type": "invalid_request_error",
                                            "param": "prompt", "code": None}}, status_code=400)

@@ -21,7 +21,7 @@ import pytest
 from blink.bench import cli as bench_cli
 from blink.bench.backends import RequestRecord
 from blink.bench.classes import assign, class_figures, class_report, parse_mix, parse_slo
-from blink.bench.dataset import LengthLimits, load_tokenizer, sharegpt, synthetic
+from blink.bench.dataset import LengthLimits, load_tokenizer, prefix_repetition, sharegpt, synthetic
 from blink.bench.energy import integrate
 from blink.bench.figures import compute, report
 from blink.bench.loadgen import arrival_times
@@ -366,3 +366,46 @@ def test_bench_step_counts_what_a_step_does_outside_the_model(capsys):
     gigabytes = [float(line.split(" GB outside")[0].rsplit(",", 1)[1]) for line in lines]
     ops = [int(line.split(" ops,")[0].rsplit(":", 1)[1]) for line in lines]
     assert all(n > 100 for n in ops) and gigabytes[1] > gigabytes[0]
+
+
+def test_vllm_bench_serve_flags(tmp_path, tokenizer_dir, capsys):
+    """A vLLM `bench serve` command line, as a user types it from habit: the random dataset (sent as tokens, so each
+    prompt is exactly the length drawn), the figures asked for, vLLM's keys in the file, appended runs."""
+    script = Script(ttft_s=0.01, gap_s=0.005)
+    with scripted_server(script) as url:
+        port = url.rsplit(":", 1)[1]
+        vllm_line = ["serve", "--backend", "vllm", "--host", "127.0.0.1", "--port", port, "--endpoint",
+                     "/v1/completions", "--tokenizer", str(tokenizer_dir), "--dataset-name", "random",
+                     "--random-input-len", "40", "--random-output-len", "3", "--random-range-ratio", "0.5",
+                     "--num-prompts", "10", "--percentile-metrics", "ttft,e2el", "--metric-percentiles", "50,99.9",
+                     "--save-result", "--save-detailed", "--result-dir", str(tmp_path), "--result-filename",
+                     "vllm.jsonl", "--append-result", "--metadata", "run=first", "--logprobs", "2", "--no-energy",
+                     "--disable-tqdm"]
+        assert bench_cli.main(vllm_line) == 0
+        assert bench_cli.main([*vllm_line[:-5], "run=second", *vllm_line[-4:]]) == 0
+    out = capsys.readouterr().out
+    assert "P99.9 TTFT (ms):" in out and "P50 E2EL (ms):" in out and "TPOT" not in out
+    lines = (tmp_path / "vllm.jsonl").read_text().splitlines()
+    assert [json.loads(line)["run"] for line in lines] == ["first", "second"]
+    result = json.loads(lines[0])
+    for key in ("completed", "request_throughput", "output_throughput", "median_ttft_ms", "p99.9_ttft_ms",
+                "input_lens", "output_lens", "ttfts", "itls", "errors", "tokenizer_id", "backend"):
+        assert key in result, key
+    sent = [s.body for s in script.served[1:11]]  # the first run (served[0]: the check before it)
+    assert all(isinstance(b["prompt"], list) and b["logprobs"] == 2 for b in sent)
+    assert sorted(len(b["prompt"]) for b in sent) == sorted(result["input_lens"])
+    assert all(20 <= n <= 60 for n in result["input_lens"]) and len(set(result["input_lens"])) > 1
+
+
+def test_prefix_repetition_shares_prefixes(tokenizer_dir):
+    tokenizer = load_tokenizer(str(tokenizer_dir), "any")
+    samples = prefix_repetition(tokenizer, 12, prefix_len=16, suffix_len=8, num_prefixes=3, output_len=5, seed=1)
+    assert {tuple(s.prompt_ids[:16]) for s in samples} == {tuple(s.prompt_ids[:16]) for s in samples[:12]}
+    assert len({tuple(s.prompt_ids[:16]) for s in samples}) == 3 and all(s.prompt_len == 24 for s in samples)
+
+
+def test_an_http_error_is_reported_as_such(tmp_path, tokenizer_dir):
+    """A server that wants a key says 401, not 'no model'."""
+    with scripted_server(Script(api_key="secret")) as url, pytest.raises(SystemExit, match="HTTP 401: a valid API"):
+        bench_cli.main(["serve", "--base-url", url, "--tokenizer", str(tokenizer_dir), "--num-prompts", "2",
+                        "--no-energy", "--disable-tqdm", "--result-dir", str(tmp_path)])
