@@ -148,6 +148,7 @@ class ChatRequest(SamplingFields):
     tools: list[Tool] | None = Field(None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool | None = None  # each call the model writes is returned, as OpenAI's default
+    store: Literal[False] | None = Field(None, description="Blink stores no completions: only false is accepted")
     response_format: ResponseFormat | None = None
 
 

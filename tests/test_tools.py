@@ -127,7 +127,8 @@ def test_the_openai_client_gets_tool_calls_whole_and_streamed(served):
     async def run():
         openai_client, slots = await client_for({"tool_parser": PARSERS["hermes"]})
         try:
-            whole = await openai_client.chat.completions.create(model="m", messages=messages, tools=[WEATHER])
+            whole = await openai_client.chat.completions.create(model="m", messages=messages, tools=[WEATHER],
+                                                                parallel_tool_calls=True, store=False)
             choice = whole.choices[0]
             assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me look. "
             call = choice.message.tool_calls[0]
@@ -173,6 +174,7 @@ def test_the_openai_client_gets_tool_calls_whole_and_streamed(served):
     ({"tool_parser": PARSERS["hermes"]}, {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
      "response_format"),
     ({}, {}, "tool_choice"),  # tools, but the server finds no calls: vLLM's 400
+    ({"tool_parser": PARSERS["hermes"]}, {"store": True}, "store"),
 ])
 def test_what_needs_constrained_decoding_or_a_parser_is_a_clear_400(served, options, extra, param):
     client_for, _, _ = served
