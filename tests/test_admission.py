@@ -88,8 +88,10 @@ def test_every_path_lands_a_record_as_the_host_path_does(tiny_engine, small_tabl
     for name in LANDED:
         assert torch.equal(getattr(other, name)[0], getattr(host, name)[0]), name
     assert torch.equal(other.tokens[0, :5], host.tokens[0, :5])
-    # The TTFT deadline is the clock at admission plus the SLO; the offline path counts from its own clock.
-    assert other.ttft_deadline[0].item() == pytest.approx(host.ttft_deadline[0].item(), abs=0.05)
+    # The TTFT deadline is the clock at admission plus the SLO; the offline path counts from when its request was
+    # added, on its own clock: after `now`, by no more than the time since (building its engine, on a slow runner).
+    late = other.ttft_deadline[0].item() - host.ttft_deadline[0].item()
+    assert 0 <= late <= time.monotonic() - now
 
 
 def test_the_host_path_lands_what_the_record_says(tiny_engine, small_table):
