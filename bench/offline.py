@@ -71,6 +71,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=3, help="timed runs of each system, alternating")
     p.add_argument("--batch-size", type=int, default=16, help="Blink's max_num_seqs and the baseline's batch size")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="both systems run in it")
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="Blink's token budget per step")
     p.add_argument("--model-dir", type=Path, default=None,
                    help="where to build (or reuse) the checkpoint; a temporary directory when not given")
@@ -118,10 +119,11 @@ def figures(system: str, repeat: int, requests: list[Request], elapsed: float, w
 class BlinkRunner:
     name = "blink"
 
-    def __init__(self, model_dir: Path, batch_size: int, token_budget: int):
+    def __init__(self, model_dir: Path, batch_size: int, token_budget: int, dtype: str):
         from blink.engine import LLM
 
-        self.llm = LLM(str(model_dir), max_num_seqs=batch_size, max_num_batched_tokens=token_budget, device="cpu")
+        self.llm = LLM(str(model_dir), max_num_seqs=batch_size, max_num_batched_tokens=token_budget, device="cpu",
+                       dtype=dtype)
 
     def generate(self, requests: list[Request]) -> list[list[int]]:
         from blink.engine import SamplingParams
@@ -134,8 +136,8 @@ class BlinkRunner:
 class TransformersRunner:
     name = "transformers"
 
-    def __init__(self, model_dir: Path, batch_size: int):
-        self.model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    def __init__(self, model_dir: Path, batch_size: int, dtype: str):
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
         self.batch_size = batch_size
 
     def num_parameters(self) -> int:
@@ -226,8 +228,8 @@ def benchmark(args: argparse.Namespace, model_dir: Path) -> None:
     requests = make_workload(args.num_requests, args.prompt_len, args.output_len, args.seed)
     warmup = make_workload(2, (8, 16), (4, 4), args.seed + 1)
 
-    blink = BlinkRunner(model_dir, args.batch_size, args.max_num_batched_tokens)
-    hf = TransformersRunner(model_dir, args.batch_size)
+    blink = BlinkRunner(model_dir, args.batch_size, args.max_num_batched_tokens, args.dtype)
+    hf = TransformersRunner(model_dir, args.batch_size, args.dtype)
     for runner in (blink, hf):
         runner.generate(warmup)
 
@@ -245,7 +247,7 @@ def benchmark(args: argparse.Namespace, model_dir: Path) -> None:
         "label": args.label,
         "machine": machine() | {"torch_threads": torch.get_num_threads()},
         "blink_source": source,
-        "model": {**MODEL_SHAPE, "tie_word_embeddings": True, "dtype": "float32", "parameters": hf.num_parameters()},
+        "model": {**MODEL_SHAPE, "tie_word_embeddings": True, "dtype": args.dtype, "parameters": hf.num_parameters()},
         "workload": {"num_requests": args.num_requests, "prompt_len": list(args.prompt_len),
                      "output_len": list(args.output_len), "distribution": "uniform, inclusive",
                      "prompt_token_ids": f"uniform in [0, {PROMPT_VOCAB})", "seed": args.seed,
