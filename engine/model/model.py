@@ -13,6 +13,7 @@ from blink.engine.errors import CheckpointError
 from blink.engine.model.attention import AttentionBatch, paged_attention
 from blink.engine.model.checkpoint import load_tensors
 from blink.engine.model.config import ModelConfig
+from blink.engine.model.linear import can_pack, linear, pack
 from blink.engine.model.rope import apply_rope, rope_tables
 
 
@@ -101,6 +102,10 @@ class Transformer:
             ))
         self.norm = get("model.norm.weight")
         self.lm_head = self.embed if cfg.tie_word_embeddings else get("lm_head.weight")
+        if can_pack(self.embed):  # a tied output embedding is packed as a copy: the lookup reads the plain one
+            for w in self.layers:
+                w.qkv, w.o_proj, w.gate_up, w.down = (pack(t) for t in (w.qkv, w.o_proj, w.gate_up, w.down))
+            self.lm_head = pack(self.lm_head)
         self.cos, self.sin = rope_tables(cfg, max_len, device)
         self.scale = cfg.head_dim ** -0.5
         self.kernels = choose_kernels(device)
@@ -136,7 +141,7 @@ class Transformer:
         delta = None  # each sublayer's output, added to x by the next norm
         for i, w in enumerate(self.layers):
             x, h = self._add_norm(x, delta, w.input_norm)
-            q, k, v = F.linear(h, w.qkv, w.qkv_bias).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+            q, k, v = linear(h, w.qkv, w.qkv_bias).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
             q = q.view(-1, cfg.num_heads, cfg.head_dim)
             k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
             v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
@@ -148,9 +153,9 @@ class Transformer:
             else:
                 q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
                 attn = paged_attention(q, k, v, k_cache[i], v_cache[i], batch, self.scale)
-            x, h = self._add_norm(x, F.linear(attn.reshape(-1, cfg.q_size), w.o_proj, w.o_proj_bias), w.post_norm)
-            gate, up = F.linear(h, w.gate_up).chunk(2, dim=-1)
-            delta = F.linear(F.silu(gate) * up, w.down)
+            x, h = self._add_norm(x, linear(attn.reshape(-1, cfg.q_size), w.o_proj, w.o_proj_bias), w.post_norm)
+            gate, up = linear(h, w.gate_up).chunk(2, dim=-1)
+            delta = linear(F.silu(gate) * up, w.down)
         return x if delta is None else x + delta
 
     def _add_norm(self, x: torch.Tensor, delta: torch.Tensor | None,
@@ -180,4 +185,4 @@ class Transformer:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [R, hidden] rows that sample. Returns float32 logits [R, vocab]."""
-        return F.linear(self._norm(hidden, self.norm), self.lm_head).float()
+        return linear(self._norm(hidden, self.norm), self.lm_head).float()
