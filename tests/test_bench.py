@@ -409,3 +409,12 @@ def test_an_http_error_is_reported_as_such(tmp_path, tokenizer_dir):
     with scripted_server(Script(api_key="secret")) as url, pytest.raises(SystemExit, match="HTTP 401: a valid API"):
         bench_cli.main(["serve", "--base-url", url, "--tokenizer", str(tokenizer_dir), "--num-prompts", "2",
                         "--no-energy", "--disable-tqdm", "--result-dir", str(tmp_path)])
+
+
+def test_llama_cpp_says_what_is_missing(monkeypatch, tmp_path):
+    """Without a compiler the CPU benchmark's llama.cpp baseline is left out with the reason, not a traceback."""
+    from blink.bench import llama_cpp
+
+    monkeypatch.setattr(llama_cpp.shutil, "which", lambda tool: None if tool == "cmake" else f"/usr/bin/{tool}")
+    with pytest.raises(llama_cpp.Missing, match="needs cmake"):
+        llama_cpp.ensure(tmp_path)

@@ -1,0 +1,175 @@
+"""`blink bench cpu`: decode on the CPU at batch 1 and batch 16, Blink against transformers' `generate` and
+llama.cpp (`llama-bench`, `llama-batched-bench`, on the same weights converted to GGUF: bench/llama_cpp.py), in
+float32 and bfloat16, the systems alternated round after round in one sitting, with the memory floor measured in
+the same sitting (this VM's read bandwidth changes from one process to the next).
+
+Decode is what generating costs once the prompt is in: for Blink and transformers, (time to generate N + 1 tokens
+- time to generate 1) / N after a `--context`-token prompt, greedy, EOS ignored; llama-bench measures the same
+(token generation after `-d` context tokens), llama-batched-bench its generation speed over `--batch` sequences.
+The floor is the weights' bytes over the bandwidth of a plain read (a torch sum over 1 GiB), the bound a batch-1
+decode cannot beat. Prints, saves JSON under --result-dir, asserts nothing.
+
+    blink bench cpu                    # the 125M Llama of `blink bench offline`, about 10 minutes on 2 cores
+    blink bench cpu --no-llama-cpp     # without building llama.cpp
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import transformers
+
+from blink.bench import llama_cpp
+from blink.bench.machine import blink_source, machine, save
+from blink.bench.offline import MODEL_SHAPE, PROMPT_VOCAB, build_checkpoint, seed_everything
+
+DTYPES = {"float32": "f32", "bfloat16": "bf16"}  # torch's names, and llama.cpp's
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model-dir", type=Path, help="where the random Llama is (built there if absent; default: a "
+                   "temporary directory)")
+    p.add_argument("--dtypes", default="float32,bfloat16", help="float32, bfloat16 or both")
+    p.add_argument("--context", type=int, default=32, help="prompt tokens before decoding")
+    p.add_argument("--new-tokens", type=int, default=64, help="tokens decoded per measurement")
+    p.add_argument("--batch", type=int, default=16, help="the batched measurement's sequences")
+    p.add_argument("--rounds", type=int, default=3, help="alternated rounds; figures are their medians")
+    p.add_argument("--no-llama-cpp", action="store_true", help="leave llama.cpp out (no build)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--result-dir", type=Path, default=Path("."))
+
+
+def read_bandwidth() -> float:
+    """Bytes per second of a plain read from memory: the best of five sums over 1 GiB."""
+    data = torch.ones(1 << 28)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - start)
+    return data.numel() * data.element_size() / best
+
+
+class BlinkDecoder:
+    name = "blink"
+
+    def __init__(self, model_dir: Path, dtype: str, batch: int):
+        from blink.engine import LLM, SamplingParams
+
+        self.llm = LLM(str(model_dir), max_num_seqs=batch, max_num_batched_tokens=512, device="cpu", dtype=dtype)
+        self.params = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+    def generate(self, prompts: list[list[int]], n: int) -> None:
+        self.llm.generate(prompts, self.params(n))
+
+
+class TransformersDecoder:
+    name = "transformers"
+
+    def __init__(self, model_dir: Path, dtype: str, batch: int):
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], n: int) -> None:
+        self.model.generate(torch.tensor(prompts), do_sample=False, max_new_tokens=n, min_new_tokens=n, pad_token_id=0)
+
+
+def decode_seconds(system, prompts: list[list[int]], new_tokens: int) -> float:
+    """Seconds per decode step: generating new_tokens more than one token, over new_tokens."""
+    start = time.perf_counter()
+    system.generate(prompts, 1)
+    one = time.perf_counter() - start
+    start = time.perf_counter()
+    system.generate(prompts, new_tokens + 1)
+    return (time.perf_counter() - start - one) / new_tokens
+
+
+def benchmark(args: argparse.Namespace, model_dir: Path) -> None:
+    source = blink_source()
+    build_checkpoint(model_dir, args.seed)
+    dtypes = [d.strip() for d in args.dtypes.split(",")]
+    if unknown := set(dtypes) - set(DTYPES):
+        raise SystemExit(f"--dtypes: unknown {sorted(unknown)}")
+    llama, llama_reason = None, "--no-llama-cpp"
+    if not args.no_llama_cpp:
+        try:
+            llama = llama_cpp.ensure()
+            ggufs = {d: llama.gguf(model_dir, DTYPES[d], model_dir) for d in dtypes}
+        except llama_cpp.Missing as e:
+            llama, llama_reason = None, str(e)
+            print(f"llama.cpp left out: {e}")
+    threads = torch.get_num_threads()
+    gen = torch.Generator().manual_seed(args.seed)
+    prompts = torch.randint(0, PROMPT_VOCAB, (args.batch, args.context), generator=gen).tolist()
+    systems = {d: [BlinkDecoder(model_dir, d, args.batch), TransformersDecoder(model_dir, d, args.batch)]
+               for d in dtypes}
+    weight_bytes = {d: sum(p.numel() for p in systems[d][1].model.parameters()) * getattr(torch, d).itemsize
+                    for d in dtypes}
+    for d in dtypes:  # warm-up: weights in memory, first-call costs paid
+        for system in systems[d]:
+            system.generate(prompts[:1], 2)
+
+    samples: dict[str, dict[str, dict[str, list[float]]]] = {d: {} for d in dtypes}  # dtype -> figure -> system
+
+    def record(dtype: str, figure: str, system: str, value: float) -> None:
+        samples[dtype].setdefault(figure, {}).setdefault(system, []).append(value)
+
+    for round_ in range(args.rounds):
+        for d in dtypes:
+            record(d, "floor_ms_per_token", "memory", weight_bytes[d] / read_bandwidth() * 1000)
+            for system in systems[d]:
+                record(d, "batch1_ms_per_token", system.name, 1000 * decode_seconds(system, prompts[:1],
+                                                                                    args.new_tokens))
+                record(d, f"batch{args.batch}_tokens_per_s", system.name,
+                       args.batch / decode_seconds(system, prompts, args.new_tokens))
+            if llama is not None:
+                record(d, "batch1_ms_per_token", "llama.cpp",
+                       llama.decode_ms(ggufs[d], args.context, args.new_tokens, threads))
+                record(d, f"batch{args.batch}_tokens_per_s", "llama.cpp",
+                       llama.batched_tokens_per_s(ggufs[d], args.batch, args.context, args.new_tokens, threads))
+            print(f"  round {round_} {d} done", flush=True)
+
+    medians = {d: {fig: {s: statistics.median(v) for s, v in by.items()} for fig, by in figs.items()}
+               for d, figs in samples.items()}
+    report(medians, samples, args.batch)
+    result = {"machine": machine() | {"torch_threads": threads}, "blink": source,
+              "model": {**MODEL_SHAPE, "tie_word_embeddings": True, "weight_bytes": weight_bytes},
+              "workload": {"context": args.context, "new_tokens": args.new_tokens, "batch": args.batch,
+                           "rounds": args.rounds, "seed": args.seed},
+              "llama_cpp": {"version": llama.version} if llama else {"left_out": llama_reason},
+              "samples": samples, "medians": medians}
+    print(f"\nsaved {save('cpu', result, args.result_dir)}")
+
+
+def report(medians: dict, samples: dict, batch: int) -> None:
+    for d, figs in medians.items():
+        print(f"\n{d}: medians [min, max] of {len(samples[d]['floor_ms_per_token']['memory'])} alternated rounds")
+        for fig, by in figs.items():
+            print(f"  {fig}")
+            for system, value in by.items():
+                spread = samples[d][fig][system]
+                print(f"    {system:<13} {value:9.2f}  [{min(spread):.2f}, {max(spread):.2f}]")
+        one = figs["batch1_ms_per_token"]
+        for other in ("transformers", "llama.cpp", "memory"):
+            base = one.get(other) or figs["floor_ms_per_token"].get(other)
+            if base:
+                print(f"  Blink batch 1 / {other}: {one['blink'] / base:.2f}x the time")
+        many = figs[f"batch{batch}_tokens_per_s"]
+        for other in ("transformers", "llama.cpp"):
+            if other in many:
+                print(f"  Blink batch {batch} / {other}: {many['blink'] / many[other]:.2f}x the tokens/s")
+
+
+def run(args: argparse.Namespace) -> None:
+    seed_everything(args.seed)
+    if args.model_dir is not None:
+        args.model_dir.mkdir(parents=True, exist_ok=True)
+        benchmark(args, args.model_dir)
+        return
+    with tempfile.TemporaryDirectory(prefix="blink-bench-cpu-") as tmp:
+        benchmark(args, Path(tmp) / "llama-125m")
