@@ -35,10 +35,13 @@ def test_half_precision_checkpoints_match_transformers_logits(checkpoint, dtype)
     ids = list(range(10, 40))
     llm = LLM(str(model_dir), num_pages=64)
     assert llm.engine.model.embed.dtype == getattr(torch, dtype)
-    llm.generate([ids], SamplingParams(temperature=0, max_tokens=1))
-    out = llm._driver.last_output
-    ours = out.row_logits[(out.row_slot >= 0).nonzero()[0, 0]]
-    torch.testing.assert_close(ours, _hf_logits(model_dir, ids, getattr(torch, dtype)), rtol=0.05, atol=0.05)
+    # The prefill's logits, then a decode step's (its attention and projections take the CPU's decode paths).
+    first = llm.generate([ids], SamplingParams(temperature=0, max_tokens=1))[0].token_ids
+    for prompt, new in ((ids, 1), (ids + first, 2)):
+        llm.generate([ids], SamplingParams(temperature=0, max_tokens=new))
+        out = llm._driver.last_output
+        ours = out.row_logits[(out.row_slot >= 0).nonzero()[0, 0]]
+        torch.testing.assert_close(ours, _hf_logits(model_dir, prompt, getattr(torch, dtype)), rtol=0.05, atol=0.05)
 
 
 def test_eos_from_generation_config_stops_unless_ignored(checkpoint, tmp_path):
