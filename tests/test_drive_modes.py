@@ -118,3 +118,30 @@ def test_a_driver_without_kv_rotation_does_not_hold_the_mirror(tiny_engine, smal
         assert any("KV rotation" in limitation for limitation in LIMITATIONS)
     finally:
         step.close()
+
+
+def test_the_graph_loop_steps_only_when_a_step_has_work(small_table):
+    """No replay while every resident request waits for its reader: a step is due for a published request, or an
+    admitted one whose reader made room or which was cancelled (the persistent loop's pick kernel checks the same on
+    the device)."""
+    from types import SimpleNamespace
+
+    from blink.engine.drive.graph import GraphDriver
+
+    def due() -> bool:
+        return GraphDriver._due(SimpleNamespace(table=small_table))
+
+    assert not due()
+    small_table.publish(0, Request([1, 2], 8))
+    assert due()
+    small_table.admit(0)
+    assert due()  # admitted, its window empty
+    for token in range(3):  # the window holds 3
+        small_table.emit(0, token)
+    assert not due()  # resident, waiting for its reader
+    small_table.read(0)
+    assert due()
+    for token in range(3):
+        small_table.emit(0, token)
+    small_table.cancel(0)
+    assert due()  # the step ends it

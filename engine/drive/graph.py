@@ -87,8 +87,8 @@ class GraphDriver(DeviceDriver):
         backoff = IDLE_BACKOFF_S[0]
         while not self._stop.is_set():
             step.clock[0] = time.monotonic()
-            demand, resident = step.demand.tolist()
-            if resident == 0 and not self._submitted():
+            demand, _ = step.demand.tolist()
+            if demand == 0 and not self._due():  # nothing resident, or each resident request waits for its reader
                 time.sleep(backoff)
                 backoff = min(backoff * 2, IDLE_BACKOFF_S[1])
                 continue
@@ -106,6 +106,12 @@ class GraphDriver(DeviceDriver):
             if demand == 0:  # resident but paused (slow readers) or just admitted: no need to spin
                 time.sleep(IDLE_BACKOFF_S[0])
 
-    def _submitted(self) -> bool:
-        """Whether the ingress published a request no step has admitted yet (a read of host memory)."""
-        return bool(np.any(self.table.slots["state"] == SlotState.SUBMITTED))
+    def _due(self) -> bool:
+        """Whether a step has work the device's demand does not show (a read of host memory): a request published
+        and not admitted yet, or an admitted one whose reader made room in its window or which was cancelled (the
+        step refreshes `paused` and ends cancellations). The persistent loop's `pick` makes the same check."""
+        slots = self.table.slots
+        state = slots["state"]
+        room = slots["produced"] - slots["consumed"] < self.table.geometry.window  # uint32: wraps as the counters do
+        moved = (state == SlotState.ADMITTED) & (room | (slots["cancel"] != 0))
+        return bool(np.any(state == SlotState.SUBMITTED) or np.any(moved))

@@ -6,10 +6,11 @@ bucket's captured step (before CUDA 12.8, which brought SWITCH nodes, a chain of
 
 `pick` ends the loop when the host sets a stop flag in pinned memory; the check comes between steps, so a stop
 never cuts one in half and `start()` carries on with every admitted request. While nothing is resident and the
-table holds nothing new it naps (`nanosleep`, 64 ns doubling up to 16 µs) rather than spin, so a new request
-waits at most a nap and a poll for the loop. Otherwise it picks the smallest bucket that holds the demand the
-last step published, and advances the step's clock (host memory the step reads in place) from the GPU's global
-timer: the host no longer writes it.
+table holds nothing new, or while every resident request waits for its reader (its output window full; `pick`
+reads the window counters and cancel flags itself), it naps (`nanosleep`, 64 ns doubling up to 16 µs) rather than
+step on padding, so a new request or a reader's room waits at most a nap and a poll for the loop. Otherwise it
+picks the smallest bucket that holds the demand the last step published, and advances the step's clock (host
+memory the step reads in place) from the GPU's global timer: the host no longer writes it.
 
 Needs CUDA 12.4+ (driver and runtime), cuda-python (the `cuda` extra), NVRTC and compute capability 7.0+;
 `unavailable_reason()` says which is missing, and the engine then falls back to the `graph` mode.
@@ -36,7 +37,6 @@ log = structlog.get_logger()
 MIN_CUDA = 12040  # conditional IF and WHILE nodes (and cuda-python without the phGraph_out bug of 12.3)
 SWITCH_CUDA = 12080  # conditional SWITCH nodes
 NAP_NS = (64, 16_000)  # idle back-off, first and longest nap
-PAUSED_NS = 20_000  # every resident slot waits for its reader (window full): step at most this often
 
 # Every argument is 8 bytes wide, so the host packs them as one uint64 array. handles[0] is the WHILE node's;
 # then either the SWITCH node's (if_chain == 0) or one per bucket's IF node. cudaGraphSetConditional is a
@@ -67,8 +67,9 @@ extern "C" __global__ void pick(
         const unsigned long long* handles, long long if_chain, const long long* buckets, long long n,
         const volatile int* stop, const long long* demand, const int* fenced, const long long* epoch,
         const unsigned char* records, long long num_slots, long long record_bytes, long long state_at,
-        long long epoch_at, volatile double* clock, double* origin_s, unsigned long long* origin_ns) {
-    const long long want = demand[0], resident = demand[1];  // what the last step published
+        long long epoch_at, long long produced_at, long long consumed_at, long long cancel_at, long long window,
+        volatile double* clock, double* origin_s, unsigned long long* origin_ns) {
+    const long long want = demand[0];  // tokens the resident requests want, as the last step published
     const bool fenced_now = *fenced != 0;  // a newer engine owns the table: idle until told to stop
     unsigned int ns = NAP_MIN_NS;
     for (;;) {
@@ -79,12 +80,21 @@ extern "C" __global__ void pick(
             }
             return;
         }
-        int work = want > 0 || resident > 0;
+        // A step is due for tokens wanted, a new request, or a resident one (ADMITTED) whose reader made room in
+        // its window or which was cancelled: the step refreshes `paused` and ends cancellations. Nothing wanted
+        // while requests are resident means each waits for its reader (window full), so the loop reads the window
+        // counters here and naps until one moves, instead of stepping on padding.
+        int work = want > 0;
         if (!work) {  // uniform: every thread read the same demand
             for (long long s = threadIdx.x; s < num_slots; s += blockDim.x) {
                 const unsigned char* record = records + s * record_bytes;
-                work |= *(const volatile unsigned int*)(record + state_at) == SUBMITTED
-                        && *(const volatile unsigned int*)(record + epoch_at) == (unsigned long long)*epoch;
+                const unsigned int state = *(const volatile unsigned int*)(record + state_at);
+                if (*(const volatile unsigned int*)(record + epoch_at) != (unsigned long long)*epoch) continue;
+                work |= state == SUBMITTED
+                        || (state == ADMITTED
+                            && (*(const volatile unsigned int*)(record + produced_at)
+                                - *(const volatile unsigned int*)(record + consumed_at) < window
+                                || *(const volatile unsigned int*)(record + cancel_at) != 0));
             }
             work = __syncthreads_or(work);
         }
@@ -93,7 +103,6 @@ extern "C" __global__ void pick(
         ns = ns < NAP_MAX_NS / 2 ? ns * 2 : NAP_MAX_NS;
     }
     if (threadIdx.x != 0) return;
-    if (want == 0 && resident > 0) nap(PAUSED_NS);
     const unsigned long long now = global_ns();
     if (*origin_ns == 0) {  // the first pick since start(): the host wrote its clock just before the launch
         *origin_ns = now;
@@ -205,7 +214,7 @@ def _compile(arch: int) -> bytes:
     where PTX from a newer NVRTC would not JIT on an older driver."""
     nvrtc = _bindings().nvrtc
     options = [f"--gpu-architecture=sm_{arch}", f"-DSUBMITTED={int(SlotState.SUBMITTED)}u",
-               f"-DNAP_MIN_NS={NAP_NS[0]}u", f"-DNAP_MAX_NS={NAP_NS[1]}u", f"-DPAUSED_NS={PAUSED_NS}u"]
+               f"-DADMITTED={int(SlotState.ADMITTED)}u", f"-DNAP_MIN_NS={NAP_NS[0]}u", f"-DNAP_MAX_NS={NAP_NS[1]}u"]
     try:
         program = _ok(nvrtc.nvrtcCreateProgram(_PICK.encode(), b"blink_pick.cu", 0, [], []), "nvrtcCreateProgram")
     except Exception as e:
@@ -315,7 +324,8 @@ class PersistentDriver(DeviceDriver):
         values = [self._handles.data_ptr(), int(not self.switch), self._buckets.data_ptr(), n,
                   self._mapped(self._stop), step._demand.data_ptr(), step.inbox.fenced.data_ptr(),
                   step.inbox.epoch.data_ptr(), table.memory.data_ptr() + HEADER_BYTES, S, table.record_bytes,
-                  fields["state"][1], fields["epoch"][1], self._mapped(step.clock), self._origin_s.data_ptr(),
+                  fields["state"][1], fields["epoch"][1], fields["produced"][1], fields["consumed"][1],
+                  fields["cancel"][1], table.geometry.window, self._mapped(step.clock), self._origin_s.data_ptr(),
                   self._origin_ns.data_ptr()]
         self._values = np.array(values, dtype=np.uint64)
         self._args = np.array([self._values.ctypes.data + 8 * i for i in range(len(values))], dtype=np.uint64)
