@@ -7,8 +7,6 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 
 import structlog
 from fastapi import FastAPI, Request
@@ -32,9 +30,10 @@ from blink.ingress.protocol import (
     SamplingFields,
     TokenizeRequest,
 )
+from blink.ingress.responses import Shape, collect, sse
 from blink.ingress.slots import Overloaded
 from blink.ingress.state import IngressState
-from blink.ingress.tools import ToolParser, ToolStream
+from blink.ingress.tools import ToolParser
 from blink.ingress.validation import (
     chat_prompt,
     chat_tool_parser,
@@ -44,7 +43,6 @@ from blink.ingress.validation import (
     context_room,
 )
 from blink.shared.service_class import CLASS_NAMES
-from blink.shared.tokenizer import Tokenizer
 
 log = structlog.get_logger()
 READY_HEARTBEAT_S = 2.0
@@ -184,7 +182,7 @@ async def _respond(state: IngressState, request: Request, body: SamplingFields, 
                              counts_prompt=i % body.n == 0) for r, i in requests]
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     echoed = None if echo is None else {index: (echo[index // body.n], prompt) for prompt, index in jobs}
-    shape = _Shape(rid, int(time.time()), state.info.model, chat, state.tokenizer, logprobs is not None,
+    shape = Shape(rid, int(time.time()), state.info.model, chat, state.tokenizer, logprobs is not None,
                    body.prompt_logprobs, echoed, tools)
     prompt_tokens = sum(len(p) for p, i in jobs if i % body.n == 0)  # each prompt once, whatever n
     deltas = merged(choices)
@@ -199,155 +197,15 @@ async def _respond(state: IngressState, request: Request, body: SamplingFields, 
                        code="overloaded", headers={"Retry-After": "1"}) from None
     if body.stream:
         usage = body.stream_options.include_usage if body.stream_options else False
-        return StreamingResponse(_sse(shape, first, deltas, prompt_tokens, usage),
+        return StreamingResponse(sse(shape, first, deltas, prompt_tokens, usage),
                                  media_type="text/event-stream")
 
     async def rest() -> list[Delta]:
         return [d async for d in deltas]
 
     try:
-        return _collect(shape, first, await _unless_disconnected(request, rest()), len(jobs), prompt_tokens)
+        return collect(shape, first, await _unless_disconnected(request, rest()), len(jobs), prompt_tokens)
     except _ClientGone:
         return Response(status_code=499)
     finally:
         await deltas.aclose()
-
-
-@dataclass
-class _Shape:
-    """Deltas into OpenAI's chunks and choices. For completions' echo, a choice's first chunk starts with its prompt
-    (text, and tokens with their logprobs when asked); text_offset counts characters from the choice's start."""
-
-    id: str
-    created: int
-    model: str
-    chat: bool
-    tokenizer: Tokenizer
-    wants_logprobs: bool
-    prompt_logprobs: int | None  # vLLM's prompt_logprobs, as the body asked
-    echo: dict[int, tuple[str, list[int]]] | None  # choice index -> its prompt's text and tokens
-    tools: ToolParser | None = None  # finds tool calls in chat choices
-    _tool_streams: dict[int, ToolStream] = field(default_factory=dict)
-    _started: set[int] = field(default_factory=set)  # choices whose first chunk went out
-    _offsets: dict[int, int] = field(default_factory=dict)  # characters of each choice's text so far
-
-    def logprobs(self, delta: Delta, first: bool) -> dict | None:
-        if not self.wants_logprobs:
-            return None
-        tok = self.tokenizer.id_to_token
-        if self.chat:
-            if not delta.logprobs:
-                return None
-            return {"content": [{"token": tok(lp.token_id), "logprob": lp.logprob, "bytes": None,
-                                 "top_logprobs": [{"token": tok(t), "logprob": v, "bytes": None} for t, v in lp.top]}
-                                for lp in delta.logprobs]}
-        ids = [lp.token_id for lp in delta.logprobs]
-        lps: list[float | None] = [lp.logprob for lp in delta.logprobs]
-        tops: list[dict | None] = [{tok(t): v for t, v in lp.top} | {tok(lp.token_id): lp.logprob}
-                                   for lp in delta.logprobs]
-        if first and self.echo is not None:  # the prompt's first token has no logprob
-            scored = delta.prompt or []
-            ids = [self.echo[delta.index][1][0], *(lp.token_id for lp in scored), *ids]
-            lps = [None, *(lp.logprob for lp in scored), *lps]
-            tops = [None, *({tok(t): v for t, v in lp.top} | {tok(lp.token_id): lp.logprob} for lp in scored), *tops]
-        if not ids:
-            return None
-        pieces = self.tokenizer.raw.decode_batch([[t] for t in ids], skip_special_tokens=False)
-        offset = self._offsets.get(delta.index, 0)
-        offsets = []
-        for piece in pieces:
-            offsets.append(offset)
-            offset += len(piece)
-        self._offsets[delta.index] = offset
-        return {"tokens": [tok(t) for t in ids], "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
-
-    def vllm_prompt_logprobs(self, delta: Delta) -> list[dict | None] | None:
-        """vLLM's prompt_logprobs field: per prompt token, {id: {logprob, rank, decoded_token}} (the first None)."""
-        if self.prompt_logprobs is None or delta.prompt is None:
-            return None
-
-        def entry(lp) -> dict:
-            ranked = [t for t, _ in lp.top]
-            rank = ranked.index(lp.token_id) + 1 if lp.token_id in ranked else None
-            top = {str(t): {"logprob": v, "rank": r, "decoded_token": self.tokenizer.decode([t], False)}
-                   for r, (t, v) in enumerate(lp.top[:self.prompt_logprobs], 1)}
-            return top | {str(lp.token_id): {"logprob": lp.logprob, "rank": rank,
-                                              "decoded_token": self.tokenizer.decode([lp.token_id], False)}}
-
-        return [None, *(entry(lp) for lp in delta.prompt)]
-
-    def choice(self, delta: Delta) -> dict:
-        first = delta.index not in self._started
-        self._started.add(delta.index)
-        text = delta.text
-        if first and self.echo is not None:
-            text = self.echo[delta.index][0] + text
-        choice = {"index": delta.index, "logprobs": self.logprobs(delta, first), "finish_reason": delta.finish_reason}
-        if (scored := self.vllm_prompt_logprobs(delta)) is not None:
-            choice["prompt_logprobs"] = scored
-        if self.chat:
-            message = {"role": "assistant", "content": text}
-            if self.tools is not None:
-                stream = self._tool_streams.setdefault(delta.index, ToolStream(self.tools))
-                message["content"] = stream.push(text)
-                if delta.finish_reason is not None:
-                    tail, calls = stream.finish()
-                    message["content"] += tail
-                    if calls:
-                        message["tool_calls"] = [c.as_openai(None if delta.whole else i) for i, c in enumerate(calls)]
-                        choice["finish_reason"] = "tool_calls"
-                        if delta.whole and not message["content"]:
-                            message["content"] = None  # as OpenAI answers a message that only calls tools
-            choice["message" if delta.whole else "delta"] = message
-        else:
-            choice["text"] = text
-        return choice
-
-    def chunk(self, delta: Delta) -> dict:
-        kind = "chat.completion.chunk" if self.chat else "text_completion"
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
-                "choices": [self.choice(delta)]}
-
-
-async def _sse(shape: _Shape, first: Delta | None, deltas: AsyncIterator[Delta],
-               prompt_tokens: int, include_usage: bool) -> AsyncIterator[str]:
-    completion_tokens = 0
-    try:
-        delta = first
-        try:
-            while delta is not None:
-                completion_tokens += len(delta.token_ids)
-                yield f"data: {json.dumps(shape.chunk(delta))}\n\n"
-                delta = await anext(deltas, None)
-        except APIError as e:  # after the headers went out: an error event, as vLLM sends, then the end
-            error = {"message": e.message, "type": e.type, "param": e.param, "code": e.code}
-            yield f"data: {json.dumps({'error': error})}\n\n"
-            yield "data: [DONE]\n\n"
-            return
-        if include_usage:
-            usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                     "total_tokens": prompt_tokens + completion_tokens}
-            kind = "chat.completion.chunk" if shape.chat else "text_completion"
-            yield f"data: {json.dumps({'id': shape.id, 'object': kind, 'created': shape.created, 'model': shape.model, 'choices': [], 'usage': usage})}\n\n"  # noqa: E501
-        yield "data: [DONE]\n\n"
-    finally:
-        await deltas.aclose()
-
-
-def _collect(shape: _Shape, first: Delta | None, rest: list[Delta], num_choices: int, prompt_tokens: int) -> dict:
-    by_index: dict[int, list[Delta]] = {}
-    for delta in ([first] if first else []) + rest:
-        by_index.setdefault(delta.index, []).append(delta)
-    choices, completion_tokens = [], 0
-    for index in range(num_choices):
-        parts = by_index.get(index, [])
-        whole = Delta(index, "".join(d.text for d in parts), [t for d in parts for t in d.token_ids],
-                      [lp for d in parts for lp in d.logprobs],
-                      next((d.finish_reason for d in reversed(parts) if d.finish_reason), None),
-                      next((d.prompt for d in parts if d.prompt is not None), None), whole=True)
-        completion_tokens += len(whole.token_ids)
-        choices.append(shape.choice(whole))
-    return {"id": shape.id, "object": "chat.completion" if shape.chat else "text_completion",
-            "created": shape.created, "model": shape.model, "choices": choices,
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                      "total_tokens": prompt_tokens + completion_tokens}}
