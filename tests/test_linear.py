@@ -34,3 +34,17 @@ def test_packed_bfloat16_weights(rows):
     for bias in (None, b):
         expected = F.linear(x.float(), w.float(), None if bias is None else bias.float())
         torch.testing.assert_close(linear(x, packed, bias).float(), expected, rtol=2e-2, atol=2e-2)
+
+
+def test_a_torch_without_the_packing_ops_runs_plain_products(monkeypatch):
+    from blink.engine.model import linear as module
+
+    def missing(*args):
+        raise RuntimeError("no such op in this build")
+
+    module._packed_products_work.cache_clear()
+    monkeypatch.setattr(module, "pack", missing)
+    try:
+        assert not module.can_pack(torch.ones(4, 4, dtype=torch.bfloat16))
+    finally:
+        module._packed_products_work.cache_clear()

@@ -14,13 +14,28 @@ CUDA products go to cuBLAS as they are.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
 
 def can_pack(weight: torch.Tensor) -> bool:
-    """Whether `pack` pays off for this weight: bfloat16 on a CPU whose torch has oneDNN."""
-    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+    """Whether `pack` pays off for this weight: bfloat16 on a CPU whose torch has oneDNN's packed products."""
+    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and _packed_products_work()
+
+
+@functools.cache
+def _packed_products_work() -> bool:
+    """The packing ops are torch's internals (Inductor's CPU freezing uses them): tried once on a small weight, so
+    a build without them, or that differs, runs plain products instead."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        w, x = torch.ones(8, 16, dtype=torch.bfloat16), torch.ones(2, 16, dtype=torch.bfloat16)
+        return bool(torch.equal(linear(x, pack(w)), F.linear(x, w)))
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return False
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
