@@ -48,7 +48,8 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(pytest.mark.skip(reason=why))
 
 
-CHECKPOINT_KINDS = ["llama-gqa", "llama3-rope", "mistral", "qwen2", "qwen3", "llama-tied", "llama-bias"]
+CHECKPOINT_KINDS = ["llama-gqa", "llama3-rope", "mistral", "qwen2", "qwen3", "llama-tied", "llama-bias",
+                    "qwen3-moe", "qwen3-moe-top1", "mixtral", "qwen2-moe"]
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -88,10 +89,24 @@ def build_checkpoint(kind: str, target: Path, tokenizer_dir: Path, dtype: str = 
         "qwen3": lambda: tf.Qwen3Config(**common, head_dim=32, tie_word_embeddings=False),
         "llama-tied": lambda: tf.LlamaConfig(**{**common, "num_key_value_heads": 4}, tie_word_embeddings=True),
         "llama-bias": lambda: tf.LlamaConfig(**common, attention_bias=True),
+        # Mixtures of experts: top-2 renormalised with a dense layer mixed in; top-1 raw with tied embeddings;
+        # Mixtral's top-2 of 4 with a sliding window; Qwen2-MoE's shared expert with raw weights.
+        "qwen3-moe": lambda: tf.Qwen3MoeConfig(**common, head_dim=32, moe_intermediate_size=48, num_experts=4,
+                                               num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1],
+                                               tie_word_embeddings=False),
+        "qwen3-moe-top1": lambda: tf.Qwen3MoeConfig(**common, moe_intermediate_size=48, num_experts=4,
+                                                    num_experts_per_tok=1, norm_topk_prob=False,
+                                                    tie_word_embeddings=True),
+        "mixtral": lambda: tf.MixtralConfig(**{**common, "intermediate_size": 48}, num_local_experts=4,
+                                            num_experts_per_tok=2, sliding_window=24, tie_word_embeddings=False),
+        "qwen2-moe": lambda: tf.Qwen2MoeConfig(**common, moe_intermediate_size=48, shared_expert_intermediate_size=64,
+                                               num_experts=4, num_experts_per_tok=2, norm_topk_prob=False,
+                                               tie_word_embeddings=False),
     }
     config = configs[kind]()
     classes = {"llama": tf.LlamaForCausalLM, "mistral": tf.MistralForCausalLM,
-               "qwen2": tf.Qwen2ForCausalLM, "qwen3": tf.Qwen3ForCausalLM}
+               "qwen2": tf.Qwen2ForCausalLM, "qwen3": tf.Qwen3ForCausalLM, "qwen3_moe": tf.Qwen3MoeForCausalLM,
+               "mixtral": tf.MixtralForCausalLM, "qwen2_moe": tf.Qwen2MoeForCausalLM}
     torch.manual_seed(sum(map(ord, kind)))
     model = classes[config.model_type](config)
     with torch.no_grad():

@@ -69,6 +69,21 @@ def test_unknown_architecture_is_named(checkpoint, tmp_path):
         LLM(str(model_dir))
 
 
+@pytest.mark.parametrize("kind, key, value, named", [
+    ("qwen3-moe", "num_local_experts", 5, "mlp.experts.4.gate_proj.weight"),  # more experts than the checkpoint has
+    ("mixtral", "num_local_experts", 6, "block_sparse_moe.experts.4.w1.weight"),
+    ("qwen3-moe", "num_experts_per_tok", 9, "num_experts_per_tok 9 of 4 experts"),
+])
+def test_an_inconsistent_moe_checkpoint_names_what_is_wrong(checkpoint, tmp_path, kind, key, value, named):
+    model_dir = tmp_path / "m"
+    shutil.copytree(checkpoint(kind), model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    config[key] = value
+    (model_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=named):
+        LLM(str(model_dir))
+
+
 def test_missing_weights_file_is_named(checkpoint, tmp_path):
     model_dir = tmp_path / "m"
     shutil.copytree(checkpoint("llama-gqa"), model_dir)

@@ -10,13 +10,18 @@ import torch
 
 from blink.engine.errors import CheckpointError
 
-# Architectures that share one decoder; they differ in which optional tensors exist.
+# Architectures that share one decoder; they differ in which optional tensors exist, and the mixture-of-experts
+# ones in their MLPs (MoeConfig). The family names the attention's details.
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
+    "MixtralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen2MoeForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3",
 }
+MOE_NAMING = {"MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen", "Qwen3MoeForCausalLM": "qwen"}
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -28,6 +33,20 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """A mixture-of-experts MLP: each token goes to the top_k of num_experts experts (softmax over the router's
+    logits), their outputs summed by the routing weights (renormalised to 1 when `normalize`)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's
+    normalize: bool
+    sparse_layers: tuple[bool, ...]  # which layers' MLP is the mixture (the others are dense)
+    naming: str  # mixtral (block_sparse_moe.experts.E.w1/w3/w2) | qwen (mlp.experts.E.gate/up/down_proj)
+    shared_intermediate_size: int = 0  # Qwen2-MoE's shared expert, gated by a sigmoid (0: none)
 
 
 @dataclass(frozen=True)
@@ -51,6 +70,7 @@ class ModelConfig:
     qk_norm: bool
     sliding_window: int | None
     dtype: torch.dtype
+    moe: MoeConfig | None = None
 
     @property
     def q_size(self) -> int:
@@ -113,7 +133,28 @@ class ModelConfig:
             qk_norm=family == "qwen3",
             sliding_window=window,
             dtype=DTYPES[dtype_name],
+            moe=_moe(arch, cfg, source),
         )
+
+
+def _moe(arch: str, cfg: dict, source: str) -> MoeConfig | None:
+    naming = MOE_NAMING.get(arch)
+    if naming is None:
+        return None
+    layers = cfg["num_hidden_layers"]
+    if naming == "mixtral":  # every layer, top-k weights always renormalised
+        return MoeConfig(cfg["num_local_experts"], cfg["num_experts_per_tok"], cfg["intermediate_size"], True,
+                         (True,) * layers, naming)
+    # The hub's Qwen MoE configs say num_experts; transformers 5 writes num_local_experts.
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+    step = cfg.get("decoder_sparse_step", 1) or 1
+    dense = set(cfg.get("mlp_only_layers") or [])
+    sparse = tuple(experts > 0 and i not in dense and (i + 1) % step == 0 for i in range(layers))
+    if not 0 < cfg["num_experts_per_tok"] <= max(experts, 1):
+        raise CheckpointError(f"{source}: num_experts_per_tok {cfg['num_experts_per_tok']} of {experts} experts")
+    return MoeConfig(experts, cfg["num_experts_per_tok"], cfg["moe_intermediate_size"],
+                     bool(cfg.get("norm_topk_prob", False)), sparse, naming,
+                     cfg.get("shared_expert_intermediate_size", 0) if arch == "Qwen2MoeForCausalLM" else 0)
 
 
 def _rope_params(cfg: dict) -> dict:

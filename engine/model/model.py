@@ -1,4 +1,5 @@
-"""The decoder shared by Llama, Mistral, Qwen2 and Qwen3, over a ragged batch of tokens."""
+"""The decoder shared by Llama, Mistral, Qwen2 and Qwen3 and their mixture-of-experts kin (Mixtral, Qwen2-MoE,
+Qwen3-MoE: blink.engine.model.moe), over a ragged batch of tokens."""
 
 from __future__ import annotations
 
@@ -10,10 +11,12 @@ import torch
 import torch.nn.functional as F
 
 from blink.engine.errors import CheckpointError
+from blink.engine.model import moe
 from blink.engine.model.attention import AttentionBatch, paged_attention
 from blink.engine.model.checkpoint import load_tensors
 from blink.engine.model.config import ModelConfig
 from blink.engine.model.linear import can_pack, linear, pack
+from blink.engine.model.moe import MoeWeights
 from blink.engine.model.rope import apply_rope, rope_tables
 
 
@@ -27,8 +30,9 @@ class LayerWeights:
     o_proj: torch.Tensor
     o_proj_bias: torch.Tensor | None
     post_norm: torch.Tensor
-    gate_up: torch.Tensor  # gate and up projections fused: [2 * intermediate, hidden]
-    down: torch.Tensor
+    gate_up: torch.Tensor | None  # gate and up projections fused: [2 * intermediate, hidden]; None in a MoE layer
+    down: torch.Tensor | None
+    moe: MoeWeights | None = None  # the layer's MLP is a mixture of experts
 
 
 def checkpoint_tensor_names(cfg: ModelConfig) -> list[str]:
@@ -44,7 +48,10 @@ def checkpoint_tensor_names(cfg: ModelConfig) -> list[str]:
             names.append(p + "self_attn.o_proj.bias")
         if cfg.qk_norm:
             names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
-        names += [p + f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")]
+        if cfg.moe is not None and cfg.moe.sparse_layers[i]:
+            names += moe.tensor_names(cfg.moe, i)
+        else:
+            names += [p + f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")]
     names.append("model.norm.weight")
     if not cfg.tie_word_embeddings:
         names.append("lm_head.weight")
@@ -87,6 +94,7 @@ class Transformer:
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
             attn = p + "self_attn."
+            sparse = cfg.moe is not None and cfg.moe.sparse_layers[i]
             self.layers.append(LayerWeights(
                 input_norm=get(p + "input_layernorm.weight"),
                 qkv=torch.cat([get(attn + f"{n}_proj.weight") for n in ("q", "k", "v")]),
@@ -97,14 +105,17 @@ class Transformer:
                 o_proj=get(attn + "o_proj.weight"),
                 o_proj_bias=get(attn + "o_proj.bias") if cfg.o_proj_bias else None,
                 post_norm=get(p + "post_attention_layernorm.weight"),
-                gate_up=torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]),
-                down=get(p + "mlp.down_proj.weight"),
+                gate_up=None if sparse else torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]),
+                down=None if sparse else get(p + "mlp.down_proj.weight"),
+                moe=moe.load(cfg.moe, i, get) if sparse else None,
             ))
         self.norm = get("model.norm.weight")
         self.lm_head = self.embed if cfg.tie_word_embeddings else get("lm_head.weight")
         if can_pack(self.embed):  # a tied output embedding is packed as a copy: the lookup reads the plain one
             for w in self.layers:
-                w.qkv, w.o_proj, w.gate_up, w.down = (pack(t) for t in (w.qkv, w.o_proj, w.gate_up, w.down))
+                w.qkv, w.o_proj = pack(w.qkv), pack(w.o_proj)
+                if w.moe is None:
+                    w.gate_up, w.down = pack(w.gate_up), pack(w.down)
             self.lm_head = pack(self.lm_head)
         self.cos, self.sin = rope_tables(cfg, max_len, device)
         self.scale = cfg.head_dim ** -0.5
@@ -154,8 +165,11 @@ class Transformer:
                 q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
                 attn = paged_attention(q, k, v, k_cache[i], v_cache[i], batch, self.scale)
             x, h = self._add_norm(x, linear(attn.reshape(-1, cfg.q_size), w.o_proj, w.o_proj_bias), w.post_norm)
-            gate, up = linear(h, w.gate_up).chunk(2, dim=-1)
-            delta = linear(F.silu(gate) * up, w.down)
+            if w.moe is not None:
+                delta = moe.moe_mlp(h, w.moe, cfg.moe)
+            else:
+                gate, up = linear(h, w.gate_up).chunk(2, dim=-1)
+                delta = linear(F.silu(gate) * up, w.down)
         return x if delta is None else x + delta
 
     def _add_norm(self, x: torch.Tensor, delta: torch.Tensor | None,
