@@ -53,8 +53,10 @@ def main(argv: list[str] | None = None) -> int:
 
     model = commands.add_parser("model", help="manage checkpoints").add_subparsers(dest="model_command",
                                                                                    required=True)
-    init = model.add_parser("init", help="write the default random-weight model (to DIR or the cache)")
+    init = model.add_parser("init", help="write the default random-weight model (to DIR or the cache), or a small "
+                            "random mixture-of-experts one (--arch qwen3-moe, to DIR)")
     init.add_argument("dir", nargs="?", type=Path)
+    init.add_argument("--arch", choices=("llama", "qwen3-moe"), default="llama")
 
     keygen = commands.add_parser("keygen", help="write a new control-plane key to FILE (mode 0600), for "
                                  "--control-key-file on every host of a deployment (a compose secret)")
@@ -82,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         return bench_main(argv[1:])
     args = parser.parse_args(argv)
     if args.command == "model":
-        return _model_init(args.dir)
+        return _model_init(args.dir, args.arch)
     if args.command == "keygen":
         return _keygen(args.file)
     if args.command == "generate":
@@ -209,10 +211,13 @@ def _keygen(target: Path) -> int:
     return 0
 
 
-def _model_init(target: Path | None) -> int:
+def _model_init(target: Path | None, arch: str) -> int:
     from blink.engine.model.default_model import default_model_dir, write_default_model
 
-    print(write_default_model(target or default_model_dir()))
+    if target is None and arch != "llama":
+        print("blink model init --arch qwen3-moe needs DIR (the cache holds the default model)", file=sys.stderr)
+        return 2
+    print(write_default_model(target or default_model_dir(), arch))
     return 0
 
 

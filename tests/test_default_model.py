@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from blink.engine import LLM, SamplingParams
 from blink.engine.model.default_model import write_default_model
 
@@ -19,11 +21,17 @@ def test_model_init_writes_the_same_checkpoint_every_time(tmp_path):
         assert (a / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
 
 
-def test_transformers_reads_it_and_agrees(tmp_path):
+@pytest.mark.parametrize("arch", ["llama", "qwen3-moe"])
+def test_transformers_reads_it_and_agrees(tmp_path, arch):
     import torch
     import transformers as tf
 
-    model_dir = write_default_model(tmp_path / "m")
+    if arch == "llama":
+        model_dir = write_default_model(tmp_path / "m")
+    else:  # through the command line, as a user writes one
+        subprocess.run([sys.executable, "-m", "blink.services.cli", "model", "init", "--arch", arch,
+                        str(tmp_path / "m")], capture_output=True, text=True, check=True)
+        model_dir = tmp_path / "m"
     tokenizer = tf.AutoTokenizer.from_pretrained(model_dir)
     ids = tokenizer("Once upon a time")["input_ids"]
     model = tf.AutoModelForCausalLM.from_pretrained(model_dir).eval()

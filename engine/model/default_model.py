@@ -1,7 +1,8 @@
 """The default model: a small random-weight Llama with a byte-level BPE tokenizer trained here.
 
 Written deterministically on first use into the user's cache directory and loaded through the same path
-as any Hugging Face checkpoint. `blink model init DIR` writes one anywhere.
+as any Hugging Face checkpoint. `blink model init DIR` writes one anywhere; `--arch qwen3-moe` writes a small
+random mixture-of-experts model (Qwen3-MoE's layout and names) instead.
 """
 
 from __future__ import annotations
@@ -27,6 +28,13 @@ CHAT_TEMPLATE = (
 ARCH = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=2048, rope_theta=10000.0, rms_norm_eps=1e-5)
 TOKENIZER_VOCAB = 2048
+# The architectures `blink model init --arch` writes: config.json's fields beyond the shared ones.
+ARCHS = {
+    "llama": dict(architectures=["LlamaForCausalLM"], model_type="llama"),
+    "qwen3-moe": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", head_dim=64, num_experts=8,
+                      num_experts_per_tok=2, moe_intermediate_size=192, norm_topk_prob=True, decoder_sparse_step=1,
+                      mlp_only_layers=[], attention_bias=False),
+}
 
 
 def ensure_default_model() -> Path:
@@ -36,8 +44,9 @@ def ensure_default_model() -> Path:
     return target
 
 
-def write_default_model(target: Path) -> Path:
-    """Writes the checkpoint into a sibling temporary directory, then renames it into place."""
+def write_default_model(target: Path, arch: str = "llama") -> Path:
+    """Writes the checkpoint (an architecture of ARCHS) into a sibling temporary directory, then renames it into
+    place."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=target.parent))
@@ -47,9 +56,8 @@ def write_default_model(target: Path) -> Path:
         vocab = tokenizer.get_vocab_size()
         ids = {t: tokenizer.token_to_id(t) for t in SPECIAL_TOKENS}
         eos = [ids["</s>"], ids["<|im_end|>"]]
-        config = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=vocab, hidden_act="silu",
-                      tie_word_embeddings=False, torch_dtype="float32", bos_token_id=ids["<s>"],
-                      eos_token_id=eos[0], **ARCH)
+        config = dict(**ARCHS[arch], vocab_size=vocab, hidden_act="silu", tie_word_embeddings=False,
+                      torch_dtype="float32", bos_token_id=ids["<s>"], eos_token_id=eos[0], **ARCH)
         _write_json(staging / "config.json", config)
         _write_json(staging / "generation_config.json", {"bos_token_id": ids["<s>"], "eos_token_id": eos})
         _write_json(staging / "tokenizer_config.json", {
@@ -83,7 +91,7 @@ def train_tokenizer() -> Tokenizer:
 def random_weights(config: dict, seed: int = 0) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     hidden, inter = config["hidden_size"], config["intermediate_size"]
-    head_dim = hidden // config["num_attention_heads"]
+    head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
     kv = config["num_key_value_heads"] * head_dim
 
     def normal(*shape: int) -> torch.Tensor:
@@ -99,10 +107,19 @@ def random_weights(config: dict, seed: int = 0) -> dict[str, torch.Tensor]:
             p + "self_attn.k_proj.weight": normal(kv, hidden),
             p + "self_attn.v_proj.weight": normal(kv, hidden),
             p + "self_attn.o_proj.weight": normal(hidden, hidden),
-            p + "mlp.gate_proj.weight": normal(inter, hidden),
-            p + "mlp.up_proj.weight": normal(inter, hidden),
-            p + "mlp.down_proj.weight": normal(hidden, inter),
         }
+        if "num_experts" in config:  # Qwen3-MoE: q/k norms, a router and the experts
+            experts, moe_inter = config["num_experts"], config["moe_intermediate_size"]
+            w |= {p + "self_attn.q_norm.weight": torch.ones(head_dim),
+                  p + "self_attn.k_norm.weight": torch.ones(head_dim), p + "mlp.gate.weight": normal(experts, hidden)}
+            for e in range(experts):
+                q = f"{p}mlp.experts.{e}."
+                w[q + "gate_proj.weight"] = normal(moe_inter, hidden)
+                w[q + "up_proj.weight"] = normal(moe_inter, hidden)
+                w[q + "down_proj.weight"] = normal(hidden, moe_inter)
+        else:
+            w |= {p + "mlp.gate_proj.weight": normal(inter, hidden), p + "mlp.up_proj.weight": normal(inter, hidden),
+                  p + "mlp.down_proj.weight": normal(hidden, inter)}
     w["lm_head.weight"] = normal(config["vocab_size"], hidden)
     return w
 
