@@ -14,8 +14,9 @@ def _prompts(n: int, seed: int = 7) -> list[list[int]]:
             for length in torch.randint(4, 60, (n,), generator=gen)]
 
 
-def test_same_tokens_alone_and_in_a_batch_of_16(checkpoint):
-    llm = LLM(str(checkpoint("llama-gqa")), max_num_seqs=16, max_num_batched_tokens=64, num_pages=400)
+@pytest.mark.parametrize("kind", ["llama-gqa", "qwen3-moe"])  # a mixture of experts routes each token alone too
+def test_same_tokens_alone_and_in_a_batch_of_16(checkpoint, kind):
+    llm = LLM(str(checkpoint(kind)), max_num_seqs=16, max_num_batched_tokens=64, num_pages=400)
     prompts = _prompts(16)
     for params in (SamplingParams(temperature=0, max_tokens=20),
                    SamplingParams(temperature=1.0, top_p=0.9, top_k=40, seed=99, max_tokens=20)):
@@ -25,9 +26,10 @@ def test_same_tokens_alone_and_in_a_batch_of_16(checkpoint):
             assert alone.token_ids == together.token_ids
 
 
+@pytest.mark.parametrize("kind", ["llama-gqa", "qwen3-moe"])
 @pytest.mark.parametrize("swap_space", [0, 1], ids=["recompute", "rotation"])
-def test_small_page_pool_completes_every_request_with_the_same_tokens(checkpoint, swap_space):
-    model_dir = str(checkpoint("llama-gqa"))
+def test_small_page_pool_completes_every_request_with_the_same_tokens(checkpoint, swap_space, kind):
+    model_dir = str(checkpoint(kind))
     prompts = _prompts(12, seed=3)
     params = SamplingParams(temperature=0, max_tokens=40)
     roomy = LLM(model_dir, max_num_seqs=12, max_num_batched_tokens=64, num_pages=400).generate(prompts, params)
