@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -131,12 +129,11 @@ def _serve(settings: Settings) -> int:
     from blink.services.watchdog import ENGINE, INGRESS, ProcessSupervisor, Watchdog
     from blink.shared.slot_table import SlotTable
     from blink.shared.sockets import load_keys
+    from blink.shared.stopping import StopFlag
 
     keys = load_keys(settings, create=True)  # before the services start: they all read the one it makes
     supervisor = ProcessSupervisor(settings)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    stop = StopFlag().install()
     engine = supervisor.start(ENGINE)
     try:
         handshake(settings, keys, timeout_s=settings.engine_start_timeout,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import threading
 import time
 
@@ -19,6 +18,7 @@ from blink.shared.rdma import RdmaUnavailable, TableTarget
 from blink.shared.remote_memory import TransportLost
 from blink.shared.settings import Settings
 from blink.shared.slot_table import EngineState, Geometry, SlotTable
+from blink.shared.stopping import StopFlag
 
 log = structlog.get_logger()
 
@@ -59,7 +59,7 @@ class EngineService:
         self.table = open_table(settings.deployment, geometry)
         self.driver = self._build_driver()
         self.rdma, self.rdma_missing = self._rdma_target()
-        self._stop = threading.Event()
+        self._stop = StopFlag()
         self.info = control.EngineInfo(
             slot_table=settings.deployment, num_slots=geometry.num_slots, epoch=int(self.table.header["epoch"]),
             model=settings.served_model_name or self.engine.model_dir.name, model_dir=str(self.engine.model_dir),
@@ -100,8 +100,7 @@ class EngineService:
         return target, ""
 
     def run(self) -> None:
-        signal.signal(signal.SIGTERM, lambda *_: self._stop.set())
-        signal.signal(signal.SIGINT, lambda *_: self._stop.set())
+        self._stop.install()
         control_thread = threading.Thread(target=self._serve_control, name="control", daemon=True)
         control_thread.start()
         relay = None
@@ -138,8 +137,6 @@ class EngineService:
         self.driver.start()
         steps_seen = -1
         try:
-            # Sleep, not Event.wait: SIGTERM's handler sets the event on this thread, and Event.set() inside
-            # Event.wait() deadlocks on the event's own lock.
             while not self._stop.is_set():
                 time.sleep(0.005)
                 if self.driver.failure is not None:

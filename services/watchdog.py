@@ -18,7 +18,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from typing import Protocol
@@ -30,6 +29,7 @@ from pydantic import SecretStr
 from blink.shared import control, sockets
 from blink.shared.settings import Settings
 from blink.shared.slot_table import EngineState, SlotTable
+from blink.shared.stopping import StopFlag
 
 log = structlog.get_logger()
 
@@ -156,11 +156,11 @@ class Watchdog:
 
     # -- the loop ------------------------------------------------------------------------------------------
 
-    def run(self, stop: threading.Event) -> None:
+    def run(self, stop: StopFlag) -> None:
         tick = min(0.1, self.deadline_s / 10)
         self.announce("watchdog_started", deadline_s=self.deadline_s)
         try:
-            while not stop.is_set():  # not stop.wait(): a signal handler sets it on this thread (see engine_service)
+            while not stop.is_set():
                 time.sleep(tick)
                 if not stop.is_set():
                     self.check()
@@ -330,7 +330,4 @@ class Watchdog:
 
 def run_watchdog(settings: Settings) -> None:
     """`blink watchdog`: watches services it did not start, until SIGTERM."""
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    Watchdog(settings, PidSupervisor()).run(stop)
+    Watchdog(settings, PidSupervisor()).run(StopFlag().install())
