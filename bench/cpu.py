@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
@@ -26,7 +25,7 @@ import transformers
 
 from blink.bench import llama_cpp
 from blink.bench.machine import blink_source, machine, save
-from blink.bench.offline import MODEL_SHAPE, PROMPT_VOCAB, build_checkpoint, seed_everything
+from blink.bench.offline import MODEL_SHAPE, PROMPT_VOCAB, build_checkpoint, on_checkpoint, seed_everything
 
 DTYPES = {"float32": "f32", "bfloat16": "bf16"}  # torch's names, and llama.cpp's
 
@@ -167,9 +166,4 @@ def report(medians: dict, samples: dict, batch: int) -> None:
 
 def run(args: argparse.Namespace) -> None:
     seed_everything(args.seed)
-    if args.model_dir is not None:
-        args.model_dir.mkdir(parents=True, exist_ok=True)
-        benchmark(args, args.model_dir)
-        return
-    with tempfile.TemporaryDirectory(prefix="blink-bench-cpu-") as tmp:
-        benchmark(args, Path(tmp) / "llama-125m")
+    on_checkpoint(args.model_dir, lambda model_dir: benchmark(args, model_dir))

@@ -28,6 +28,7 @@ import random
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -262,14 +263,19 @@ def benchmark(args: argparse.Namespace, model_dir: Path) -> None:
     print(f"\nsaved {save('offline_throughput', result, args.result_dir)}")
 
 
+def on_checkpoint(model_dir: Path | None, benchmark: Callable[[Path], None]) -> None:
+    """Runs `benchmark` on the random Llama in model_dir (built there if absent), else in a temporary directory."""
+    if model_dir is not None:
+        model_dir.mkdir(parents=True, exist_ok=True)
+        benchmark(model_dir)
+        return
+    with tempfile.TemporaryDirectory(prefix="blink-bench-") as tmp:
+        benchmark(Path(tmp) / "llama-125m")
+
+
 def run(args: argparse.Namespace) -> None:
     if args.quick:
         args.num_requests, args.prompt_len, args.output_len, args.repeats = 16, (8, 64), (4, 32), 1
     seed_everything(args.seed)
-    if args.model_dir is not None:
-        args.model_dir.mkdir(parents=True, exist_ok=True)
-        benchmark(args, args.model_dir)
-        return
-    with tempfile.TemporaryDirectory(prefix="blink-bench-") as tmp:
-        benchmark(args, Path(tmp))
+    on_checkpoint(args.model_dir, lambda model_dir: benchmark(args, model_dir))
 

@@ -63,7 +63,7 @@ class LLM:
                 if out is None:
                     continue  # an aborted leftover
                 if out.prompt_logprobs is not None:
-                    out.prompt_logprobs += [{**dict(p.top), p.token: p.logprob} for p in event.prompt]
+                    out.prompt_logprobs += [{**dict(p.top), p.token_id: p.logprob} for p in event.prompt]
                 if event.token is not None:
                     out.token_ids.append(event.token)
                     if out.logprobs is not None:

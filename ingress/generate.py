@@ -17,19 +17,10 @@ from blink.ingress.protocol import SamplingFields
 from blink.ingress.slots import SlotClient
 from blink.shared.request_schema import knobs_of, logit_bias_pairs
 from blink.shared.service_class import ClassDefaults, ServiceClass
-from blink.shared.slot_table import Finish, Request, RequestStats
+from blink.shared.slot_table import FINISH_NAMES, Finish, Request, RequestStats, TokenLogprob
 from blink.shared.tokenizer import Tokenizer
 
 log = structlog.get_logger()
-FINISH_NAMES = {Finish.STOP: "stop", Finish.LENGTH: "length", Finish.ABORT: "abort"}
-
-
-@dataclass
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]
-
 
 @dataclass
 class Delta:

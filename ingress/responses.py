@@ -66,13 +66,17 @@ class Shape:
         if self.prompt_logprobs is None or delta.prompt is None:
             return None
 
+        # Each distinct token decoded once, in one batch call: a long prompt with top 20 names thousands of tokens.
+        ids = sorted({t for lp in delta.prompt for t in (lp.token_id, *(t for t, _ in lp.top))})
+        text = dict(zip(ids, self.tokenizer.raw.decode_batch([[t] for t in ids], skip_special_tokens=False),
+                        strict=True))
+
         def entry(lp) -> dict:
             ranked = [t for t, _ in lp.top]
             rank = ranked.index(lp.token_id) + 1 if lp.token_id in ranked else None
-            top = {str(t): {"logprob": v, "rank": r, "decoded_token": self.tokenizer.decode([t], False)}
+            top = {str(t): {"logprob": v, "rank": r, "decoded_token": text[t]}
                    for r, (t, v) in enumerate(lp.top[:self.prompt_logprobs], 1)}
-            return top | {str(lp.token_id): {"logprob": lp.logprob, "rank": rank,
-                                              "decoded_token": self.tokenizer.decode([lp.token_id], False)}}
+            return top | {str(lp.token_id): {"logprob": lp.logprob, "rank": rank, "decoded_token": text[lp.token_id]}}
 
         return [None, *(entry(lp) for lp in delta.prompt)]
 

@@ -62,6 +62,19 @@ class Finish(IntEnum):
     FAILED = 4  # the engine holding the request died: the ingress says so; no engine ever writes it
 
 
+FINISH_NAMES = {Finish.STOP: "stop", Finish.LENGTH: "length", Finish.ABORT: "abort"}  # OpenAI's finish_reason
+
+
+@dataclass
+class TokenLogprob:
+    """A token as read out of a window entry: its logprob (given what came before it) and the k most likely
+    tokens there, as (id, logprob)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
 @dataclass(frozen=True)
 class Geometry:
     num_slots: int

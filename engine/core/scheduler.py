@@ -48,7 +48,8 @@ class StepPlan:
     sample_slot: torch.Tensor  # [S] slots that sample this step, packed first
     sample_token: torch.Tensor  # [S] batch index of each sampling row's last token
     sample_valid: torch.Tensor  # [S]
-    prompt_entries: torch.Tensor  # [S] prompt logprobs each slot publishes this step, ahead of its token
+    prompt_entries: torch.Tensor | None  # [S] prompt logprobs each slot publishes this step, ahead of its token;
+    # None when the step may score none (no resident request asked)
     moves: PageMoves | None  # KV rotation's page copies, when the engine has a host mirror
     sizes: torch.Tensor  # [7]: PlanSizes's fields, on the device
 
@@ -86,16 +87,17 @@ def plan(state: Slots, pool: PagePool, token_budget: int, policy: Policy, mirror
     held_back = fresh & _hold_new(state, pool, policy, mirror, token_budget)
     live = resident & ~state.paused & ~state.cancel & ~held_back
     demand = torch.where(live, state.seq_len - state.num_computed, 0)
-    # A request that asks for its prompt's logprobs publishes one per prompt token it computes (and then its first
-    # token): no more than its output window has room for.
-    scoring = (state.prompt_logprobs >= 0) & (state.scored < state.prompt_len - 1)
-    demand = torch.where(scoring, demand.minimum(state.room), demand)
+    if prompt_rows:  # else no resident request asked for its prompt's logprobs
+        # A request that does publishes one per prompt token it computes (and then its first token): no more than
+        # its output window has room for.
+        scoring = (state.prompt_logprobs >= 0) & (state.scored < state.prompt_len - 1)
+        demand = torch.where(scoring, demand.minimum(state.room), demand)
     order = lexsort(policy.budget_keys(state, demand > 1), first=demand > 0)
     cap = policy.token_cap(state, demand == 1, cost, token_budget)
     wanted = demand[order]
     before = wanted.cumsum(0) - wanted
     take = torch.empty_like(demand).scatter_(0, order, (cap - before).clamp(min=0).minimum(wanted))
-    take, entries = _score_prompts(state, take, order, prompt_rows)
+    take, entries = _score_prompts(state, take, order, prompt_rows) if prompt_rows else (take, None)
 
     # Pages: victims give theirs back when they run short, rotated out while the mirror has room.
     covered = (state.num_computed + take + page - 1) // page
@@ -142,9 +144,10 @@ def plan(state: Slots, pool: PagePool, token_budget: int, policy: Policy, mirror
     sample_token = torch.where(sample_valid, ends[sample_slot] - 1, 0)
 
     max_context = torch.where(token_valid, token_pos + 1, 0).amax()
-    entries = torch.where(take > 0, entries, 0)  # a slot that lost its pages to a victim's need computes nothing
-    sizes = torch.cat([torch.stack([ends[-1], max_context, num_decodes, chunk_rows.count]), moved,
-                       entries.sum()[None]])
+    if entries is not None:
+        entries = torch.where(take > 0, entries, 0)  # a slot that lost its pages to a victim's need computes nothing
+    scored = moved.new_zeros(1) if entries is None else entries.sum()[None]
+    sizes = torch.cat([torch.stack([ends[-1], max_context, num_decodes, chunk_rows.count]), moved, scored])
     return StepPlan(take, token_slot, token_pos, token_valid, input_ids, decode_rows, chunk_rows, sample_slot,
                     sample_token, sample_valid, entries, moves, sizes)
 
@@ -168,9 +171,10 @@ def _score_prompts(state: Slots, take: torch.Tensor, order: torch.Tensor,
 
 def advance(state: Slots, planned: StepPlan) -> None:
     """What a step computed as planned: tokens whose K/V are now cached, prompt positions now scored."""
-    state.scored.copy_(torch.where(planned.prompt_entries > 0,
-                                   torch.maximum(state.num_computed, state.scored) + planned.prompt_entries,
-                                   state.scored))
+    if planned.prompt_entries is not None:
+        state.scored.copy_(torch.where(planned.prompt_entries > 0,
+                                       torch.maximum(state.num_computed, state.scored) + planned.prompt_entries,
+                                       state.scored))
     state.num_computed += planned.take
 
 

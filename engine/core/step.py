@@ -86,9 +86,11 @@ class Step:
         B, R = shape.tokens, shape.rows
         batch = self._attention_batch(plan, shape)
         hidden = model.forward(plan.input_ids[:B], plan.token_pos[:B], batch, pool.k, pool.v)
-        prompt_tokens = _prompt_tokens(state, plan, B, shape.prompt_rows)
-        # One pass over the output embedding for the sampling rows and the prompt rows together.
-        logits = model.logits(hidden[torch.cat([plan.sample_token[:R], prompt_tokens])])
+        rows_read = plan.sample_token[:R]
+        if shape.prompt_rows:  # one pass over the output embedding for the sampling and the prompt rows together
+            prompt_tokens = _prompt_tokens(state, plan, B, shape.prompt_rows)
+            rows_read = torch.cat([rows_read, prompt_tokens])
+        logits = model.logits(hidden[rows_read])
         logits, prompt_logits = logits[:R], logits[R:]
         slot = plan.sample_slot[:R]
         rows = SamplingRows(
@@ -131,8 +133,6 @@ class Step:
 def _prompt_tokens(state: Slots, plan: StepPlan, tokens: int, prompt_rows: int) -> torch.Tensor:
     """[prompt_rows] batch indices of the tokens whose logits score a prompt token this step, packed first (in batch
     order, so slot after slot; the rest 0)."""
-    if not prompt_rows:
-        return plan.sample_token[:0]
     slot, pos = plan.token_slot[:tokens], plan.token_pos[:tokens]
     start = torch.maximum(state.num_computed, state.scored)[slot]  # num_computed: before this step's commit
     scores = plan.token_valid[:tokens] & (pos >= start) & (pos < start + plan.prompt_entries[slot])

@@ -26,18 +26,7 @@ from blink.engine.core.sampler import GREEDY_BELOW, SamplerFeatures
 from blink.engine.core.state import Slots
 from blink.engine.drive.driver import Fenced
 from blink.engine.engine import Engine
-from blink.shared.slot_table import Finish, RequestStats, SlotTable
-
-FINISH_NAMES = {Finish.STOP: "stop", Finish.LENGTH: "length", Finish.ABORT: "abort"}
-
-
-@dataclass
-class Scored:
-    """A prompt token, its logprob given the prompt before it, and the k most likely tokens there."""
-
-    token: int
-    logprob: float
-    top: list[tuple[int, float]]
+from blink.shared.slot_table import FINISH_NAMES, Finish, RequestStats, SlotTable, TokenLogprob
 
 
 @dataclass
@@ -50,7 +39,7 @@ class SlotEvent:
     top: list[tuple[int, float]] = field(default_factory=list)  # the k most likely tokens the request asked for
     finish_reason: str | None = None  # stop | length | abort
     stats: RequestStats | None = None  # with the finish
-    prompt: list[Scored] = field(default_factory=list)
+    prompt: list[TokenLogprob] = field(default_factory=list)  # the prompt tokens it scored, in order
 
     @property
     def top_logprobs(self) -> dict[int, float]:
@@ -154,14 +143,14 @@ def _events(out: StepOutput, resident: Mapping[int, Asked], features: SamplerFea
     return events
 
 
-def _scored(prompt: PromptScores, resident: Mapping[int, Asked]) -> dict[int, list[Scored]]:
+def _scored(prompt: PromptScores, resident: Mapping[int, Asked]) -> dict[int, list[TokenLogprob]]:
     n = int(prompt.count.sum())
     slots, tokens, logprobs = (x[:n].tolist() for x in (prompt.slot, prompt.token, prompt.logprob))
     top_ids, top_logprobs = prompt.top_ids[:n].tolist(), prompt.top_logprobs[:n].tolist()
-    scored: dict[int, list[Scored]] = {}
+    scored: dict[int, list[TokenLogprob]] = {}
     for i, slot in enumerate(slots):
         k = resident[slot].prompt_logprobs
-        scored.setdefault(slot, []).append(Scored(tokens[i], logprobs[i], list(zip(top_ids[i][:k],
+        scored.setdefault(slot, []).append(TokenLogprob(tokens[i], logprobs[i], list(zip(top_ids[i][:k],
                                                                                   top_logprobs[i][:k], strict=True))))
     return scored
 
@@ -271,7 +260,7 @@ class HostDriver:
 
     def _publish(self, slot: int, event: SlotEvent) -> None:
         for p in event.prompt:  # ahead of the token: the reader counts prompt_len - 1 of them first
-            self.table.emit(slot, p.token, p.logprob, [t for t, _ in p.top], [lp for _, lp in p.top])
+            self.table.emit(slot, p.token_id, p.logprob, [t for t, _ in p.top], [lp for _, lp in p.top])
         if event.token is not None:
             top = event.top
             self.table.emit(slot, event.token, event.logprob or 0.0, [t for t, _ in top], [lp for _, lp in top])
@@ -281,4 +270,4 @@ class HostDriver:
             del self.resident_asked[slot]
 
 
-_FINISH = {"stop": Finish.STOP, "length": Finish.LENGTH, "abort": Finish.ABORT}
+_FINISH = {name: reason for reason, name in FINISH_NAMES.items()}
