@@ -1,4 +1,4 @@
-"""`blink bench serve|plot|offline|overhead|step|cpu`: each subcommand's module declares its flags and runs it.
+"""`blink bench serve|plot|offline|overhead|step|gpu|cpu`: each subcommand's module declares its flags and runs it.
 
 Only the module of the command asked for is imported: `offline` needs torch and transformers, `serve` does not.
 """
@@ -16,6 +16,7 @@ COMMANDS = {
     "offline": ("blink.bench.offline", "the engine's offline throughput against transformers' generate"),
     "overhead": ("blink.bench.overhead", "HTTP streaming through `blink serve` against the offline engine"),
     "step": ("blink.bench.step", "ops and bytes one captured step spends outside the model, for Llama 3 shapes"),
+    "gpu": ("blink.bench.gpu", "first light for the device drive modes: checks and figures in one GPU call"),
     "cpu": ("blink.bench.cpu", "CPU decode at batch 1 and 16 against transformers and llama.cpp, fp32 and bf16"),
 }
 

@@ -14,7 +14,6 @@ import asyncio
 import dataclasses
 import json
 import math
-import os
 import signal
 from contextlib import nullcontext
 from datetime import UTC, datetime
@@ -38,6 +37,7 @@ from blink.bench.figures import LATENCIES, PERCENTILES, RequestTimes, compute, r
 from blink.bench.interference import Interference
 from blink.bench.loadgen import run_load
 from blink.bench.machine import blink_source, machine, save
+from blink.shared.cpus import parse_cpus
 
 BACKENDS = ("openai", "openai-chat", "blink-zmq", "vllm")  # vllm: vLLM's name for the completions backend
 ENDPOINTS = {"/v1/completions": "openai", "/v1/chat/completions": "openai-chat"}
@@ -319,14 +319,10 @@ def _rates(text: str) -> list[float]:
 
 
 def _cpus(text: str) -> list[int]:
-    cpus = []
-    for part in text.split(","):
-        first, _, last = part.partition("-")
-        cpus.extend(range(int(first), int(last or first) + 1))
-    if unusable := set(cpus) - os.sched_getaffinity(0):
-        raise argparse.ArgumentTypeError(f"CPUs {sorted(unusable)} are not among this process's "
-                                         f"{sorted(os.sched_getaffinity(0))}")
-    return cpus
+    try:
+        return parse_cpus(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _positive(kind: type):

@@ -10,12 +10,14 @@ import torch
 
 
 def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
+    """The device `name` names; a CUDA device always with its index (`cuda` alone means the current one), since
+    torch.cuda.set_device, streams on other threads and the runtime's calls need one."""
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name)
+    if device.type != "cuda":
+        return device
+    if not torch.cuda.is_available():
         raise ValueError(f"device {name!r} asked for, but torch sees no CUDA device")
-    return device
+    return torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
 
 
 def cpu_has_bf16() -> bool:

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
+import torch
+
 from blink.engine.core.kv_cache import PagePool
 from blink.engine.core.policy import Policy
 from blink.engine.core.rotation import HostMirror
@@ -17,7 +19,7 @@ from blink.engine.device import auto_dtype, available_memory, configure_threads,
 from blink.engine.model.checkpoint import load_config, read_generation_defaults
 from blink.engine.model.config import DTYPES, ModelConfig
 from blink.engine.model.default_model import ensure_default_model
-from blink.engine.model.model import Transformer
+from blink.engine.model.model import LOAD_FORMATS, Transformer
 from blink.shared.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -35,6 +37,7 @@ class EngineConfig:
     num_pages: int | None = None  # explicit pool size, the null page included
     kv_memory_fraction: float | None = None  # of the device's free memory after loading weights
     seed: int = 0  # seeds requests that bring none
+    load_format: str = "auto"  # auto: the checkpoint's safetensors; dummy: random weights of their shapes (vLLM's)
     scheduling_policy: str = "slo"  # fcfs | priority | slo (blink.engine.core.policy)
     swap_space: float = 4.0  # GiB of host memory for KV rotation; 0: recompute preempted requests instead
 
@@ -48,6 +51,8 @@ class EngineConfig:
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a power of two, got {self.page_size}")
         Policy(self.scheduling_policy)  # raises on an unknown name
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
         if not 0 <= self.swap_space < float("inf"):
             raise ValueError(f"swap_space must be a finite number of GiB, at least 0, got {self.swap_space}")
         if self.kv_memory_fraction is not None and not 0 < self.kv_memory_fraction <= 1:
@@ -78,7 +83,9 @@ class Engine:
                              "so every running sequence can decode in one step")
         page = config.page_size
 
-        self.model = Transformer.from_checkpoint(self.model_dir, cfg, max_len, self.device)
+        self.model = Transformer.from_checkpoint(self.model_dir, cfg, max_len, self.device, config.load_format)
+        if on_cuda:  # the loading's staging copies go back to the device before the KV pool is sized from what is free
+            torch.cuda.empty_cache()
         pages_per_seq = -(-max_len // page)
         num_pages = config.num_pages or self._pages_that_fit(cfg, page, num_slots * pages_per_seq + 1)
         if (num_pages - 1) * page < max_len:

@@ -52,6 +52,7 @@ class EngineService:
             model=settings.model, device=settings.device, dtype=settings.dtype, max_num_seqs=settings.max_num_seqs,
             max_num_batched_tokens=settings.max_num_batched_tokens, max_model_len=settings.max_model_len,
             num_pages=settings.num_pages, scheduling_policy=settings.scheduling_policy, swap_space=settings.swap_space,
+            load_format=settings.load_format,
         ))
         geometry = Geometry(num_slots=self.engine.state.num_slots, max_prompt_tokens=self.engine.max_model_len,
                             window=settings.window)
@@ -72,14 +73,20 @@ class EngineService:
         )
 
     def _build_driver(self) -> Driver:
-        """The best drive mode that starts here (or the one asked for), falling back with the reason logged."""
-        modes, passed_over = drive_modes.candidates(self.settings.drive, self.engine.device)
+        """The best drive mode that starts here, falling back with the reason logged; or the one asked for, which
+        starts or stops the engine with the reason."""
+        requested = self.settings.drive
+        modes, passed_over = drive_modes.candidates(requested, self.engine.device)
         for reason in passed_over:
             log.info("drive mode unavailable", reason=reason)
+        if not modes:
+            raise RuntimeError(f"--drive {requested} cannot run here: {'; '.join(passed_over)}")
         for mode in modes:
             try:
                 driver = drive_modes.build(mode, self.engine, self.table)
             except Exception as e:  # a capture or a build that fails here must not keep the engine down
+                if requested != "auto":
+                    raise RuntimeError(f"--drive {mode} failed to start: {e}") from e
                 log.warning("drive mode failed to start; falling back", mode=mode, reason=str(e)[:500])
                 continue
             for limitation in driver.limitations:

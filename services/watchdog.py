@@ -27,6 +27,7 @@ import zmq
 from pydantic import SecretStr
 
 from blink.shared import control, sockets
+from blink.shared.cpus import parse_cpus
 from blink.shared.settings import Settings
 from blink.shared.slot_table import EngineState, SlotTable
 from blink.shared.stopping import StopFlag
@@ -55,10 +56,19 @@ class ProcessSupervisor:
         self.env = os.environ | {f"BLINK_{k.upper()}": str(v.get_secret_value() if isinstance(v, SecretStr) else v)
                                  for k, v in values.items() if v is not None}
         self.procs: dict[str, subprocess.Popen] = {}
+        self.cpus = {service: parse_cpus(cpus) for service, cpus in
+                     ((ENGINE, settings.engine_cpus), (INGRESS, settings.ingress_cpus)) if cpus}
 
     def start(self, service: str) -> subprocess.Popen:
+        cpus = self.cpus.get(service)
+
+        def prepare() -> None:  # in the child, before it runs
+            _stop_with_parent()
+            if cpus:
+                os.sched_setaffinity(0, cpus)
+
         proc = subprocess.Popen([sys.executable, "-m", "blink.services.cli", service], env=self.env,
-                                start_new_session=True, preexec_fn=_stop_with_parent)
+                                start_new_session=True, preexec_fn=prepare)
         self.procs[service] = proc
         return proc
 

@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from blink.shared.cpus import CPU_LIST
 from blink.shared.service_class import ClassDefaults, ClassName, ClassSLO
 
 
@@ -22,6 +23,8 @@ class Settings(BaseSettings):
     port: int = Field(8000, ge=0, le=65535)
     device: str = "auto"
     dtype: str = "auto"
+    load_format: Literal["auto", "dummy"] = Field("auto", description="auto: the checkpoint's weights; dummy: "
+                                                  "random weights of their shapes (vLLM's; for benchmarks)")
     max_num_seqs: int | None = Field(None, ge=1)
     max_num_batched_tokens: int | None = Field(None, ge=1)
     max_model_len: int | None = Field(None, ge=2)
@@ -49,6 +52,10 @@ class Settings(BaseSettings):
         "zmq)")
     rdma_device: str | None = Field(None, description="RDMA device for the rdma transport (default: the first)")
     rdma_gid_index: int = Field(0, ge=0, description="GID index of the RDMA port (RoCE: the RoCEv2 entry)")
+    ingress_cpus: str | None = Field(None, pattern=CPU_LIST, description="CPUs the ingress runs on (e.g. 0-1): "
+                                     "cores of its own, as a SmartNIC's would be (default: any)")
+    engine_cpus: str | None = Field(None, pattern=CPU_LIST, description="CPUs the engine process runs on "
+                                    "(default: any)")
     engine_host: str = Field("127.0.0.1", description="where the engine runs, for --control-port/--relay-port")
     bind_host: str | None = Field(None, description="the interface the engine's TCP control and relay sockets "
                                   "listen on (default: --engine-host; 0.0.0.0 for every interface)")

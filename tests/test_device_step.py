@@ -45,8 +45,19 @@ def _serve(table: SlotTable, step, requests: dict[int, Request], steps: int = 12
     raise AssertionError(f"not finished after {steps} steps: {got}")
 
 
-def _device(engine: Engine, table: SlotTable) -> tuple[DeviceStep, callable]:
+@pytest.fixture
+def devices():
+    """Closes the device steps a test opened: on CUDA each one registers the table's mapping, which must be
+    unregistered before the table is unmapped."""
+    opened: list[DeviceStep] = []
+    yield opened
+    for device in opened:
+        device.close()
+
+
+def _device(engine: Engine, table: SlotTable, opened: list) -> tuple[DeviceStep, callable]:
     device = DeviceStep(engine, table)
+    opened.append(device)
 
     def step():
         device.clock[0] = time.monotonic()
@@ -55,14 +66,14 @@ def _device(engine: Engine, table: SlotTable) -> tuple[DeviceStep, callable]:
     return device, step
 
 
-def test_device_step_serves_the_table_as_the_host_driver_does(tiny_engine, table):
+def test_device_step_serves_the_table_as_the_host_driver_does(tiny_engine, table, devices):
     """Greedy, seeded, stop-id, penalised and logprob requests: identical tokens, top ids and finishes; the window
     (3 tokens) pauses the engine without losing a token; buckets smaller than a prompt chunk its prefill."""
     host = HostDriver(tiny_engine(), table)
     expected = _serve(table, host.step, REQUESTS)
     for slot in REQUESTS:
         table.free(slot)
-    device, step = _device(tiny_engine(), table)
+    device, step = _device(tiny_engine(), table, devices)
     got = _serve(table, step, REQUESTS)
     assert got == expected
     assert [len(got[s][0]) for s in (0, 1, 2)] == [6, 34 + 5, 7]
@@ -72,9 +83,9 @@ def test_device_step_serves_the_table_as_the_host_driver_does(tiny_engine, table
     assert int(device.demand[1]) == 0  # nothing resident: every slot was handed back
 
 
-def test_invalid_records_end_and_a_newer_epoch_fences_the_device(tiny_engine, table):
+def test_invalid_records_end_and_a_newer_epoch_fences_the_device(tiny_engine, table, devices):
     engine = tiny_engine()
-    device, step = _device(engine, table)
+    device, step = _device(engine, table, devices)
     vocab = engine.model_config.vocab_size
     table.publish(0, Request([1, vocab], 4))  # a token the model does not have: the ingress should have said so
     table.publish(1, Request([1, 2, 3], 4, temperature=0.0, ignore_eos=True))
@@ -90,9 +101,9 @@ def test_invalid_records_end_and_a_newer_epoch_fences_the_device(tiny_engine, ta
     assert int(table.slots[1]["produced"]) == 1 and int(table.header["steps"]) == steps
 
 
-def test_cancel_and_the_admission_limit(tiny_engine, table):
+def test_cancel_and_the_admission_limit(tiny_engine, table, devices):
     engine = tiny_engine()
-    device, step = _device(engine, table)
+    device, step = _device(engine, table, devices)
     device.limit[0] = 2  # the control plane's admission limit, written where the device reads it
     for slot in range(4):
         table.publish(slot, Request([3 + slot, 4, 5], 40, temperature=0.0, ignore_eos=True))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 import uuid
 
@@ -9,7 +11,7 @@ import httpx
 import pytest
 import torch
 
-from blink.bench.server import running_server
+from blink.bench.server import free_port, running_server
 from blink.engine.drive.modes import candidates
 from blink.shared.slot_table import Geometry, Request, SlotTable
 
@@ -19,12 +21,23 @@ def test_the_cpu_runs_the_host_mode_and_says_why_not_the_others():
     assert modes == ["host"]
     assert [r.split(":")[0] for r in reasons] == ["persistent", "graph"]
     assert all("CUDA" in r for r in reasons)
-    assert candidates("graph", torch.device("cpu"))[0] == ["host"]
+    modes, reasons = candidates("graph", torch.device("cpu"))  # asked for by name: that mode or nothing
+    assert modes == [] and reasons[0].startswith("graph: needs a CUDA device")
     assert candidates("host", torch.device("cpu")) == (["host"], [])
 
 
-def test_serve_asked_for_persistent_on_the_cpu_runs_host_and_reports_it(tmp_path):
-    with running_server(tmp_path, "--drive", "persistent") as server:
+def test_serve_asked_for_persistent_on_the_cpu_refuses_to_start_and_says_why(tmp_path):
+    """A result or a deployment labelled persistent must have run persistent: no silent fallback."""
+    cmd = [sys.executable, "-m", "blink.services.cli", "serve", "--port", str(free_port()), "--deployment",
+           f"test-{uuid.uuid4().hex[:10]}", "--runtime-dir", str(tmp_path), "--drive", "persistent", "--device", "cpu"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert "--drive persistent cannot run here" in out.stdout + out.stderr
+    assert "needs a CUDA device" in out.stdout + out.stderr
+
+
+def test_serve_on_auto_falls_back_to_the_host_mode_and_reports_it(tmp_path):
+    with running_server(tmp_path, "--device", "cpu") as server:
         assert httpx.get(f"{server.url}/ready").json()["drive"] == "host"
         metrics = httpx.get(f"{server.url}/metrics").text
         assert 'blink:engine_info{drive="host"' in metrics

@@ -21,6 +21,10 @@ from blink.engine.model.model import rms_norm as reference_rms_norm
 from blink.engine.model.rope import apply_rope
 from tests.test_step import host_reads_forbidden
 
+# The kernels run compiled on a GPU and in Triton's interpreter without one (conftest): inputs are drawn on the CPU
+# (the same numbers either way) and moved to where the kernels run.
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
 TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3),
              torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 # Elementwise kernels round as torch does: exact in float16. Triton 3.6's interpreter truncates when it narrows
@@ -41,7 +45,7 @@ def _rows(runs: list[tuple[int, int, int, int]], capacity: int, batch: int, gen:
     length = torch.tensor([r[1] for r in runs] + [1] * junk)
     first_pos = torch.tensor([r[2] for r in runs] + torch.randint(0, 8, (junk,), generator=gen).tolist())
     slot = torch.tensor([r[3] for r in runs] + [0] * junk)
-    return QueryRows(start, length, first_pos, slot, torch.tensor(len(runs)))
+    return QueryRows(*(t.to(DEVICE) for t in (start, length, first_pos, slot, torch.tensor(len(runs)))))
 
 
 def _scene(sequences, page_size, kv_heads, group, head_dim, dtype, padding=3, seed=0):
@@ -71,7 +75,8 @@ def _scene(sequences, page_size, kv_heads, group, head_dim, dtype, padding=3, se
         start += take
     decode_rows = _rows(decodes, len(decodes) + 2, B, gen)
     chunk_rows = _rows(chunks, len(chunks) + 2, B, gen)
-    return q, k, v, k_cache, v_cache, table, write_rows, decode_rows, chunk_rows
+    inputs = (q, k, v, k_cache, v_cache, table, write_rows)
+    return (*(t.to(DEVICE) for t in inputs), decode_rows, chunk_rows)
 
 
 def _check_attention(sequences, page_size, kv_heads, group, dtype, window=None, head_dim=16):
@@ -135,17 +140,18 @@ def test_rope_and_cache_write_match_the_reference(dtype, heads, kv_heads, head_d
     gen = torch.Generator().manual_seed(1)
     B, padding, num_pages, page_size = 21, 4, 12, 4
     q_size, kv_size = heads * head_dim, kv_heads * head_dim
-    qkv = torch.randn(B, q_size + 2 * kv_size, generator=gen).to(dtype)
+    qkv = torch.randn(B, q_size + 2 * kv_size, generator=gen).to(DEVICE, dtype)
     # Strided views of the fused projection, as the model hands them over.
     q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
     q, k, v = q.view(B, heads, head_dim), k.view(B, kv_heads, head_dim), v.view(B, kv_heads, head_dim)
     cos, sin = _rope_tables(64, head_dim, dtype)
     positions = torch.randint(0, 64, (B,), generator=gen)
-    rows = torch.randperm((num_pages - 1) * page_size, generator=gen)[:B] + page_size  # never the null page
+    cos, sin, positions = cos.to(DEVICE), sin.to(DEVICE), positions.to(DEVICE)
+    rows = (torch.randperm((num_pages - 1) * page_size, generator=gen)[:B] + page_size).to(DEVICE)  # not page 0
     rows[B - padding:] = 0  # padding tokens write the null page
     positions[B - padding:] = 0
     shape = (num_pages, page_size, kv_heads, head_dim)
-    k_cache, v_cache = torch.randn(shape, generator=gen).to(dtype), torch.randn(shape, generator=gen).to(dtype)
+    k_cache, v_cache = (torch.randn(shape, generator=gen).to(DEVICE, dtype) for _ in range(2))
     expected_k, expected_v = k_cache.clone(), v_cache.clone()
     expected_q = apply_rope(q, cos[positions], sin[positions])
     real = slice(0, B - padding)
@@ -165,6 +171,7 @@ def test_rms_norm_and_its_residual_add_match_the_reference(dtype, shape):
     x = (3 * torch.randn(shape, generator=gen)).to(dtype)
     delta = torch.randn(shape, generator=gen).to(dtype)
     weight = (1 + 0.2 * torch.randn(shape[-1], generator=gen)).to(dtype)
+    x, delta, weight = x.to(DEVICE), delta.to(DEVICE), weight.to(DEVICE)
     # A float32 sum in another order may move a 16-bit result by an ulp.
     close = ELEMENTWISE[dtype] if dtype != torch.float16 else dict(atol=2**-8, rtol=2**-10)
     torch.testing.assert_close(rms_norm(x, weight, 1e-6), reference_rms_norm(x, weight, 1e-6), **close)

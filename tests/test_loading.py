@@ -10,6 +10,8 @@ import torch
 
 from blink.engine import LLM, SamplingParams
 from blink.engine.errors import CheckpointError
+from blink.engine.model.checkpoint import load_config
+from tests.conftest import CHECKPOINT_KINDS
 
 
 def _hf_logits(model_dir, ids, dtype):
@@ -41,7 +43,8 @@ def test_half_precision_checkpoints_match_transformers_logits(checkpoint, dtype)
         llm.generate([ids], SamplingParams(temperature=0, max_tokens=new))
         out = llm._driver.last_output
         ours = out.row_logits[(out.row_slot >= 0).nonzero()[0, 0]]
-        torch.testing.assert_close(ours, _hf_logits(model_dir, prompt, getattr(torch, dtype)), rtol=0.05, atol=0.05)
+        expected = _hf_logits(model_dir, prompt, getattr(torch, dtype))
+        torch.testing.assert_close(ours.cpu(), expected, rtol=0.05, atol=0.05)
 
 
 def test_eos_from_generation_config_stops_unless_ignored(checkpoint, tmp_path):
@@ -138,3 +141,21 @@ def test_dtype_auto_runs_a_float32_checkpoint_in_bfloat16_where_the_cpu_has_it(m
         assert device.auto_dtype(torch.float32, cpu) == expected
         assert device.auto_dtype(torch.float16, cpu) == torch.float16  # a half checkpoint stays as it is
         assert device.auto_dtype(torch.float32, cuda) == torch.float32
+
+
+@pytest.mark.parametrize("kind", CHECKPOINT_KINDS)
+def test_dummy_weights_have_the_checkpoints_shapes(kind, checkpoint):
+    """--load-format dummy (vLLM's): random weights of every tensor's shape, so the model runs without them."""
+    from blink.engine.model.checkpoint import load_tensors
+    from blink.engine.model.dummy import dummy_tensors
+    from blink.engine.model.model import checkpoint_tensor_names
+
+    model_dir = checkpoint(kind)
+    cfg = load_config(model_dir)
+    names = checkpoint_tensor_names(cfg)
+    real = load_tensors(model_dir, set(names), cfg.dtype)
+    dummy = dummy_tensors(cfg, names, torch.device("cpu"))
+    assert {n: t.shape for n, t in dummy.items()} == {n: t.shape for n, t in real.items()}
+    llm = LLM(str(model_dir), load_format="dummy", num_pages=32, dtype="float32")
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))[0]
+    assert len(out.token_ids) == 3

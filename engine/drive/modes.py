@@ -30,9 +30,10 @@ def unavailable(mode: str, device: torch.device) -> str | None:
 
 
 def candidates(requested: str, device: torch.device) -> tuple[list[str], list[str]]:
-    """The modes to try, best first (each falls back to the next when it fails to start), and why the modes that
-    were passed over cannot run here."""
-    wanted = BEST_FIRST if requested == "auto" else BEST_FIRST[BEST_FIRST.index(requested):]
+    """The modes to try, best first, and why the modes passed over cannot run here. `auto` tries every mode, each
+    falling back to the next when it fails to start; a mode asked for by name is the only candidate, so a result
+    or a deployment is never labelled with a mode that did not run."""
+    wanted = BEST_FIRST if requested == "auto" else (requested,)
     modes, reasons = [], []
     for mode in wanted:
         why = unavailable(mode, device)

@@ -25,10 +25,13 @@ class TableMemory:
             self.tensor = torch.from_numpy(self._host)
             return
         pointer, size = self._host.ctypes.data, self._host.nbytes
+        cudart = torch.cuda.cudart()
         with torch.cuda.device(device):
-            error = torch.cuda.cudart().cudaHostRegister(pointer, size, _REGISTER_PORTABLE | _REGISTER_MAPPED)
+            error = cudart.cudaHostRegister(pointer, size, _REGISTER_PORTABLE | _REGISTER_MAPPED)
             if int(error) != 0:
-                raise RuntimeError(f"cudaHostRegister of the slot table failed ({error}): the device cannot map it")
+                _clear_last_error()
+                raise RuntimeError(f"cudaHostRegister of the slot table failed (error {int(error)}: "
+                                   f"{cudart.cudaGetErrorString(error)}): the device cannot map it")
             self._registered = True
             self.tensor = torch.as_tensor(_CudaArray(_device_pointer(pointer), (size,), "|u1"), device=device)
 
@@ -68,5 +71,17 @@ def _device_pointer(host_pointer: int) -> int:
         return host_pointer
     error, pointer = runtime.cudaHostGetDevicePointer(host_pointer, 0)
     if error != runtime.cudaError_t.cudaSuccess:
+        runtime.cudaGetLastError()
         raise RuntimeError(f"cudaHostGetDevicePointer failed: {error}")
     return int(pointer)
+
+
+def _clear_last_error() -> None:
+    """Resets the runtime's last error after a failed call that was handled here, or torch's next launch check
+    raises it against an unrelated kernel (seen on an H100: a failed register surfaced at the next weight copy).
+    Needs cuda-python; without it the error stays pending and the next CUDA call names it."""
+    try:
+        from cuda.bindings import runtime
+    except ImportError:
+        return
+    runtime.cudaGetLastError()

@@ -15,6 +15,7 @@ from blink.engine.model import moe
 from blink.engine.model.attention import AttentionBatch, paged_attention
 from blink.engine.model.checkpoint import load_tensors
 from blink.engine.model.config import ModelConfig
+from blink.engine.model.dummy import dummy_tensors
 from blink.engine.model.linear import can_pack, linear, pack
 from blink.engine.model.moe import MoeWeights
 from blink.engine.model.rope import apply_rope, rope_tables
@@ -59,6 +60,7 @@ def checkpoint_tensor_names(cfg: ModelConfig) -> list[str]:
 
 
 KERNELS = ("torch", "triton")
+LOAD_FORMATS = ("auto", "dummy")  # the safetensors; random weights of their shapes (blink.engine.model.dummy)
 
 
 def choose_kernels(device: torch.device) -> str:
@@ -132,9 +134,13 @@ class Transformer:
             self._attention_kernel, self._norm_kernel, self._rope_kernel = attention_kernel, norm_kernel, rope_kernel
 
     @classmethod
-    def from_checkpoint(cls, model_dir: Path, cfg: ModelConfig, max_len: int, device: torch.device) -> Transformer:
-        tensors = load_tensors(model_dir, set(checkpoint_tensor_names(cfg)), cfg.dtype)
-        return cls(cfg, tensors, max_len, device)
+    def from_checkpoint(cls, model_dir: Path, cfg: ModelConfig, max_len: int, device: torch.device,
+                        load_format: str = "auto") -> Transformer:
+        """load_format: auto (the safetensors) or dummy (random weights of their shapes, made on `device`)."""
+        names = checkpoint_tensor_names(cfg)
+        if load_format == "dummy":
+            return cls(cfg, dummy_tensors(cfg, names, device), max_len, device)
+        return cls(cfg, load_tensors(model_dir, set(names), cfg.dtype), max_len, device)
 
     def forward(
         self,

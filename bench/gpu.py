@@ -1,0 +1,124 @@
+"""`blink bench gpu`: first light for the device drive modes, validated and measured in one command that fits one
+call of a lent GPU machine (`--budget-s`, 9 minutes by default; docs/gpu.md).
+
+Each phase (blink.bench.gpu_phases) is a process of its own with its own timeout, cut to what is left of the
+budget, and leaves its JSON before the next starts: a phase that hangs (a persistent loop that never yields, say)
+loses nothing else. At the end: one JSON result naming the machine, and a short table, printed last.
+`--dry-run` runs the same phases on the CPU over the tiny default model in the host mode (CI does, so this never
+rots); the GPU-only parts say they were skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# name: its own timeout in seconds, in the order they run (the cheap, telling ones first)
+PHASES = {"env": 90, "model-llama3-1b": 150, "parity": 120, "persistent": 90, "model-llama3-8b": 200,
+          "interference": 300, "tests": 240}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES))
+    p.add_argument("--budget-s", type=float, default=540, help="all phases together (a device call allows 600)")
+    p.add_argument("--dry-run", action="store_true", help="on the CPU, the tiny model, host mode only")
+    p.add_argument("--result-dir", type=Path, default=Path("bench/results"))
+    p.add_argument("--no-save", action="store_true")
+
+
+def run(args: argparse.Namespace) -> None:
+    from blink.bench.machine import blink_source, machine, save
+
+    deadline = time.monotonic() + args.budget_s
+    phases: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="blink-gpu-") as work:
+        for name in args.phases:
+            left = deadline - time.monotonic()
+            if left < 20:
+                phases[name] = {"status": "not run: the budget was spent"}
+                continue
+            phases[name] = _phase(name, Path(work), min(PHASES[name], left), args.dry_run)
+            print(f"{name}: {phases[name]['status']} ({phases[name].get('seconds', 0):.0f} s)", flush=True)
+    result = {"benchmark": "gpu", "dry_run": args.dry_run, "machine": machine(), "blink": blink_source(),
+              "phases": phases}
+    if not args.no_save:
+        print(f"saved {save('gpu', result, args.result_dir)}")
+    print(summary(phases))
+
+
+def _phase(name: str, work: Path, timeout_s: float, dry_run: bool) -> dict:
+    cmd = [sys.executable, "-m", "blink.bench.gpu_phases", name, str(work), *(["--dry-run"] if dry_run else [])]
+    started = time.monotonic()
+    # Its own session, so a timeout kills what it started too (a server, interference workers).
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout_s)
+        status = "ok" if proc.returncode == 0 else f"failed (exit {proc.returncode})"
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        output, _ = proc.communicate()
+        status = f"timed out after {timeout_s:.0f} s"
+    path = work / f"{name}.json"
+    found = json.loads(path.read_text()) if path.is_file() else {}
+    return {**found, "status": status, "seconds": time.monotonic() - started, "output_tail": output[-3000:]}
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def summary(phases: dict[str, dict]) -> str:
+    """The short table: what ran, what it found, against the issue's goals."""
+    lines = ["", f"{'phase':18s} {'status':28s} seconds"]
+    lines += [f"{name:18s} {p['status'][:28]:28s} {p.get('seconds', 0):7.0f}" for name, p in phases.items()]
+    env = phases.get("env", {})
+    if gpu := env.get("gpu"):
+        lines.append(f"\n{gpu['name']} (driver {gpu.get('driver')}), torch {env['versions']['torch']}, triton "
+                     f"{env['versions']['triton']}: copy {env.get('copy_gb_s', 0):.0f} GB/s, bf16 "
+                     f"{env.get('bf16_matmul_tflops', 0):.0f} TFLOP/s; host register {env.get('host_register')}")
+    if "modes" in env:
+        lines.append(f"modes: {', '.join(env['modes'])}" + "".join(f"; {r}" for r in env["modes_unavailable"]))
+    for name, p in phases.items():
+        if name.startswith("model-") and "steps" in p:
+            lines.append(f"\n{name[6:]}: ms per step at batch (tokens/s)"
+                         + (f"; eager step syncs: {p['eager_step_syncs'][:60]}" if "eager_step_syncs" in p else ""))
+            for mode, by_batch in p["steps"].items():
+                cells = [f"{b}: {r['ms_per_step']:.2f} ({r['tokens_per_s']:.0f})" for b, r in by_batch.items()
+                         if isinstance(r, dict)]
+                lines.append(f"  {mode:10s} " + ("  ".join(cells) or by_batch.get("error", "")[:100]))
+                for b, r in by_batch.items():
+                    if isinstance(r, dict) and "gpu_ms_per_step" in r.get("kernels", {}):
+                        k = r["kernels"]
+                        kinds = ", ".join(f"{name} {ms:.2f}" for name, ms in k["ms_per_step_by_kind"].items())
+                        lines.append(f"    batch {b}: GPU {k['gpu_ms_per_step']:.2f} ms in {k['kernels_per_step']:.0f} "
+                                     f"kernels per step ({kinds})")
+            if "floor_ms" in p:
+                over = ", ".join(f"{m} {x:.2f}x" for m, x in p["batch1_over_floor"].items())
+                lines.append(f"  batch-1 floor {p['floor_ms']:.2f} ms; measured over it: {over}")
+            if "profile_ms" in p:
+                lines.append("  eager step GPU ms: " + ", ".join(f"{k} {v:.3f}" for k, v in p["profile_ms"].items()))
+    if against := phases.get("parity", {}).get("against_host"):
+        for mode, r in against.items():
+            lines.append(f"\nparity {mode} vs host: short prompt identical {r['short_identical']}; mixed batch first "
+                         f"divergence per request {list(r['mixed_first_divergence'].values())}")
+    if (p := phases.get("persistent", {})) and "conditional" in p:
+        lines.append(f"\npersistent: {p['conditional']} nodes; restarts {p.get('restart')}; a sync from another "
+                     f"thread while looping: {p.get('sync_while_running')}, after stop: {p.get('sync_after_stop')}")
+    for mode, r in phases.get("interference", {}).get("runs", {}).items():
+        if "throughput_kept" in r:
+            lines.append(f"interference {mode}: throughput kept {r['throughput_kept']:.1%}, P99 TPOT x"
+                         f"{r['p99_tpot_ratio']:.2f}, P99 TTFT x{r['p99_ttft_ratio']:.2f}")
+    if "summary" in phases.get("tests", {}):
+        lines.append(f"\ntests: {phases['tests']['summary']}")
+        lines += [f"  {line}" for line in phases["tests"]["failed"][:20]]
+    return "\n".join(lines)

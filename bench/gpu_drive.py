@@ -1,0 +1,218 @@
+"""Running the drive modes over a slot table of their own, for `blink bench gpu`: Llama 3 shaped checkpoints with
+random weights made on the GPU (`--load-format dummy`; only config.json and a tokenizer on disk), step times per
+mode and batch, and greedy tokens per mode."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import torch
+
+from blink.engine.drive.driver import Driver
+from blink.engine.drive.modes import build, candidates
+from blink.engine.engine import Engine, EngineConfig
+from blink.engine.model.default_model import ensure_default_model
+from blink.engine.model.dummy import tensor_shape
+from blink.engine.model.model import checkpoint_tensor_names
+from blink.shared.slot_table import Geometry, Request, SlotState, SlotTable
+
+LLAMA3 = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "rms_norm_eps": 1e-5,
+          "rope_theta": 500000.0, "max_position_embeddings": 131072, "hidden_act": "silu", "torch_dtype": "bfloat16",
+          "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                           "original_max_position_embeddings": 8192}}
+SHAPES = {  # Llama-3.2-1B and Llama-3.1-8B
+    "llama3-1b": {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
+                  "num_key_value_heads": 8, "head_dim": 64, "tie_word_embeddings": True},
+    "llama3-8b": {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+                  "num_key_value_heads": 8, "head_dim": 128, "tie_word_embeddings": False},
+}
+ORDER = ("host", "graph", "persistent")
+
+
+def drive_modes(dry_run: bool) -> list[str]:
+    """The modes this machine runs, host first (the reference)."""
+    if dry_run or not torch.cuda.is_available():
+        return ["host"]
+    runnable = candidates("auto", torch.device("cuda"))[0]
+    return [m for m in ORDER if m in runnable]
+
+
+def model_dir(shape: str, dry_run: bool) -> Path:
+    """A checkpoint directory of `shape` without weights (the default model's tokenizer); the default model itself
+    in a dry run."""
+    default = ensure_default_model()
+    if dry_run:
+        return default
+    target = Path(tempfile.gettempdir()) / f"blink-bench-{shape}"
+    if not (target / "config.json").is_file():
+        target.mkdir(parents=True, exist_ok=True)
+        for f in default.iterdir():
+            if f.is_file() and f.suffix != ".safetensors" and f.name != "config.json":
+                shutil.copy(f, target / f.name)
+        config = json.loads((default / "config.json").read_text())  # its token ids (bos, eos) stay
+        config.update(LLAMA3, **SHAPES[shape])
+        (target / "config.json").write_text(json.dumps(config, indent=1))
+    return target
+
+
+def engine_for(directory: Path, dry_run: bool) -> Engine:
+    if dry_run:
+        return Engine(EngineConfig(model=str(directory), dtype="float32", max_num_seqs=8, max_num_batched_tokens=64,
+                                   max_model_len=256, swap_space=0))
+    return Engine(EngineConfig(model=str(directory), load_format="dummy", dtype="bfloat16", max_num_seqs=256,
+                               max_num_batched_tokens=512, max_model_len=1024, swap_space=0))
+
+
+def weight_bytes(engine: Engine) -> int:
+    """What one decode step reads of the weights (a tied embedding once)."""
+    cfg = engine.model_config
+    return sum(torch.Size(tensor_shape(cfg, n)).numel() for n in checkpoint_tensor_names(cfg)) * cfg.dtype.itemsize
+
+
+def _table(engine: Engine, window: int = 1024) -> SlotTable:
+    return SlotTable.create(f"gpu-bench-{uuid.uuid4().hex[:8]}", Geometry(engine.state.num_slots, 512, window))
+
+
+def _prompt(slot: int, length: int = 16) -> list[int]:
+    return [(7 * slot + 3 * i) % 500 + 10 for i in range(length)]
+
+
+def step_times(directory: Path, dry_run: bool, mode: str, batches: list[int]) -> dict[str, dict]:
+    """Steady decode of `batch` requests in `mode`: milliseconds per step (the table's step counter) and tokens
+    per second (what a reader took), over half a second once every request has its first tokens."""
+    engine = engine_for(directory, dry_run)
+    table = _table(engine)
+    started = time.monotonic()
+    driver = build(mode, engine, table)
+    results: dict[str, dict] = {"start_s": time.monotonic() - started}
+    try:
+        driver.start()
+        for batch in batches:
+            slots = range(batch)
+            for slot in slots:
+                table.publish(slot, Request(_prompt(slot), engine.max_model_len - 64, temperature=0.0,
+                                            ignore_eos=True))
+            _wait(driver, lambda slots=slots: all(int(table.slots["produced"][s]) >= 2 for s in slots), 60)
+            for slot in slots:
+                table.read(slot)
+            t0, steps0, tokens = time.monotonic(), int(table.header["steps"]), 0
+            while time.monotonic() < t0 + 0.5:
+                time.sleep(0.05)
+                tokens += sum(len(table.read(slot).tokens) for slot in slots)
+            seconds, steps = time.monotonic() - t0, int(table.header["steps"]) - steps0
+            results[str(batch)] = {"ms_per_step": 1e3 * seconds / max(steps, 1), "steps": steps,
+                                   "tokens_per_s": tokens / seconds}
+            if torch.cuda.is_available() and batch in (batches[0], batches[-1]):
+                try:
+                    results[str(batch)]["kernels"] = kernel_profile(table, slots)
+                except Exception as e:  # the step times stand without it
+                    results[str(batch)]["kernels"] = {"error": f"{type(e).__name__}: {e}"[:500]}
+            for slot in slots:
+                table.cancel(slot)
+            _wait(driver, lambda slots=slots: all(table.slots["state"][s] == SlotState.FINISHED for s in slots), 30)
+            for slot in slots:
+                table.read(slot)
+                table.free(slot)
+    finally:
+        _close(driver, table)
+    return results
+
+
+KERNEL_KINDS = (  # by name: what a steady step's GPU time goes to
+    ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "gemv", "cublas")),
+    ("attention, rope, norm", ("_paged_attention", "_rope_and_cache", "_rms_norm")),
+    ("exchange", ("_select", "_admit", "_emit", "_demand", "pick")),
+)
+
+
+def kernel_profile(table: SlotTable, slots: range, seconds: float = 0.25) -> dict:
+    """GPU time per step by kind of kernel over a window of steady steps (CUPTI sees every kernel, the ones
+    graphs and the persistent loop launch included), and the ten costliest kernels."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    steps0 = int(table.header["steps"])
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+            for slot in slots:
+                table.read(slot)
+    steps = max(1, int(table.header["steps"]) - steps0)
+    per_name: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA:
+            per_name.setdefault(e.name, []).append(e.time_range.elapsed_us())
+    kinds: dict[str, float] = {}
+    for name, times in per_name.items():
+        kind = next((k for k, marks in KERNEL_KINDS if any(m in name.lower() for m in marks)), "other")
+        kinds[kind] = kinds.get(kind, 0.0) + sum(times) / steps / 1e3
+    top = sorted(per_name.items(), key=lambda item: -sum(item[1]))[:10]
+    return {"steps": steps, "gpu_ms_per_step": sum(kinds.values()), "ms_per_step_by_kind": kinds,
+            "kernels_per_step": sum(len(t) for t in per_name.values()) / steps,
+            "top": [{"name": n[:90], "per_step": len(t) / steps, "ms_per_step": sum(t) / steps / 1e3}
+                    for n, t in top]}
+
+
+def greedy(directory: Path, dry_run: bool, mode: str, prompts: dict[int, list[int]], n: int) -> dict[int, list]:
+    engine = engine_for(directory, dry_run)
+    table = _table(engine)
+    driver = build(mode, engine, table)
+    try:
+        requests = {slot: Request(p, n, temperature=0.0, ignore_eos=True) for slot, p in prompts.items()}
+        return drive_requests(driver, table, requests)
+    finally:
+        _close(driver, table)
+
+
+def drive_requests(driver: Driver, table: SlotTable, requests: dict[int, Request], restarts: int = 0,
+                   timeout_s: float = 120) -> dict[int, list[int]]:
+    """Publishes `requests`, runs the driver until all finished (stopping and restarting it `restarts` times with
+    every request in flight), frees their slots; returns each one's tokens."""
+    for slot, request in requests.items():
+        table.publish(slot, request)
+    got: dict[int, list[int]] = {slot: [] for slot in requests}
+    done: set[int] = set()
+    driver.start()
+    deadline, stops = time.monotonic() + timeout_s, 0
+    while len(done) < len(requests):
+        _alive(driver, deadline)
+        time.sleep(0.002)
+        for slot in set(requests) - done:
+            out = table.read(slot)
+            got[slot] += out.tokens
+            if out.finish:
+                done.add(slot)
+                table.free(slot)
+        if stops < restarts and min(len(t) for t in got.values()) >= 20 * (stops + 1):
+            driver.stop()
+            driver.start()
+            stops += 1
+    driver.stop()
+    return got
+
+
+def _wait(driver: Driver, condition, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        _alive(driver, deadline)
+        time.sleep(0.002)
+
+
+def _alive(driver: Driver, deadline: float) -> None:
+    if driver.failure is not None:
+        raise RuntimeError(f"the driver stopped: {driver.failure!r}")
+    if time.monotonic() > deadline:
+        raise TimeoutError(f"requests did not progress in time (resident {driver.resident})")
+
+
+def _close(driver: Driver, table: SlotTable) -> None:
+    driver.stop()
+    driver.close()
+    table.close()
+    table.unlink()

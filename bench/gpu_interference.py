@@ -1,0 +1,76 @@
+"""The CPU-interference phase of `blink bench gpu`: `blink serve` in each drive mode, loaded by `blink bench serve`
+alone and then with every host core busy with interference processes.
+
+The ingress and the load generator get cores of their own (a SmartNIC's role and a client elsewhere); the engine
+runs on the rest, the host cores, which the interference fills one process per core. What it shows: how much of
+its isolated throughput and tail latency each mode keeps when a neighbour loads the host.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from contextlib import nullcontext
+from pathlib import Path
+
+from blink.bench.gpu_drive import drive_modes, model_dir
+from blink.bench.interference import Interference
+from blink.bench.server import running_server
+
+FIGURES = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "completed")
+
+
+def cpu_layout() -> tuple[str, str, int]:
+    """(the ingress's and client's CPUs, the engine's, how many of them), as `0-1` lists."""
+    cpus = sorted(os.sched_getaffinity(0))
+    nic = cpus[:2] if len(cpus) >= 4 else cpus[:1]
+    host = [c for c in cpus if c not in nic] or nic
+    return ",".join(map(str, nic)), ",".join(map(str, host)), len(host)
+
+
+def interference(out: dict, dry_run: bool, save) -> None:
+    """save(out): what was found so far, after each run."""
+    nic, host, host_count = cpu_layout()
+    out["cpus"] = {"ingress_and_client": nic, "engine_and_interference": host}
+    directory = model_dir("llama3-1b", dry_run)
+    weights = [] if dry_run else ["--load-format", "dummy", "--dtype", "bfloat16"]
+    load = ["--num-prompts", "12" if dry_run else "300", "--max-concurrency", "4" if dry_run else "64",
+            "--dataset-name", "random", "--random-input-len", "16" if dry_run else "256",
+            "--random-output-len", "8" if dry_run else "128", "--ignore-eos", "--disable-tqdm", "--no-energy"]
+    results: dict[str, dict] = {}
+    out["runs"] = results
+    for mode in drive_modes(dry_run):
+        results[mode] = {}
+        with tempfile.TemporaryDirectory() as tmp, running_server(
+                Path(tmp), "--model", str(directory), *weights, "--drive", mode, "--max-num-seqs", "64",
+                "--max-model-len", "1024", "--swap-space", "0", "--ingress-cpus", nic, "--engine-cpus", host,
+                timeout_s=240) as server:
+            for condition in ("isolated", "interference"):
+                # Started here, not by the client: the client is pinned to the NIC's cores, the load to the host's.
+                with Interference(host_count, [int(c) for c in host.split(",")]) if condition == "interference" \
+                        else nullcontext():
+                    results[mode][condition] = _bench(server.url, nic, [*load, "--tokenizer", str(directory)],
+                                                      Path(tmp) / condition)
+                save(out)
+        iso, loaded = results[mode].get("isolated", {}), results[mode].get("interference", {})
+        if iso.get("output_throughput") and loaded.get("output_throughput"):
+            results[mode]["throughput_kept"] = loaded["output_throughput"] / iso["output_throughput"]
+            results[mode]["p99_tpot_ratio"] = loaded["p99_tpot_ms"] / iso["p99_tpot_ms"]
+            results[mode]["p99_ttft_ratio"] = loaded["p99_ttft_ms"] / iso["p99_ttft_ms"]
+
+
+def _bench(url: str, cpus: str, flags: list[str], result_dir: Path) -> dict:
+    result_dir.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "blink.services.cli", "bench", "serve", "--base-url", url, "--result-dir",
+           str(result_dir), "--result-filename", "result.json", *flags]
+    pin = [int(c) for c in cpus.split(",")]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                          preexec_fn=lambda: os.sched_setaffinity(0, pin))
+    path = result_dir / "result.json"
+    if done.returncode != 0 or not path.is_file():
+        return {"error": (done.stdout + done.stderr)[-2000:]}
+    saved = json.loads(path.read_text())
+    return {k: saved.get(k) for k in FIGURES}

@@ -1,0 +1,275 @@
+"""The phases of `blink bench gpu` (blink.bench.gpu), each in a process of its own:
+`python -m blink.bench.gpu_phases PHASE OUT_DIR [--dry-run]` writes OUT_DIR/PHASE.json, so a phase that hangs or
+breaks its CUDA context loses nothing the others found.
+
+A dry run (the CPU, in CI) runs the same code on the tiny default model in the host mode, so the command never rots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from importlib import metadata
+from pathlib import Path
+
+import torch
+
+from blink.bench.gpu_drive import drive_modes, drive_requests, engine_for, greedy, model_dir, step_times, weight_bytes
+from blink.bench.gpu_interference import interference
+
+SHAPES = ("llama3-1b", "llama3-8b")
+
+
+def env(out: dict, dry_run: bool) -> None:
+    """Versions, the GPU, `blink doctor`, which modes start and why not, host registration, the two ceilings."""
+    from blink.engine.drive.modes import candidates
+    from blink.engine.drive.table_memory import TableMemory
+    from blink.shared.slot_table import Geometry, SlotTable
+
+    out["versions"] = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+                       **{name: _version(name) for name in ("triton", "cuda-bindings", "cuda-python", "blink-serve")}}
+    doctor = subprocess.run([sys.executable, "-m", "blink.services.cli", "doctor"], capture_output=True, text=True,
+                            timeout=120)
+    out["doctor"] = (doctor.stdout + doctor.stderr)[-4000:]
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    modes, reasons = candidates("auto", device)
+    out["modes"], out["modes_unavailable"] = modes, reasons
+    if device.type != "cuda":
+        return
+    props = torch.cuda.get_device_properties(device)
+    out["gpu"] = {"name": props.name, "multiprocessors": props.multi_processor_count,
+                  "memory_gib": props.total_memory / 2**30, "capability": f"{props.major}.{props.minor}",
+                  "driver": _driver_version()}
+    table = SlotTable.create(f"gpu-bench-{uuid.uuid4().hex[:8]}", Geometry(4, 64, 8))
+    try:
+        TableMemory(table, device).close()
+        out["host_register"] = "ok"
+    except Exception as e:  # what failed is the finding
+        out["host_register"] = f"failed: {e}"
+    finally:
+        table.close()
+        table.unlink()
+    _save(out)
+    out["copy_gb_s"] = copy_bandwidth(device) / 1e9
+    out["bf16_matmul_tflops"] = matmul_rate(device) / 1e12
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30) -> float:
+    """Bytes read plus bytes written per second by a large device-to-device copy (median of 20)."""
+    src = torch.randn(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / _median_seconds(lambda: dst.copy_(src), 20)
+
+
+def matmul_rate(device: torch.device, n: int = 8192) -> float:
+    """bf16 FLOP/s of an n×n×n product on random data (median of 10)."""
+    a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
+    return 2 * n**3 / _median_seconds(lambda: a @ b, 10)
+
+
+def model(out: dict, dry_run: bool, shape: str) -> None:
+    """One shape: an eager device step under sync-error mode, its profile by stage, step time per drive mode and
+    batch, and batch-1 decode against the bandwidth floor."""
+    directory = model_dir(shape, dry_run)
+    engine = engine_for(directory, dry_run)
+    out["weight_bytes"] = weight_bytes(engine)
+    out["kv_bytes_per_token"] = _kv_bytes_per_token(engine)
+    if engine.device.type == "cuda":
+        from blink.bench.gpu_profile import eager_step_checks
+
+        out.update(eager_step_checks(engine))
+        _save(out)
+    del engine
+    _free()
+    batches = [1, 4] if dry_run else [1, 8, 64, 256]
+    out["steps"] = {}
+    for mode in drive_modes(dry_run):
+        try:
+            out["steps"][mode] = step_times(directory, dry_run, mode, batches)
+        except Exception as e:  # the next mode still runs
+            out["steps"][mode] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+        _save(out)
+        _free()
+    bandwidth = _env_result().get("copy_gb_s")
+    if bandwidth:
+        floor_s = (out["weight_bytes"] + 64 * out["kv_bytes_per_token"]) / (bandwidth * 1e9)
+        out["floor_ms"] = floor_s * 1e3
+        out["batch1_over_floor"] = {mode: r["1"]["ms_per_step"] / out["floor_ms"]
+                                    for mode, r in out["steps"].items() if "1" in r}
+
+
+def parity(out: dict, dry_run: bool) -> None:
+    """Greedy tokens of every drive mode against the host's: one short prompt (exact), then a mixed batch (the
+    first divergence per request: random bf16 weights give near-flat logits, so another bucket's rounding may
+    flip a token without a bug)."""
+    directory = model_dir(SHAPES[0], dry_run)
+    short = {0: list(range(100, 108))}
+    mixed = {i: list(range(200 + 37 * i, 200 + 37 * i + n)) for i, n in enumerate((3, 17, 64, 130, 5, 250, 31, 9))}
+    tokens: dict[str, dict] = {}
+    for mode in drive_modes(dry_run):
+        try:
+            tokens[mode] = {"short": greedy(directory, dry_run, mode, short, 16),
+                            "mixed": greedy(directory, dry_run, mode, mixed, 24)}
+        except Exception as e:  # the next mode still runs
+            tokens[mode] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+        _free()
+    out["tokens"] = tokens
+    host = tokens.get("host", {})
+    out["against_host"] = {}
+    for mode, got in tokens.items():
+        if mode == "host" or "error" in got or "error" in host:
+            continue
+        out["against_host"][mode] = {
+            "short_identical": got["short"] == host["short"],
+            "mixed_first_divergence": {slot: _first_divergence(host["mixed"][slot], got["mixed"][slot])
+                                       for slot in host["mixed"]}}
+
+
+def persistent(out: dict, dry_run: bool) -> None:
+    """The loop's node kind, stop and restart with requests in flight, and whether a context-wide sync from
+    another thread returns while the loop runs (the deadlock probe)."""
+    if dry_run or "persistent" not in drive_modes(dry_run):
+        out["skipped"] = "persistent does not run here"
+        return
+    from blink.engine.drive.modes import build
+    from blink.shared.slot_table import Geometry, Request, SlotTable
+
+    engine = engine_for(model_dir(SHAPES[0], dry_run), dry_run)
+    table = SlotTable.create(f"gpu-bench-{uuid.uuid4().hex[:8]}", Geometry(engine.state.num_slots, 512, 256))
+    driver = build("persistent", engine, table)
+    try:
+        out["conditional"] = "switch" if driver.switch else "if-chain"
+        requests = {slot: Request(list(range(50 + slot, 70 + slot)), 200, temperature=0.0, ignore_eos=True)
+                    for slot in range(8)}
+        got = drive_requests(driver, table, requests, restarts=3)
+        out["restart"] = {"launches": driver.launches,
+                          "all_finished_whole": all(len(t) == 200 for t in got.values())}
+        _save(out)
+        for slot, request in requests.items():  # in flight while the probe syncs
+            table.publish(slot, Request(request.prompt, 2000, temperature=0.0, ignore_eos=True))
+        driver.start()
+        time.sleep(0.5)
+        synced = threading.Event()
+        threading.Thread(target=lambda: (torch.cuda.synchronize(), synced.set()), daemon=True).start()
+        out["sync_while_running"] = "returned" if synced.wait(3.0) else "blocked (3 s)"
+        _save(out)
+        driver.stop()
+        out["sync_after_stop"] = "returned" if synced.wait(10.0) else "still blocked (10 s)"
+    finally:
+        driver.close()
+        table.close()
+        table.unlink()
+
+
+GPU_TESTS = ("tests/test_kernels.py", "tests/test_device_step.py", "tests/test_drive_modes.py",
+             "tests/test_persistent_drive.py", "tests/test_step.py", "tests/test_loading.py")
+
+
+def tests(out: dict, dry_run: bool) -> None:
+    """The `gpu`-marked tests and the kernel and device-step tests, compiled on the GPU (from a checkout)."""
+    if dry_run or not Path(GPU_TESTS[0]).is_file():
+        out["skipped"] = "the suite runs in CI" if dry_run else "no checkout here (tests/ is not installed)"
+        return
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE",
+                           "-o", "faulthandler_timeout=120", *GPU_TESTS], capture_output=True, text=True)
+    lines = done.stdout.splitlines()
+    out["summary"] = lines[-1] if lines else done.stderr[-500:]
+    out["failed"] = [line for line in lines if line.startswith(("FAILED", "ERROR"))]
+    out["log_tail"] = done.stdout[-6000:]
+
+
+def _first_divergence(a: list[int], b: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
+                None if len(a) == len(b) else min(len(a), len(b)))
+
+
+def _kv_bytes_per_token(engine) -> int:
+    cfg = engine.model_config
+    return 2 * cfg.num_layers * cfg.kv_size * cfg.dtype.itemsize
+
+
+def _median_seconds(fn, repeats: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def _driver_version() -> str | None:
+    smi = shutil.which("nvidia-smi")
+    if not smi:
+        return None
+    done = subprocess.run([smi, "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True,
+                          text=True, timeout=30)
+    return done.stdout.strip() or None
+
+
+def _version(name: str) -> str | None:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _free() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+_PATH: Path | None = None
+
+
+def _save(out: dict) -> None:
+    """What a phase has found so far: a phase killed at its timeout still leaves it."""
+    _PATH.write_text(json.dumps(out, indent=1, default=str))
+
+
+def _env_result() -> dict:
+    path = _PATH.parent / "env.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+PHASES = {"env": env, "model-llama3-1b": lambda o, d: model(o, d, SHAPES[0]),
+          "model-llama3-8b": lambda o, d: model(o, d, SHAPES[1]), "parity": parity, "persistent": persistent,
+          "interference": lambda o, d: interference(o, d, _save), "tests": tests}
+
+
+def main(argv: list[str]) -> int:
+    global _PATH
+    p = argparse.ArgumentParser(prog="python -m blink.bench.gpu_phases")
+    p.add_argument("phase", choices=PHASES)
+    p.add_argument("out", type=Path)
+    p.add_argument("--dry-run", action="store_true")
+    args = p.parse_args(argv)
+    _PATH = args.out / f"{args.phase}.json"
+    out: dict = {"phase": args.phase, "dry_run": args.dry_run}
+    started = time.monotonic()
+    try:
+        PHASES[args.phase](out, args.dry_run)
+    except Exception as e:
+        out["error"] = f"{type(e).__name__}: {e}"[:4000]
+        raise
+    finally:
+        out["seconds"] = time.monotonic() - started
+        _save(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
