@@ -4,6 +4,7 @@ reasons it is unavailable; with one, that it serves the slot table as the host d
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from collections.abc import Callable
 from types import SimpleNamespace
@@ -182,3 +183,33 @@ def test_stopping_and_restarting_the_loop_loses_no_token(tiny_engine, table, per
     assert got == expected
     assert all(len(tokens) == 40 and finish == Finish.LENGTH for tokens, finish in got.values())
     assert persistent.launches == 4
+
+
+@pytest.mark.gpu
+def test_what_the_service_asks_of_a_running_loop_never_waits_for_it(tiny_engine, table, persistent):
+    """While the loop runs, any context-wide sync (torch.cuda.synchronize, a cudaFree, an allocator retry) waits
+    for a kernel that never ends (measured on an H100: such a sync returns only after stop()). What the engine
+    service does during the loop (resident, the admission limit, failure) must answer at once, and tokens keep
+    flowing while it does."""
+    long = {slot: Request([3 + slot, 4, 5], 60, temperature=0.0, ignore_eos=True) for slot in range(4)}
+    for slot, request in long.items():
+        table.publish(slot, request)
+    got = {slot: ([], Finish.NONE) for slot in long}
+    persistent.start()
+    _read_until(table, got, lambda: min(len(t) for t, _ in got.values()) >= 5)
+    answers: list = []
+
+    def ask() -> None:
+        answers.append(persistent.resident)
+        persistent.set_admission_limit(2)
+        persistent.set_admission_limit(None)
+        answers.append(persistent.failure)
+
+    asking = threading.Thread(target=ask, daemon=True)
+    asking.start()
+    asking.join(2.0)
+    assert not asking.is_alive(), "a service call waited on the running loop"
+    assert answers == [4, None]
+    _read_until(table, got, lambda: _finished(got))
+    persistent.stop()
+    assert all(len(tokens) == 60 for tokens, _ in got.values())
