@@ -35,6 +35,7 @@ def interference(out: dict, dry_run: bool, save) -> None:
     """save(out): what was found so far, after each run."""
     nic, host, host_count = cpu_layout()
     out["cpus"] = {"ingress_and_client": nic, "engine_and_interference": host}
+    save(out)
     directory = model_dir("llama3-1b", dry_run)
     weights = [] if dry_run else ["--load-format", "dummy", "--dtype", "bfloat16"]
     load = ["--num-prompts", "12" if dry_run else "300", "--max-concurrency", "4" if dry_run else "64",

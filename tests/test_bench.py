@@ -418,3 +418,37 @@ def test_llama_cpp_says_what_is_missing(monkeypatch, tmp_path):
     monkeypatch.setattr(llama_cpp.shutil, "which", lambda tool: None if tool == "cmake" else f"/usr/bin/{tool}")
     with pytest.raises(llama_cpp.Missing, match="needs cmake"):
         llama_cpp.ensure(tmp_path)
+
+
+def test_bench_gpu_dry_run_runs_every_phase_and_says_what_it_skipped(tmp_path, capsys):
+    """`blink bench gpu --dry-run`: the device bench's phases on the CPU (tiny model, host mode), each in its own
+    process, one JSON naming the machine, the short table last."""
+    from blink.bench.cli import main
+
+    assert main(["gpu", "--dry-run", "--result-dir", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("gpu-*.json")
+    result = json.loads(path.read_text())
+    phases = result["phases"]
+    assert list(phases) == ["env", "model-llama3-1b", "parity", "persistent", "model-llama3-8b", "interference",
+                            "tests"]
+    assert all(p["status"] == "ok" for p in phases.values()), {n: p.get("output_tail") for n, p in phases.items()}
+    assert result["machine"]["logical_cores"] >= 1 and phases["env"]["modes"] == ["host"]
+    steps = phases["model-llama3-1b"]["steps"]["host"]
+    assert steps["1"]["tokens_per_s"] > 0 and steps["4"]["tokens_per_s"] > steps["1"]["tokens_per_s"]
+    assert phases["parity"]["tokens"]["host"]["short"]["0"]  # the reference's tokens; nothing to compare on a CPU
+    assert "skipped" in phases["persistent"] and "skipped" in phases["tests"]
+    kept = phases["interference"]["runs"]["host"]
+    assert kept["isolated"]["completed"] == kept["interference"]["completed"] == 12
+    out = capsys.readouterr().out
+    assert out.rstrip().endswith(f"interference host: throughput kept {kept['throughput_kept']:.1%}, P99 TPOT "
+                                 f"x{kept['p99_tpot_ratio']:.2f}, P99 TTFT x{kept['p99_ttft_ratio']:.2f}")
+
+
+def test_bench_gpu_keeps_what_a_hung_phase_found(tmp_path, monkeypatch):
+    """A phase past its timeout is killed with what it started; the JSON it left so far is kept."""
+    from blink.bench import gpu
+
+    monkeypatch.setitem(gpu.PHASES, "interference", 4)  # starts a server: not ready within 4 s
+    found = gpu._phase("interference", tmp_path, 4, dry_run=True)
+    assert found["status"] == "timed out after 4 s"
+    assert found["cpus"]["ingress_and_client"]  # written before the server started
