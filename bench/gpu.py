@@ -110,7 +110,8 @@ def summary(phases: dict[str, dict]) -> str:
     if against := phases.get("parity", {}).get("against_host"):
         for mode, r in against.items():
             lines.append(f"\nparity {mode} vs host: short prompt identical {r['short_identical']}; mixed batch first "
-                         f"divergence per request {list(r['mixed_first_divergence'].values())}")
+                         f"divergence per request {list(r['mixed_first_divergence'].values())}; largest "
+                         f"teacher-forced gap to greedy {r['mixed_teacher_forced_gap']:.4f} nats")
     if (p := phases.get("persistent", {})) and "conditional" in p:
         lines.append(f"\npersistent: {p['conditional']} nodes; restarts {p.get('restart')}; a sync from another "
                      f"thread while looping: {p.get('sync_while_running')}, after stop: {p.get('sync_after_stop')}")

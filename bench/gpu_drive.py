@@ -60,12 +60,16 @@ def model_dir(shape: str, dry_run: bool) -> Path:
     return target
 
 
-def engine_for(directory: Path, dry_run: bool) -> Engine:
+def engine_options(dry_run: bool) -> dict:
     if dry_run:
-        return Engine(EngineConfig(model=str(directory), dtype="float32", max_num_seqs=8, max_num_batched_tokens=64,
-                                   max_model_len=256, swap_space=0))
-    return Engine(EngineConfig(model=str(directory), load_format="dummy", dtype="bfloat16", max_num_seqs=256,
-                               max_num_batched_tokens=512, max_model_len=1024, swap_space=0))
+        return {"dtype": "float32", "max_num_seqs": 8, "max_num_batched_tokens": 64, "max_model_len": 256,
+                "swap_space": 0}
+    return {"load_format": "dummy", "dtype": "bfloat16", "max_num_seqs": 256, "max_num_batched_tokens": 512,
+            "max_model_len": 1024, "swap_space": 0}
+
+
+def engine_for(directory: Path, dry_run: bool) -> Engine:
+    return Engine(EngineConfig(model=str(directory), **engine_options(dry_run)))
 
 
 def weight_bytes(engine: Engine) -> int:

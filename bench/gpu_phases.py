@@ -22,7 +22,16 @@ from pathlib import Path
 
 import torch
 
-from blink.bench.gpu_drive import drive_modes, drive_requests, engine_for, greedy, model_dir, step_times, weight_bytes
+from blink.bench.gpu_drive import (
+    drive_modes,
+    drive_requests,
+    engine_for,
+    engine_options,
+    greedy,
+    model_dir,
+    step_times,
+    weight_bytes,
+)
 from blink.bench.gpu_interference import interference
 
 SHAPES = ("llama3-1b", "llama3-8b")
@@ -125,12 +134,34 @@ def parity(out: dict, dry_run: bool) -> None:
     host = tokens.get("host", {})
     out["against_host"] = {}
     for mode, got in tokens.items():
-        if mode == "host" or "error" in got or "error" in host:
+        if "error" in got or "error" in host:
             continue
         out["against_host"][mode] = {
             "short_identical": got["short"] == host["short"],
             "mixed_first_divergence": {slot: _first_divergence(host["mixed"][slot], got["mixed"][slot])
-                                       for slot in host["mixed"]}}
+                                       for slot in host["mixed"]},
+            "mixed_teacher_forced_gap": teacher_forced_gap(directory, dry_run, mixed, got["mixed"])}
+
+
+def teacher_forced_gap(directory: Path, dry_run: bool, prompts: dict[int, list[int]],
+                       generated: dict[int, list[int]]) -> float:
+    """How far from greedy a mode's tokens are, by the offline engine's own logprobs: each prompt followed by what
+    the mode generated, scored in one prefill (prompt_logprobs); the largest gap, in nats, between the top token's
+    logprob and the generated token's. A flip that rounding explains has a gap near 0; a bug, a large one."""
+    from blink.engine import LLM, SamplingParams
+
+    llm = LLM(str(directory), **engine_options(dry_run))
+    room = llm.engine.max_model_len - 1  # the scoring prefill generates one token too
+    sequences = [(prompts[slot] + generated[slot])[:room] for slot in prompts]
+    outs = llm.generate(sequences, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))
+    gap = 0.0
+    for slot, out in zip(prompts, outs, strict=True):
+        for position in range(len(prompts[slot]), len(out.prompt_token_ids)):
+            scored = out.prompt_logprobs[position]
+            gap = max(gap, max(scored.values()) - scored[out.prompt_token_ids[position]])
+    del llm
+    _free()
+    return gap
 
 
 def persistent(out: dict, dry_run: bool) -> None:

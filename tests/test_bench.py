@@ -435,7 +435,9 @@ def test_bench_gpu_dry_run_runs_every_phase_and_says_what_it_skipped(tmp_path, c
     assert result["machine"]["logical_cores"] >= 1 and phases["env"]["modes"] == ["host"]
     steps = phases["model-llama3-1b"]["steps"]["host"]
     assert steps["1"]["tokens_per_s"] > 0 and steps["4"]["tokens_per_s"] > steps["1"]["tokens_per_s"]
-    assert phases["parity"]["tokens"]["host"]["short"]["0"]  # the reference's tokens; nothing to compare on a CPU
+    host = phases["parity"]["against_host"]["host"]  # the reference against itself, and against the offline engine
+    assert host["short_identical"] and set(host["mixed_first_divergence"].values()) == {None}
+    assert host["mixed_teacher_forced_gap"] < 1e-3
     assert "skipped" in phases["persistent"] and "skipped" in phases["tests"]
     kept = phases["interference"]["runs"]["host"]
     assert kept["isolated"]["completed"] == kept["interference"]["completed"] == 12
