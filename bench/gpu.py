@@ -101,7 +101,7 @@ def summary(phases: dict[str, dict]) -> str:
                         k = r["kernels"]
                         kinds = ", ".join(f"{name} {ms:.2f}" for name, ms in k["ms_per_step_by_kind"].items())
                         lines.append(f"    batch {b}: GPU {k['gpu_ms_per_step']:.2f} ms in {k['kernels_per_step']:.0f} "
-                                     f"kernels per step ({kinds})")
+                                     f"kernels per step ({kinds}), idle {k['idle_ms_per_step']:.2f} ms")
             if "floor_ms" in p:
                 over = ", ".join(f"{m} {x:.2f}x" for m, x in p["batch1_over_floor"].items())
                 lines.append(f"  batch-1 floor {p['floor_ms']:.2f} ms; measured over it: {over}")

@@ -150,18 +150,36 @@ def kernel_profile(table: SlotTable, slots: range, seconds: float = 0.25) -> dic
                 table.read(slot)
     steps = max(1, int(table.header["steps"]) - steps0)
     per_name: dict[str, list[float]] = {}
+    spans = []
     for e in prof.events():
         if e.device_type == DeviceType.CUDA:
             per_name.setdefault(e.name, []).append(e.time_range.elapsed_us())
+            spans.append((e.time_range.start, e.time_range.end, e.name))
     kinds: dict[str, float] = {}
     for name, times in per_name.items():
         kind = next((k for k, marks in KERNEL_KINDS if any(m in name.lower() for m in marks)), "other")
         kinds[kind] = kinds.get(kind, 0.0) + sum(times) / steps / 1e3
     top = sorted(per_name.items(), key=lambda item: -sum(item[1]))[:10]
+    idle, after = _idle(spans)
     return {"steps": steps, "gpu_ms_per_step": sum(kinds.values()), "ms_per_step_by_kind": kinds,
+            "idle_ms_per_step": idle / steps / 1e3,
+            "idle_after": [{"name": n[:90], "ms_per_step": us / steps / 1e3} for n, us in after],
             "kernels_per_step": sum(len(t) for t in per_name.values()) / steps,
             "top": [{"name": n[:90], "per_step": len(t) / steps, "ms_per_step": sum(t) / steps / 1e3}
                     for n, t in top]}
+
+
+def _idle(spans: list[tuple[float, float, str]]) -> tuple[float, list[tuple[str, float]]]:
+    """Microseconds the GPU ran no kernel between the first and the last, and the five kernels most often
+    followed by the idle time (a wait on mapped host memory, a dependency, a launch)."""
+    idle, end, last, after = 0.0, None, "", {}
+    for start, stop, name in sorted(spans):
+        if end is not None and start > end:
+            idle += start - end
+            after[last] = after.get(last, 0.0) + start - end
+        if end is None or stop > end:
+            end, last = stop, name
+    return idle, sorted(after.items(), key=lambda item: -item[1])[:5]
 
 
 def greedy(directory: Path, dry_run: bool, mode: str, prompts: dict[int, list[int]], n: int) -> dict[int, list]:

@@ -454,3 +454,11 @@ def test_bench_gpu_keeps_what_a_hung_phase_found(tmp_path, monkeypatch):
     found = gpu._phase("interference", tmp_path, 4, dry_run=True)
     assert found["status"] == "timed out after 4 s"
     assert found["cpus"]["ingress_and_client"]  # written before the server started
+
+
+def test_gpu_idle_time_between_kernels_and_what_preceded_it():
+    from blink.bench.gpu_drive import _idle
+
+    # Overlapping kernels (two streams) leave no gap; the idle time is charged to the kernel that ended last.
+    spans = [(0, 10, "plan"), (12, 20, "gemm"), (15, 18, "norm"), (30, 31, "emit"), (31, 40, "pick")]
+    assert _idle(spans) == (12, [("gemm", 10), ("plan", 2)])
