@@ -136,11 +136,12 @@ def checkpoint(tmp_path_factory, tokenizer_dir):
 
 @pytest.fixture
 def tiny_engine(checkpoint):
-    """Builds a small engine (4 slots, 32-token budget) on the qwen3 checkpoint, a new one per call."""
+    """Builds a small engine (4 slots, 32-token budget) on the qwen3 checkpoint (or another kind), a new one per
+    call."""
     from blink.engine.engine import Engine, EngineConfig
 
-    def make() -> Engine:
-        return Engine(EngineConfig(model=str(checkpoint("qwen3")), max_num_seqs=4, max_num_batched_tokens=32,
+    def make(kind: str = "qwen3") -> Engine:
+        return Engine(EngineConfig(model=str(checkpoint(kind)), max_num_seqs=4, max_num_batched_tokens=32,
                                    num_pages=64, page_size=8, max_model_len=96))
 
     return make

@@ -83,6 +83,22 @@ def test_device_step_serves_the_table_as_the_host_driver_does(tiny_engine, table
     assert int(device.demand[1]) == 0  # nothing resident: every slot was handed back
 
 
+@pytest.mark.parametrize("kind", ["qwen3-moe", "qwen2-moe"])
+def test_a_mixture_of_experts_runs_in_the_device_step(kind, tiny_engine, table, devices, monkeypatch):
+    """The experts through the grouped kernel (fixed shapes, no host read): the device step serves what the host
+    driver serves with the same kernels; with the torch kernels the device step refuses, saying why."""
+    monkeypatch.setenv("BLINK_KERNELS", "triton")
+    requests = {slot: REQUESTS[slot] for slot in (0, 2, 3)}
+    expected = _serve(table, HostDriver(tiny_engine(kind), table).step, requests)
+    for slot in requests:
+        table.free(slot)
+    _, step = _device(tiny_engine(kind), table, devices)
+    assert _serve(table, step, requests) == expected
+    monkeypatch.setenv("BLINK_KERNELS", "torch")
+    with pytest.raises(RuntimeError, match="Triton kernels only"):
+        DeviceStep(tiny_engine(kind), table)
+
+
 def test_invalid_records_end_and_a_newer_epoch_fences_the_device(tiny_engine, table, devices):
     engine = tiny_engine()
     device, step = _device(engine, table, devices)

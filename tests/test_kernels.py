@@ -181,7 +181,61 @@ def test_rms_norm_and_its_residual_add_match_the_reference(dtype, shape):
     assert rms_norm(x[:0], weight, 1e-6).shape == x[:0].shape
 
 
-@pytest.mark.parametrize("kind", ["mistral", "qwen3"])  # a sliding window and GQA; q/k norms and head_dim 32
+def _moe(experts, top_k, hidden, inter, dtype, shared=False, seed=3):
+    from blink.engine.model.config import MoeConfig
+    from blink.engine.model.moe import MoeWeights
+
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, scale=0.2):
+        return (scale * torch.randn(*shape, generator=gen)).to(DEVICE, dtype)
+
+    weights = MoeWeights(router=rand(experts, hidden, scale=1.0), gate_up=rand(experts, 2 * inter, hidden),
+                         down=rand(experts, hidden, inter))
+    if shared:
+        weights.shared_gate_up, weights.shared_down = rand(2 * inter, hidden), rand(hidden, inter)
+        weights.shared_gate = rand(1, hidden)
+    config = MoeConfig(num_experts=experts, top_k=top_k, intermediate_size=inter, normalize=True,
+                       sparse_layers=(True,), naming="qwen", shared_intermediate_size=inter if shared else 0)
+    return weights, config, rand(37, hidden, scale=1.0)
+
+
+@pytest.mark.parametrize(("dtype", "experts", "top_k", "hidden", "inter", "shared"), [
+    (torch.float32, 8, 2, 48, 40, False),  # sizes that are not powers of two, nor multiples of the tiles
+    (torch.float32, 5, 1, 64, 96, True),  # top-1, a shared expert, more than one tile of the intermediate
+    (torch.bfloat16, 6, 3, 32, 24, False),
+])
+def test_grouped_experts_match_the_torch_path(dtype, experts, top_k, hidden, inter, shared):
+    from blink.engine.kernels import moe as moe_kernel
+    from blink.engine.model.moe import grouped_moe_mlp, moe_mlp
+
+    weights, config, h = _moe(experts, top_k, hidden, inter, dtype, shared)
+    expected = moe_mlp(h, weights, config)
+    got = grouped_moe_mlp(h, weights, config, moe_kernel)
+    close = TOLERANCE[dtype] if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(got, expected, **close)
+
+
+def test_copies_sorted_by_expert_fill_whole_blocks_of_one_expert():
+    from blink.engine.model.moe import buffer_rows, sort_by_expert
+
+    gen = torch.Generator().manual_seed(4)
+    experts = torch.stack([torch.randperm(7, generator=gen)[:3] for _ in range(29)]).sort(dim=-1).values
+    experts[experts == 5] = 6  # an expert nobody chose (its duplicates stay in id order)
+    experts = experts.sort(dim=-1).values
+    copies = sort_by_expert(experts, 7, 4)
+    assert copies.token.shape == (buffer_rows(29, 3, 7, 4),) and buffer_rows(29, 3, 7, 4) % 4 == 0
+    rows = copies.rows_of.flatten()
+    assert rows.unique().numel() == rows.numel()  # one row per copy
+    assert (copies.token[copies.rows_of] == torch.arange(29)[:, None]).all()  # each row copies its token
+    assert (copies.block_expert[copies.rows_of // 4] == experts).all()  # in a block of its expert
+    assert 5 not in copies.block_expert.tolist()
+    used = copies.block_expert[copies.block_expert >= 0]
+    assert (used.diff() >= 0).all() and (copies.block_expert[len(used):] == -1).all()  # experts in order, then unused
+
+
+@pytest.mark.parametrize("kind", ["mistral", "qwen3", "qwen3-moe", "qwen2-moe"])  # a sliding window and GQA; q/k
+# norms and head_dim 32; experts through the grouped kernel (top-2 with a dense layer; a shared expert)
 def test_greedy_tokens_are_the_same_with_triton_kernels(kind, checkpoint, monkeypatch):
     prompts = [list(range(3, 8)), list(range(10, 110)), list(range(200, 240)), [7] * 17]
     params = SamplingParams(temperature=0, max_tokens=6, logprobs=1)
@@ -212,13 +266,16 @@ class _Launches:
         return lambda *args, **kwargs: self.log.append((self.name, grid))
 
 
-def test_the_triton_path_reads_nothing_on_the_host(checkpoint, monkeypatch):
+@pytest.mark.parametrize("kind", ["mistral", "qwen3-moe"])
+def test_the_triton_path_reads_nothing_on_the_host(kind, checkpoint, monkeypatch):
+    from blink.engine.kernels import moe as moe_kernel
+
     monkeypatch.setenv("BLINK_KERNELS", "triton")
-    llm = LLM(str(checkpoint("mistral")), max_num_seqs=4, max_num_batched_tokens=32, num_pages=40, page_size=8,
+    llm = LLM(str(checkpoint(kind)), max_num_seqs=4, max_num_batched_tokens=32, num_pages=40, page_size=8,
               max_model_len=64)
     log: list = []
     for module, name in ((attention_kernel, "_paged_attention_kernel"), (rope_kernel, "_rope_and_cache_kernel"),
-                         (norm_kernel, "_rms_norm_kernel")):
+                         (norm_kernel, "_rms_norm_kernel"), (moe_kernel, "_expert_product_kernel")):
         monkeypatch.setattr(module, name, _Launches(name, log))
     driver = llm._driver
     for i, n in enumerate((3, 50)):
@@ -231,5 +288,6 @@ def test_the_triton_path_reads_nothing_on_the_host(checkpoint, monkeypatch):
         shape = llm.engine.step.shape_for(plan.read_sizes())
         with host_reads_forbidden():
             llm.engine.step.run(plan, shape, features, llm.engine.mirror)
-    assert {name for name, _ in log} == {"_paged_attention_kernel", "_rope_and_cache_kernel", "_rms_norm_kernel"}
+    expected = {"_paged_attention_kernel", "_rope_and_cache_kernel", "_rms_norm_kernel"}
+    assert {name for name, _ in log} == expected | ({"_expert_product_kernel"} if "moe" in kind else set())
     assert all(isinstance(n, int) for _, grid in log for n in grid)

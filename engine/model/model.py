@@ -128,10 +128,12 @@ class Transformer:
             if device.type != "cuda":
                 os.environ.setdefault("TRITON_INTERPRET", "1")
             from blink.engine.kernels import attention as attention_kernel
+            from blink.engine.kernels import moe as moe_kernel
             from blink.engine.kernels import rms_norm as norm_kernel
             from blink.engine.kernels import rope_kv as rope_kernel
 
             self._attention_kernel, self._norm_kernel, self._rope_kernel = attention_kernel, norm_kernel, rope_kernel
+            self._moe_kernel = moe_kernel
 
     @classmethod
     def from_checkpoint(cls, model_dir: Path, cfg: ModelConfig, max_len: int, device: torch.device,
@@ -171,7 +173,9 @@ class Transformer:
                 q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
                 attn = paged_attention(q, k, v, k_cache[i], v_cache[i], batch, self.scale)
             x, h = self._add_norm(x, linear(attn.reshape(-1, cfg.q_size), w.o_proj, w.o_proj_bias), w.post_norm)
-            if w.moe is not None:
+            if w.moe is not None and self.kernels == "triton":
+                delta = moe.grouped_moe_mlp(h, w.moe, cfg.moe, self._moe_kernel)
+            elif w.moe is not None:
                 delta = moe.moe_mlp(h, w.moe, cfg.moe)
             else:
                 gate, up = linear(h, w.gate_up).chunk(2, dim=-1)
