@@ -23,7 +23,7 @@ from pathlib import Path
 
 # name: its own timeout in seconds, in the order they run (the cheap, telling ones first)
 PHASES = {"env": 90, "model-llama3-1b": 150, "parity": 120, "persistent": 90, "model-llama3-8b": 200,
-          "interference": 300, "tests": 240}
+          "model-qwen3-30b-a3b-24l": 200, "interference": 300, "tests": 240}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -25,11 +25,19 @@ LLAMA3 = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_s
           "rope_theta": 500000.0, "max_position_embeddings": 131072, "hidden_act": "silu", "torch_dtype": "bfloat16",
           "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                            "original_max_position_embeddings": 8192}}
-SHAPES = {  # Llama-3.2-1B and Llama-3.1-8B
-    "llama3-1b": {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
-                  "num_key_value_heads": 8, "head_dim": 64, "tie_word_embeddings": True},
-    "llama3-8b": {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
-                  "num_key_value_heads": 8, "head_dim": 128, "tie_word_embeddings": False},
+QWEN3_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 151936,
+             "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 40960, "hidden_act": "silu",
+             "torch_dtype": "bfloat16", "rope_scaling": None, "norm_topk_prob": True, "decoder_sparse_step": 1,
+             "mlp_only_layers": []}
+SHAPES = {  # Llama-3.2-1B, Llama-3.1-8B, and Qwen3-30B-A3B with half its 48 layers (31 GB of weights, not 61)
+    "llama3-1b": {**LLAMA3, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+                  "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64, "tie_word_embeddings": True},
+    "llama3-8b": {**LLAMA3, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                  "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "tie_word_embeddings": False},
+    "qwen3-30b-a3b-24l": {**QWEN3_MOE, "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 24,
+                          "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+                          "tie_word_embeddings": False, "num_experts": 128, "num_experts_per_tok": 8,
+                          "moe_intermediate_size": 768},
 }
 ORDER = ("host", "graph", "persistent")
 
@@ -55,7 +63,7 @@ def model_dir(shape: str, dry_run: bool) -> Path:
             if f.is_file() and f.suffix != ".safetensors" and f.name != "config.json":
                 shutil.copy(f, target / f.name)
         config = json.loads((default / "config.json").read_text())  # its token ids (bos, eos) stay
-        config.update(LLAMA3, **SHAPES[shape])
+        config.update(SHAPES[shape])
         (target / "config.json").write_text(json.dumps(config, indent=1))
     return target
 
@@ -73,9 +81,11 @@ def engine_for(directory: Path, dry_run: bool) -> Engine:
 
 
 def weight_bytes(engine: Engine) -> int:
-    """What one decode step reads of the weights (a tied embedding once)."""
+    """What a batch-1 decode step reads of the weights: a tied embedding once, top_k of a mixture's experts."""
     cfg = engine.model_config
-    return sum(torch.Size(tensor_shape(cfg, n)).numel() for n in checkpoint_tensor_names(cfg)) * cfg.dtype.itemsize
+    active = cfg.moe.top_k / cfg.moe.num_experts if cfg.moe else 1.0
+    return int(sum(torch.Size(tensor_shape(cfg, n)).numel() * (active if ".experts." in n else 1.0)
+                   for n in checkpoint_tensor_names(cfg)) * cfg.dtype.itemsize)
 
 
 def _table(engine: Engine, window: int = 1024) -> SlotTable:

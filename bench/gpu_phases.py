@@ -34,7 +34,7 @@ from blink.bench.gpu_drive import (
 )
 from blink.bench.gpu_interference import interference
 
-SHAPES = ("llama3-1b", "llama3-8b")
+SHAPES = ("llama3-1b", "llama3-8b", "qwen3-30b-a3b-24l")
 
 
 def env(out: dict, dry_run: bool) -> None:
@@ -278,6 +278,7 @@ def _env_result() -> dict:
 
 PHASES = {"env": env, "model-llama3-1b": lambda o, d: model(o, d, SHAPES[0]),
           "model-llama3-8b": lambda o, d: model(o, d, SHAPES[1]), "parity": parity, "persistent": persistent,
+          "model-qwen3-30b-a3b-24l": lambda o, d: model(o, d, SHAPES[2]),
           "interference": lambda o, d: interference(o, d, _save), "tests": tests}
 
 

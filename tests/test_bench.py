@@ -429,8 +429,8 @@ def test_bench_gpu_dry_run_runs_every_phase_and_says_what_it_skipped(tmp_path, c
     (path,) = tmp_path.glob("gpu-*.json")
     result = json.loads(path.read_text())
     phases = result["phases"]
-    assert list(phases) == ["env", "model-llama3-1b", "parity", "persistent", "model-llama3-8b", "interference",
-                            "tests"]
+    assert list(phases) == ["env", "model-llama3-1b", "parity", "persistent", "model-llama3-8b",
+                            "model-qwen3-30b-a3b-24l", "interference", "tests"]
     assert all(p["status"] == "ok" for p in phases.values()), {n: p.get("output_tail") for n, p in phases.items()}
     assert result["machine"]["logical_cores"] >= 1 and phases["env"]["modes"] == ["host"]
     steps = phases["model-llama3-1b"]["steps"]["host"]

@@ -49,12 +49,13 @@ def test_serve_on_auto_falls_back_to_the_host_mode_and_reports_it(tmp_path):
 
 
 @pytest.mark.gpu
-def test_graph_mode_gives_the_host_modes_greedy_tokens(checkpoint):
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3-moe"])
+def test_graph_mode_gives_the_host_modes_greedy_tokens(kind, checkpoint):
     from blink.engine.drive.modes import build
     from blink.engine.engine import Engine, EngineConfig
 
     def engine():
-        return Engine(EngineConfig(model=str(checkpoint("qwen3")), max_num_seqs=4, max_num_batched_tokens=64,
+        return Engine(EngineConfig(model=str(checkpoint(kind)), max_num_seqs=4, max_num_batched_tokens=64,
                                    num_pages=64, page_size=8, max_model_len=128))
 
     prompts = [[5, 6, 7, 8], list(range(10, 60)), [99] * 7, [42, 43]]
