@@ -45,8 +45,8 @@ def test_half_precision_checkpoints_match_transformers_logits(checkpoint, dtype)
         llm.generate([ids], SamplingParams(temperature=0, max_tokens=new))
         out = llm._driver.last_output
         ours = out.row_logits[(out.row_slot >= 0).nonzero()[0, 0]]
-        expected = _hf_logits(model_dir, prompt, getattr(torch, dtype))
-        torch.testing.assert_close(ours.cpu(), expected, rtol=0.05, atol=0.05)
+        expected = _hf_logits(model_dir, prompt, getattr(torch, dtype), llm.engine.device)
+        torch.testing.assert_close(ours, expected, rtol=0.05, atol=0.05)
 
 
 def test_eos_from_generation_config_stops_unless_ignored(checkpoint, tmp_path):
