@@ -32,10 +32,15 @@ def _run_until_done(driver, first_token_of: str | None = None):
     return outputs, first
 
 
+# QLLM's setting is a mixture of experts: the classes must work unchanged on one.
+KINDS = ["qwen3", "qwen3-moe"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("num_pages", [400, 60], ids=["roomy-pool", "tight-pool"])
 @pytest.mark.parametrize("policy", ["slo", "fcfs"])
-def test_latency_sensitive_request_starts_within_two_steps_of_arriving(checkpoint, policy, num_pages):
-    llm = LLM(str(checkpoint("qwen3")), max_num_seqs=8, max_num_batched_tokens=64, num_pages=num_pages, page_size=8,
+def test_latency_sensitive_request_starts_within_two_steps_of_arriving(checkpoint, policy, num_pages, kind):
+    llm = LLM(str(checkpoint(kind)), max_num_seqs=8, max_num_batched_tokens=64, num_pages=num_pages, page_size=8,
               max_model_len=256, scheduling_policy=policy)
     driver = llm._driver
     best_effort = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, service_class=BE)
@@ -81,10 +86,11 @@ def test_tight_tpot_slo_caps_the_step_tokens(checkpoint):
     assert tokens_next_to_a_decode(200.0) == 190
 
 
-def test_best_effort_yields_pages_longest_running_first_and_gets_them_back(checkpoint):
+@pytest.mark.parametrize("kind", KINDS)
+def test_best_effort_yields_pages_longest_running_first_and_gets_them_back(checkpoint, kind):
     """Best-effort requests fill the pool; a latency-sensitive one takes pages from those the pool cannot keep in
     precedence order, the longest-running of them first (rotated out, not recomputed); they complete intact."""
-    llm = LLM(str(checkpoint("qwen3")), max_num_seqs=6, max_num_batched_tokens=128, num_pages=33, page_size=8,
+    llm = LLM(str(checkpoint(kind)), max_num_seqs=6, max_num_batched_tokens=128, num_pages=33, page_size=8,
               max_model_len=256)
     driver, state, mirror = llm._driver, llm.engine.state, llm.engine.mirror
     names, lengths = ["be1", "be2", "be0", "be3"], [(48, 30), (48, 30), (48, 40), (16, 8)]
