@@ -4,13 +4,14 @@ work) run eagerly on the CPU, its kernels in Triton's interpreter, against the `
 from __future__ import annotations
 
 import time
+import uuid
 
 import pytest
 
 from blink.engine.drive.device_step import DeviceStep
 from blink.engine.drive.host import HostDriver
-from blink.engine.engine import Engine
-from blink.shared.slot_table import Finish, Request, SlotState, SlotTable
+from blink.engine.engine import Engine, EngineConfig
+from blink.shared.slot_table import Finish, Geometry, Request, SlotState, SlotTable
 
 REQUESTS = {
     0: Request([5, 6, 7, 8], 6, temperature=0.0, ignore_eos=True, logprobs=2),
@@ -132,3 +133,61 @@ def test_cancel_and_the_admission_limit(tiny_engine, table, devices):
     table.free(0)
     step()  # slot 0's place goes to the first request still waiting
     assert int(table.slots[2]["state"]) == SlotState.ADMITTED and int(table.slots[3]["state"]) == SlotState.SUBMITTED
+
+
+def test_the_device_step_fits_its_step_cost_and_caps_tokens_for_a_tight_tpot(checkpoint):
+    """The step times itself from the clock it reads (here a clock that says each step took 10 ms + 0.5 ms per
+    token, and once a long nap), fits a + b·tokens in device memory, and the TPOT cap uses the fit: a long prompt
+    beside a decode with a tight TPOT SLO is cut to the cap's floor, as the host mode cuts it."""
+    engine = Engine(EngineConfig(model=str(checkpoint("qwen3")), max_num_seqs=4, max_num_batched_tokens=256,
+                                 num_pages=80, page_size=8, max_model_len=256))
+    table = SlotTable.create(f"test-{uuid.uuid4().hex[:10]}", Geometry(4, 256, 8))
+    device = DeviceStep(engine, table)
+    now = 1000.0
+
+    def step():
+        nonlocal now
+        device.clock[0] = now
+        device.run(device.bucket_for(int(device.demand[0])))
+        now += 0.010 + 0.0005 * int(device._last_tokens) + (5.0 if step.nap else 0.0)
+
+    try:
+        table.publish(0, Request(list(range(5, 205)), 40, temperature=0.0, ignore_eos=True))  # chunks, then decodes
+        table.publish(1, Request([7, 8, 9], 40, temperature=0.0, ignore_eos=True))
+        for i in range(30):
+            step.nap = i == 20
+            step()
+            table.read(0), table.read(1)
+        a, b, _ = device.step.cost.tolist()
+        assert a == pytest.approx(0.010, rel=1e-6) and b == pytest.approx(0.0005, rel=1e-6)  # the nap left out
+        step.nap = False
+        for slot in (0, 1):
+            table.cancel(slot)
+        for _ in range(3):
+            step()
+        for slot in (0, 1):
+            table.read(slot), table.free(slot)
+
+        def tokens_beside_a_decode(tpot_slo_ms: float) -> int:
+            table.publish(0, Request([3, 4, 5], 30, temperature=0.0, ignore_eos=True, tpot_slo_ms=tpot_slo_ms))
+            step()  # its prefill: it decodes from now on
+            table.publish(1, Request(list(range(10, 210)), 1, temperature=0.0))
+            step()  # admits it, on the bucket the demand before it asked for (16 tokens: the decode and 15)
+            step()
+            tokens = int(device._last_tokens)
+            for slot in (0, 1):
+                table.cancel(slot)
+            for _ in range(3):
+                step()
+            for slot in (0, 1):
+                table.read(slot), table.free(slot)
+            return tokens
+
+        assert tokens_beside_a_decode(1000.0) == 186  # the decode and the rest of the prompt
+        # 30 ms leaves (30 - 10) / 0.5 = 40 tokens a step by the fit; the cap never goes below 64.
+        assert tokens_beside_a_decode(30.0) == 64
+        assert tokens_beside_a_decode(100.2) == 180  # (100.2 - 10) / 0.5 = 180.4
+    finally:
+        device.close()
+        table.close()
+        table.unlink()

@@ -76,23 +76,29 @@ class Policy:
 
 
 class StepCostModel:
-    """Host side: fits step seconds = a + b * tokens to the steps the driver timed, forgetting old ones, and
-    before each plan writes [a, b, seconds since the previous plan] into the device tensor the step reads (the
-    last for the time requests spend waiting): one small copy per step."""
+    """Fits step seconds = a + b * tokens to timed steps, forgetting old ones, and writes [a, b] into cost[0:2],
+    which the TPOT cap reads. Tensor ops on the sums' device with no host read, so the host loop (which times each
+    step on the host clock) and the device step (which times itself from the clock it reads, in the graph and
+    persistent modes) keep the same fit."""
 
-    def __init__(self, cost: torch.Tensor, forget: float = 0.98):
+    def __init__(self, cost: torch.Tensor, forget: float = 0.98, device: torch.device | None = None):
         self.cost, self.forget = cost, forget
-        self._n = self._x = self._y = self._xx = self._xy = 0.0
-        self._a = self._b = 0.0
+        self.sums = torch.zeros(5, dtype=torch.float64, device=device or cost.device)  # n, Σx, Σy, Σx², Σxy
 
-    def observe(self, tokens: int, seconds: float) -> None:
-        f = self.forget
-        self._n, self._x, self._y = f * self._n + 1, f * self._x + tokens, f * self._y + seconds
-        self._xx, self._xy = f * self._xx + tokens * tokens, f * self._xy + tokens * seconds
-        var = self._n * self._xx - self._x ** 2
-        b = (self._n * self._xy - self._x * self._y) / var if var > 1e-9 * max(1.0, self._n * self._xx) else 0.0
-        self._b = max(b, 0.0)
-        self._a = max(0.0, (self._y - self._b * self._x) / self._n)
+    def observe(self, tokens: torch.Tensor | int, seconds: torch.Tensor | float,
+                valid: torch.Tensor | bool = True) -> None:
+        """One step that computed `tokens` in `seconds` (tensors on the sums' device, or numbers), if `valid`."""
+        x = torch.as_tensor(tokens, dtype=torch.float64, device=self.sums.device).reshape(())
+        y = torch.as_tensor(seconds, dtype=torch.float64, device=self.sums.device).reshape(())
+        seen = self.forget * self.sums + torch.stack([torch.ones_like(x), x, y, x * x, x * y])
+        self.sums.copy_(torch.where(torch.as_tensor(valid, device=self.sums.device), seen, self.sums))
+        n, sx, sy, sxx, sxy = self.sums.unbind()
+        var = n * sxx - sx * sx
+        b = torch.where(var > 1e-9 * (n * sxx).clamp(min=1.0), (n * sxy - sx * sy) / var.clamp(min=1e-300), 0.0)
+        b = b.clamp(min=0.0)
+        a = torch.where(n > 0, (sy - b * sx) / n.clamp(min=1e-300), 0.0).clamp(min=0.0)
+        self.cost[:2].copy_(torch.stack([a, b]), non_blocking=True)
 
     def planning(self, since_last_plan: float) -> None:
-        self.cost.copy_(torch.tensor([self._a, self._b, since_last_plan], dtype=self.cost.dtype), non_blocking=True)
+        """Host side: the seconds since the previous plan, for the time resident requests spent waiting."""
+        self.cost[2:].fill_(since_last_plan)

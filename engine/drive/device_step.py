@@ -14,6 +14,7 @@ import torch
 
 from blink.engine.core.admission import admit, field_views
 from blink.engine.core.kv_cache import PagePool
+from blink.engine.core.policy import StepCostModel
 from blink.engine.core.sampler import SamplerFeatures
 from blink.engine.core.scheduler import max_chunk_rows, plan
 from blink.engine.core.step import StepShape
@@ -30,11 +31,12 @@ ALL_FEATURES = SamplerFeatures(**dict.fromkeys(SamplerFeatures.__dataclass_field
 # step): rows of logits every captured step computes beside its sampling rows, in the same output-embedding pass.
 PROMPT_ROWS = 16
 
-# What the device modes do not do yet (the host mode does both), said at start-up and in /ready.
+# What the device modes do not do yet (the host mode does), said at start-up and in /ready.
 LIMITATIONS = (
     "no KV rotation: preempted requests are recomputed (the rotation's copies are not in the captured step yet)",
-    "no TPOT SLO cap: the step-cost model is not fed from device timings yet, so decodes are not capped",
 )
+# A gap between two steps longer than this many times the fit's prediction is a nap, not a step: left out of it.
+NAP_OVER_PREDICTION = 4.0
 
 
 class DeviceStep:
@@ -60,6 +62,8 @@ class DeviceStep:
         self.buckets = self.step.token_buckets
         self.page_bytes = PagePool.bytes_per_page(engine.model_config, engine.pool.page_size)
         self._last_now = torch.zeros(1, dtype=torch.float64, device=device)
+        self._last_tokens = torch.zeros((), dtype=torch.int64, device=device)  # what the previous step computed
+        self.cost_model = StepCostModel(self.step.cost)  # fed from the clock the steps read: the TPOT cap's fit
 
     @property
     def fenced(self) -> bool:
@@ -69,12 +73,19 @@ class DeviceStep:
     def run(self, bucket: int) -> None:
         """Enqueues one step that computes at most `bucket` tokens."""
         state, engine, inbox = self.state, self.engine, self.inbox
-        # Seconds since the previous step: what each resident request that was not scheduled waited.
-        self.step.cost[2:].copy_(torch.where(self._last_now > 0, inbox.now - self._last_now, 0.0))
+        # Seconds since the previous step: what it took (the step-cost fit learns from it), and what each resident
+        # request that was not scheduled waited.
+        cost, last = self.step.cost, self._last_tokens
+        since = torch.where(self._last_now > 0, inbox.now - self._last_now, 0.0)
+        cost[2:].copy_(since)
+        took = since[0]
+        nap = (self.cost_model.sums[0] >= 3) & (took > NAP_OVER_PREDICTION * (cost[0] + cost[1] * last))
+        self.cost_model.observe(last, took, (last > 0) & (took > 0) & ~nap)
         self._last_now.copy_(inbox.now)
         self.take()
         # No KV rotation (mirror None): its copies need the host to read move counts between plan and forward.
-        planned = plan(state, engine.pool, bucket, self.step.policy, None, self.step.cost, self.prompt_rows(bucket))
+        planned = plan(state, engine.pool, bucket, self.step.policy, None, cost, self.prompt_rows(bucket))
+        last.copy_(planned.sizes[0])
         out = self.step.run(planned, self.shape(bucket), ALL_FEATURES, None)
         emit(self.table, inbox, state, out, self.page_bytes)
         report_demand(state, self._demand)

@@ -83,7 +83,7 @@ class HostLoop:
         self.mirror = engine.mirror  # KV rotation: the host reads the plan's move counts between its halves
         self.last_output: StepOutput | None = None  # kept for inspection (tests, debugging)
         self.ran = False  # whether the last call ran a step (False: nothing resident, or all paused)
-        self.cost_model = StepCostModel(engine.step.cost)
+        self.cost_model = StepCostModel(engine.step.cost, device=torch.device("cpu"))  # timed on the host's clock
         self._planned_at: float | None = None
         self.page_bytes = PagePool.bytes_per_page(engine.model_config, engine.pool.page_size)
 
