@@ -100,6 +100,39 @@ def test_a_mixture_of_experts_runs_in_the_device_step(kind, tiny_engine, table, 
         DeviceStep(tiny_engine(kind), table)
 
 
+def test_kv_rotation_in_the_device_step_makes_the_host_modes_decisions(checkpoint, table, devices):
+    """A pool too small for its requests (both classes, one cancelled while rotated out): the device step rotates
+    the same requests' pages out and back as the host driver, copying them itself, and every request ends with the
+    host driver's tokens; no page leaks on either side."""
+    from blink.shared.service_class import ServiceClass
+
+    def engine() -> Engine:
+        return Engine(EngineConfig(model=str(checkpoint("qwen3")), max_num_seqs=4, max_num_batched_tokens=32,
+                                   num_pages=15, page_size=8, max_model_len=96))
+
+    be, ls = int(ServiceClass.BEST_EFFORT), int(ServiceClass.LATENCY_SENSITIVE)
+    requests = {0: Request(list(range(5, 35)), 30, temperature=0.0, ignore_eos=True, service_class=be),
+                1: Request(list(range(40, 70)), 30, temperature=0.0, ignore_eos=True, service_class=be),
+                2: Request(list(range(70, 90)), 25, temperature=0.7, seed=3, ignore_eos=True, service_class=ls),
+                3: Request(list(range(90, 100)), 30, temperature=0.0, ignore_eos=True, service_class=ls)}
+    served, moved, counts = {}, {}, {}
+    for mode in ("host", "device"):
+        e = engine()
+        if mode == "host":
+            step = HostDriver(e, table).step
+        else:
+            _, step = _device(e, table, devices)
+        served[mode] = _serve(table, step, requests, steps=600)
+        moved[mode] = e.mirror.pages_moved.tolist()
+        counts[mode] = (int(e.state.num_preemptions), int(e.state.num_recomputes))
+        assert int(e.pool.num_free) == e.pool.usable_pages and int(e.mirror.free.num_free) == e.mirror.num_pages - 1
+        for slot in requests:
+            table.free(slot)
+    assert served["device"] == served["host"]
+    assert moved["device"] == moved["host"] and moved["host"][0] > 0  # rotated out and back, the same pages
+    assert counts["device"] == counts["host"]
+
+
 def test_invalid_records_end_and_a_newer_epoch_fences_the_device(tiny_engine, table, devices):
     engine = tiny_engine()
     device, step = _device(engine, table, devices)

@@ -121,15 +121,15 @@ def test_the_host_driver_steps_by_itself_behind_the_driver_interface(tiny_engine
         driver.close()
 
 
-def test_a_driver_without_kv_rotation_does_not_hold_the_mirror(tiny_engine, small_table):
-    """The device modes' step is built without the host mirror, and says so; the engine never allocates it."""
+def test_the_device_modes_rotate_kv_through_the_engines_mirror(tiny_engine, small_table):
+    """The device step plans page moves with the engine's host mirror and copies them itself: no limitation left
+    to list (the pinned memory of --swap-space is taken, as in the host mode)."""
     from blink.engine.drive.device_step import LIMITATIONS, DeviceStep
 
     engine = tiny_engine()
     step = DeviceStep(engine, small_table)
     try:
-        assert "mirror" not in vars(engine)  # the pinned memory of --swap-space was never taken
-        assert any("KV rotation" in limitation for limitation in LIMITATIONS)
+        assert step.mirror is engine.mirror is not None and LIMITATIONS == ()
     finally:
         step.close()
 

@@ -21,6 +21,7 @@ from blink.engine.core.step import StepShape
 from blink.engine.drive.table_memory import TableMemory, device_alias
 from blink.engine.engine import Engine
 from blink.engine.kernels.exchange import DeviceTable, Inbox, emit, report_demand, take_requests
+from blink.engine.kernels.rotation import copy_pages
 from blink.shared.slot_table import SlotTable, slot_dtype
 
 # Every sampling feature is on: a captured step cannot branch on the requests it will meet (neutral parameters
@@ -32,9 +33,7 @@ ALL_FEATURES = SamplerFeatures(**dict.fromkeys(SamplerFeatures.__dataclass_field
 PROMPT_ROWS = 16
 
 # What the device modes do not do yet (the host mode does), said at start-up and in /ready.
-LIMITATIONS = (
-    "no KV rotation: preempted requests are recomputed (the rotation's copies are not in the captured step yet)",
-)
+LIMITATIONS: tuple[str, ...] = ()
 # A gap between two steps longer than this many times the fit's prediction is a nap, not a step: left out of it.
 NAP_OVER_PREDICTION = 4.0
 
@@ -61,6 +60,12 @@ class DeviceStep:
         self._demand = device_alias(self.demand, device)
         self.buckets = self.step.token_buckets
         self.page_bytes = PagePool.bytes_per_page(engine.model_config, engine.pool.page_size)
+        # KV rotation (--swap-space): the plan lays out page moves on the device and the step copies them between
+        # the pool and the mirror's pinned memory, which the device addresses directly.
+        self.mirror = engine.mirror
+        if self.mirror is not None:
+            data = device_alias(self.mirror.data, device)  # [pages, K/V, layers, page, heads, dim]
+            self._mirror_kv = (data[:, 0].transpose(0, 1), data[:, 1].transpose(0, 1))
         self._last_now = torch.zeros(1, dtype=torch.float64, device=device)
         self._last_tokens = torch.zeros((), dtype=torch.int64, device=device)  # what the previous step computed
         self.cost_model = StepCostModel(self.step.cost)  # fed from the clock the steps read: the TPOT cap's fit
@@ -83,12 +88,20 @@ class DeviceStep:
         self.cost_model.observe(last, took, (last > 0) & (took > 0) & ~nap)
         self._last_now.copy_(inbox.now)
         self.take()
-        # No KV rotation (mirror None): its copies need the host to read move counts between plan and forward.
-        planned = plan(state, engine.pool, bucket, self.step.policy, None, cost, self.prompt_rows(bucket))
+        planned = plan(state, engine.pool, bucket, self.step.policy, self.mirror, cost, self.prompt_rows(bucket))
         last.copy_(planned.sizes[0])
-        out = self.step.run(planned, self.shape(bucket), ALL_FEATURES, None)
+        if self.mirror is not None:  # the pages leaving, before this step's forward may reuse them
+            self._rotate(planned.moves.out_src, planned.moves.out_dst, planned.sizes[4], to_mirror=True)
+        out = self.step.run(planned, self.shape(bucket), ALL_FEATURES, self.mirror)
+        if self.mirror is not None:  # the pages coming back, for the next step (they run from then on)
+            self._rotate(planned.moves.in_src, planned.moves.in_dst, planned.sizes[5], to_mirror=False)
         emit(self.table, inbox, state, out, self.page_bytes)
         report_demand(state, self._demand)
+
+    def _rotate(self, src: torch.Tensor, dst: torch.Tensor, count: torch.Tensor, to_mirror: bool) -> None:
+        pool = self.engine.pool
+        for pool_half, mirror_half in zip((pool.k, pool.v), self._mirror_kv, strict=True):
+            copy_pages(*((pool_half, mirror_half) if to_mirror else (mirror_half, pool_half)), src, dst, count)
 
     def take(self) -> None:
         """Admission: what the ingress published into the state, through the one admission (blink.engine.core.admission)
@@ -121,9 +134,12 @@ class DeviceDriver:
     host-memory words through which the host sets the admission limit and reads what is resident."""
 
     limitations = LIMITATIONS
-    mirror = None
     failure: BaseException | None = None
     step: DeviceStep
+
+    @property
+    def mirror(self):
+        return self.step.mirror
 
     @property
     def resident(self) -> int:

@@ -49,9 +49,10 @@ def device_alias(pinned: torch.Tensor, device: torch.device) -> torch.Tensor:
     keeps `pinned` alive as long as the alias."""
     if device.type == "cpu":
         return pinned
-    typestr = torch.empty(0, dtype=pinned.dtype).numpy().dtype.str
-    return torch.as_tensor(_CudaArray(_device_pointer(pinned.data_ptr()), tuple(pinned.shape), typestr),
-                           device=device)
+    assert pinned.is_contiguous()
+    # Wrapped as bytes, then viewed as the dtype: numpy, whose type strings the interface speaks, has no bfloat16.
+    raw = torch.as_tensor(_CudaArray(_device_pointer(pinned.data_ptr()), (pinned.nbytes,), "|u1"), device=device)
+    return raw.view(pinned.dtype).view(pinned.shape)
 
 
 class _CudaArray:
