@@ -3,6 +3,7 @@ work) run eagerly on the CPU, its kernels in Triton's interpreter, against the `
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 
@@ -100,37 +101,74 @@ def test_a_mixture_of_experts_runs_in_the_device_step(kind, tiny_engine, table, 
         DeviceStep(tiny_engine(kind), table)
 
 
-def test_kv_rotation_in_the_device_step_makes_the_host_modes_decisions(checkpoint, table, devices):
-    """A pool too small for its requests (both classes, one cancelled while rotated out): the device step rotates
-    the same requests' pages out and back as the host driver, copying them itself, and every request ends with the
-    host driver's tokens; no page leaks on either side."""
+def test_the_device_step_makes_the_host_modes_policy_decisions(checkpoint, table, devices):
+    """One scripted workload through the host driver and through the device step: both classes, a TTFT deadline, a
+    pool too small for the requests (rotation out and back), a request cancelled mid-run and a slow reader (the
+    3-token window pauses slots), on one scripted clock. Per request: the same tokens, the same finish, the same
+    preemptions and pages rotated each way; no page leaks on either side. (No TPOT SLO here: the host driver fits
+    its step cost on the host's clock, the device step on the clock it reads.)"""
     from blink.shared.service_class import ServiceClass
-
-    def engine() -> Engine:
-        return Engine(EngineConfig(model=str(checkpoint("qwen3")), max_num_seqs=4, max_num_batched_tokens=32,
-                                   num_pages=15, page_size=8, max_model_len=96))
 
     be, ls = int(ServiceClass.BEST_EFFORT), int(ServiceClass.LATENCY_SENSITIVE)
     requests = {0: Request(list(range(5, 35)), 30, temperature=0.0, ignore_eos=True, service_class=be),
                 1: Request(list(range(40, 70)), 30, temperature=0.0, ignore_eos=True, service_class=be),
-                2: Request(list(range(70, 90)), 25, temperature=0.7, seed=3, ignore_eos=True, service_class=ls),
+                2: Request(list(range(70, 90)), 25, temperature=0.7, seed=3, ignore_eos=True, service_class=ls,
+                           ttft_slo_ms=50.0),
                 3: Request(list(range(90, 100)), 30, temperature=0.0, ignore_eos=True, service_class=ls)}
-    served, moved, counts = {}, {}, {}
+    late = {3: 6}  # slot 3 arrives at step 6
+    cancel_at = {0: 40}  # slot 0 is cancelled at step 40 (rotated out by then)
+
+    def serve(step) -> tuple[dict, object]:
+        got = {slot: ([], None, None) for slot in requests}
+        for slot, request in requests.items():
+            if slot not in late:
+                table.publish(slot, request)
+        for i in range(600):
+            for slot, at in late.items():
+                if i == at:
+                    table.publish(slot, requests[slot])
+            for slot, at in cancel_at.items():
+                if i == at:
+                    table.cancel(slot)
+            step(1000.0 + 0.02 * i)
+            if i % 4 == 3:  # a slow reader
+                for slot in requests:
+                    out = table.read(slot)
+                    tokens, finish, stats = got[slot]
+                    got[slot] = (tokens + out.tokens, out.finish or finish, out.stats or stats)
+            if all(finish for _, finish, _ in got.values()):
+                return got
+        raise AssertionError(f"not finished: {got}")
+
+    served, moved = {}, {}
     for mode in ("host", "device"):
-        e = engine()
+        engine = Engine(EngineConfig(model=str(checkpoint("qwen3")), max_num_seqs=4, max_num_batched_tokens=32,
+                                     num_pages=15, page_size=8, max_model_len=96))
         if mode == "host":
-            step = HostDriver(e, table).step
+            driver = HostDriver(engine, table)
+
+            def step(now, driver=driver):
+                driver.step()
         else:
-            _, step = _device(e, table, devices)
-        served[mode] = _serve(table, step, requests, steps=600)
-        moved[mode] = e.mirror.pages_moved.tolist()
-        counts[mode] = (int(e.state.num_preemptions), int(e.state.num_recomputes))
-        assert int(e.pool.num_free) == e.pool.usable_pages and int(e.mirror.free.num_free) == e.mirror.num_pages - 1
+            device, _ = _device(engine, table, devices)
+
+            def step(now, device=device):  # on the whole budget, as the host plans (a smaller bucket computes
+                device.clock[0] = now  # fewer tokens in that step, and the cancel would find another count)
+                device.run(device.buckets[-1])
+        served[mode] = serve(step)
+        moved[mode] = engine.mirror.pages_moved.tolist()
+        assert int(engine.pool.num_free) == engine.pool.usable_pages
+        assert int(engine.mirror.free.num_free) == engine.mirror.num_pages - 1
         for slot in requests:
             table.free(slot)
-    assert served["device"] == served["host"]
-    assert moved["device"] == moved["host"] and moved["host"][0] > 0  # rotated out and back, the same pages
-    assert counts["device"] == counts["host"]
+    def decisions(got: dict) -> dict:  # wait_ms aside: the host driver times waits on the host's clock
+        return {slot: (tokens, finish, dataclasses.replace(stats, wait_ms=0)) for slot, (tokens, finish, stats)
+                in got.items()}
+
+    host = served["host"]
+    assert decisions(served["device"]) == decisions(host)
+    assert host[0][1] == Finish.ABORT and host[0][2].pages_out > 0  # cancelled after it was rotated out
+    assert sum(stats.pages_out for _, _, stats in host.values()) > 0 and moved["device"] == moved["host"]
 
 
 def test_invalid_records_end_and_a_newer_epoch_fences_the_device(tiny_engine, table, devices):
