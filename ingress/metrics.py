@@ -59,7 +59,8 @@ class ClassMetrics:
 
 
 class Metrics:
-    def __init__(self, model: str, drive: str, transport: str):
+    def __init__(self, model: str, drive: str, transport: str, policies: dict[str, str] | None = None):
+        """policies: how the engine schedules, as labels of blink:engine_info (scheduling_policy, kv_rotation)."""
         self.registry = r = CollectorRegistry()
         labels = {"model_name": model}
         self._labels = labels
@@ -101,8 +102,9 @@ class Metrics:
                                      registry=r).labels(**labels)
         self.generation_tokens = Counter("blink:generation_tokens", "Tokens generated", list(labels),
                                          registry=r).labels(**labels)
-        self.info = Gauge("blink:engine_info", "The engine's drive mode and transport",
-                          ["drive", "transport", *labels], registry=r)
+        self.policies = dict(policies or {})
+        self.info = Gauge("blink:engine_info", "The engine's drive mode, transport and scheduling policies",
+                          ["drive", "transport", *self.policies, *labels], registry=r)
         self.drive = drive
         self.set_transport(transport)
         self.degraded = Gauge("blink:degraded", "1 while the deployment runs a fallback transport or device",
@@ -115,7 +117,7 @@ class Metrics:
 
     def set_transport(self, transport: str) -> None:
         self.info.clear()
-        self.info.labels(drive=self.drive, transport=transport, **self._labels).set(1)
+        self.info.labels(drive=self.drive, transport=transport, **self.policies, **self._labels).set(1)
 
     def of(self, service_class: ServiceClass) -> ClassMetrics:
         return self._classes[service_class]

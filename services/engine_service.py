@@ -71,6 +71,7 @@ class EngineService:
             kv_host_pages=self.driver.mirror.num_pages - 1 if self.driver.mirror else 0,
             limitations=list(self.driver.limitations),
         )
+        log.info("drive mode", mode=self.driver.mode, kv_host_pages=self.info.kv_host_pages, **self.info.policies())
 
     def _build_driver(self) -> Driver:
         """The best drive mode that starts here, falling back with the reason logged; or the one asked for, which

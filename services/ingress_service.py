@@ -116,7 +116,7 @@ async def serve(settings: Settings, keys: sockets.Keys, info: control.EngineInfo
 
     # On another host the engine's model directory may not exist: --model names a local copy of the tokenizer.
     state = IngressState(info=info, tokenizer=Tokenizer(settings.model or info.model_dir), client=client,
-                         metrics=Metrics(info.model, info.drive, client.transport),
+                         metrics=Metrics(info.model, info.drive, client.transport, info.policies()),
                          max_request_bytes=settings.max_request_bytes, request_timeout_s=settings.request_timeout,
                          api_key=settings.api_key, engine_status=engine_status, classes=settings.class_defaults(),
                          tool_parser=PARSERS[settings.tool_call_parser] if settings.enable_auto_tool_choice else None)

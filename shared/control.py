@@ -135,6 +135,10 @@ class EngineInfo(BaseModel):
     kv_host_pages: int = 0  # the host mirror KV pages rotate to; 0: recompute only
     limitations: list[str] = []  # what the drive mode does not do yet (blink.engine.drive.driver.Driver)
 
+    def policies(self) -> dict[str, str]:
+        """How the engine schedules, in words: the start-up log and blink:engine_info's labels say it."""
+        return {"scheduling_policy": self.scheduling_policy, "kv_rotation": "on" if self.kv_host_pages else "off"}
+
 
 class EngineStatus(BaseModel):
     type: Literal["engine_status"] = "engine_status"

@@ -40,12 +40,17 @@ def test_serve_on_auto_falls_back_to_the_host_mode_and_reports_it(tmp_path):
     with running_server(tmp_path, "--device", "cpu") as server:
         assert httpx.get(f"{server.url}/ready").json()["drive"] == "host"
         metrics = httpx.get(f"{server.url}/metrics").text
-        assert 'blink:engine_info{drive="host"' in metrics
+        (info,) = [line for line in metrics.splitlines() if line.startswith("blink:engine_info{")]
+        for label in ('drive="host"', 'transport="shm"', 'scheduling_policy="slo"', 'kv_rotation="on"'):
+            assert label in info
+        ready = httpx.get(f"{server.url}/ready").json()
+        assert ready["kv_host_pages"] > 0 and ready["limitations"] == []
         r = httpx.post(f"{server.url}/v1/completions", json={"model": "blink-tiny-llama-v1", "prompt": "Hi",
                                                               "max_tokens": 2, "ignore_eos": True}, timeout=30)
         assert r.status_code == 200
     log = "".join(p.read_text() for p in tmp_path.glob("serve-*.log"))
     assert "drive mode unavailable" in log and "needs a CUDA device" in log
+    assert '"scheduling_policy": "slo"' in log and '"kv_rotation": "on"' in log  # how it schedules, at start-up
 
 
 @pytest.mark.gpu
