@@ -78,18 +78,11 @@ class DeviceStep:
     def run(self, bucket: int) -> None:
         """Enqueues one step that computes at most `bucket` tokens."""
         state, engine, inbox = self.state, self.engine, self.inbox
-        # Seconds since the previous step: what it took (the step-cost fit learns from it), and what each resident
-        # request that was not scheduled waited.
-        cost, last = self.step.cost, self._last_tokens
-        since = torch.where(self._last_now > 0, inbox.now - self._last_now, 0.0)
-        cost[2:].copy_(since)
-        took = since[0]
-        nap = (self.cost_model.sums[0] >= 3) & (took > NAP_OVER_PREDICTION * (cost[0] + cost[1] * last))
-        self.cost_model.observe(last, took, (last > 0) & (took > 0) & ~nap)
-        self._last_now.copy_(inbox.now)
+        self._time_previous_step()
         self.take()
-        planned = plan(state, engine.pool, bucket, self.step.policy, self.mirror, cost, self.prompt_rows(bucket))
-        last.copy_(planned.sizes[0])
+        planned = plan(state, engine.pool, bucket, self.step.policy, self.mirror, self.step.cost,
+                       self.prompt_rows(bucket))
+        self._last_tokens.copy_(planned.sizes[0])
         if self.mirror is not None:  # the pages leaving, before this step's forward may reuse them
             self._rotate(planned.moves.out_src, planned.moves.out_dst, planned.sizes[4], to_mirror=True)
         out = self.step.run(planned, self.shape(bucket), ALL_FEATURES, self.mirror)
@@ -97,6 +90,18 @@ class DeviceStep:
             self._rotate(planned.moves.in_src, planned.moves.in_dst, planned.sizes[5], to_mirror=False)
         emit(self.table, inbox, state, out, self.page_bytes)
         report_demand(state, self._demand)
+
+    def _time_previous_step(self) -> None:
+        """Seconds since the previous step, by the clock the step reads: what that step took (the step-cost fit
+        learns from it unless it computed nothing or a nap came after it), and what each resident request that was
+        not scheduled waited."""
+        cost, last = self.step.cost, self._last_tokens
+        since = torch.where(self._last_now > 0, self.inbox.now - self._last_now, 0.0)
+        cost[2:].copy_(since)
+        took = since[0]
+        nap = (self.cost_model.sums[0] >= 3) & (took > NAP_OVER_PREDICTION * (cost[0] + cost[1] * last))
+        self.cost_model.observe(last, took, (last > 0) & (took > 0) & ~nap)
+        self._last_now.copy_(self.inbox.now)
 
     def _rotate(self, src: torch.Tensor, dst: torch.Tensor, count: torch.Tensor, to_mirror: bool) -> None:
         pool = self.engine.pool
