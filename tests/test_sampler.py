@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from blink.engine import LLM, SamplingParams
-from blink.engine.core.sampler import SamplerFeatures, SamplingRows, hash32, sample, uniform_noise
+from blink.engine.core.sampler import SamplerFeatures, SamplingRows, apply_penalties, hash32, sample, uniform_noise
 
 V = 50
 
@@ -72,15 +72,40 @@ def test_greedy_rows_ignore_noise_and_filters():
 
 def test_penalties_follow_vllm():
     logits = torch.tensor([[2.0, -1.0, 1.0, 0.5]])
-    counts = torch.tensor([[0, 0, 2, 0]], dtype=torch.int32)
-    prompt = torch.tensor([[True, True, False, False]])
+    # The prompt 0 1 0, then 2 generated twice; -1: no token.
+    seen = torch.tensor([[0, 1, 0, 2, 2, -1]])
+    counts = torch.tensor([[0, 0, 0, 2, 2, 0]], dtype=torch.int32)
     rows = _rows(1, temperature=0.0, repetition_penalty=2.0, frequency_penalty=0.1, presence_penalty=0.2)
     features = SamplerFeatures(penalties=True)
     expected = torch.tensor([[1.0, -2.0, 0.5 - 0.2 - 0.2, 0.5]])
-    out = sample(logits, rows, features, hash32(torch.arange(4)), counts, prompt)
+    torch.testing.assert_close(apply_penalties(logits, rows, seen, counts), expected)
+    out = sample(logits, rows, features, hash32(torch.arange(4)), seen, counts)
     assert out.tokens.item() == expected.argmax().item() == 0
     rows.repetition_penalty[:] = 5.0
-    assert sample(logits, rows, features, hash32(torch.arange(4)), counts, prompt).tokens.item() == 3
+    assert sample(logits, rows, features, hash32(torch.arange(4)), seen, counts).tokens.item() == 3
+
+
+def test_sparse_penalties_equal_the_dense_definition():
+    """Over random rows, contexts with repeats, and every sign of penalty: the rewrite at the seen ids gives the
+    very values of the definition applied to the whole vocabulary."""
+    gen = torch.Generator().manual_seed(5)
+    R, vocab, L = 6, 300, 40
+    logits = torch.randn(R, vocab, generator=gen) * 3
+    seen = torch.randint(0, 60, (R, L), generator=gen)
+    seen[:, 30:] = -1
+    seen[2] = -1  # a row with no tokens yet
+    generated = torch.arange(L)[None, :].expand(R, -1) >= 10  # the first 10 are the prompt's
+    dense_counts = torch.zeros(R, vocab, dtype=torch.int32).scatter_add_(
+        1, seen.clamp(min=0), (generated & (seen >= 0)).int())
+    prompt = torch.zeros(R, vocab, dtype=torch.bool).scatter_(1, seen[:, :10].clamp(min=0), seen[:, :10] >= 0)
+    rows = _rows(R, repetition_penalty=1.7, frequency_penalty=0.3, presence_penalty=-0.4)
+    rows.repetition_penalty[1] = 0.6
+    counts = dense_counts.gather(1, seen.clamp(min=0))
+    c = dense_counts.float()
+    rep = rows.repetition_penalty[:, None]
+    expected = torch.where(prompt | (dense_counts > 0), torch.where(logits > 0, logits / rep, logits * rep), logits)
+    expected = expected - rows.frequency_penalty[:, None] * c - rows.presence_penalty[:, None] * (c > 0).float()
+    assert torch.equal(apply_penalties(logits, rows, seen, counts), expected)
 
 
 def test_logprobs_are_the_raw_log_softmax():

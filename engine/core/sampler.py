@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from blink.shared.request_schema import MAX_LOGPROBS
 
@@ -102,15 +103,21 @@ def bits_to_uniform(bits: torch.Tensor) -> torch.Tensor:
     return (_shr(bits, 9).float() + 0.5) * (1.0 / (1 << 23))
 
 
-def apply_penalties(logits: torch.Tensor, rows: SamplingRows, output_counts: torch.Tensor,
-                    prompt_mask: torch.Tensor) -> torch.Tensor:
-    """vLLM's semantics: repetition over prompt and output tokens, presence/frequency over output only."""
-    counts = output_counts.to(logits.dtype)
-    seen = prompt_mask | (output_counts > 0)
+def apply_penalties(logits: torch.Tensor, rows: SamplingRows, seen: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """vLLM's semantics: repetition over prompt and output tokens, presence/frequency over output only.
+
+    seen: [R, L] the ids of each row's tokens so far, prompt and output (-1: none), repeats allowed; counts: [R, L]
+    how often each was generated. Only those ids change, so the work grows with the context, not the vocabulary:
+    each is rewritten from its own logit, count and the row's penalties (a repeated id writes the same value)."""
+    vocab = logits.shape[1]
+    at = seen.clamp(min=0)
+    x = logits.gather(1, at)
     rep = rows.repetition_penalty[:, None]
-    logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
-    logits = logits - rows.frequency_penalty[:, None] * counts
-    return logits - rows.presence_penalty[:, None] * (output_counts > 0).to(logits.dtype)
+    x = torch.where(x > 0, x / rep, x * rep)
+    x = x - rows.frequency_penalty[:, None] * counts.to(logits.dtype)
+    x = x - rows.presence_penalty[:, None] * (counts > 0).to(logits.dtype)
+    padded = F.pad(logits, (0, 1))  # a last column takes the writes of the rows' unused entries
+    return padded.scatter_(1, torch.where(seen >= 0, at, vocab), x)[:, :vocab]
 
 
 def hold_back(logits: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
@@ -139,15 +146,15 @@ def sample(
     rows: SamplingRows,
     features: SamplerFeatures,
     vocab_hash: torch.Tensor,
-    output_counts: torch.Tensor | None = None,
-    prompt_mask: torch.Tensor | None = None,
+    seen: torch.Tensor | None = None,
+    counts: torch.Tensor | None = None,
 ) -> SampleOutput:
-    """logits: float32 [R, V]. Rows with temperature 0 are greedy."""
+    """logits: float32 [R, V]. Rows with temperature 0 are greedy. seen, counts: the penalties' (apply_penalties)."""
     raw = logits
     if features.logit_bias:
         logits = logits.scatter_add(1, rows.bias_ids.clamp(min=0), torch.where(rows.bias_ids >= 0, rows.bias, 0.0))
     if features.penalties:
-        logits = apply_penalties(logits, rows, output_counts, prompt_mask)
+        logits = apply_penalties(logits, rows, seen, counts)
     if features.min_tokens:
         logits = hold_back(logits, rows.held)
     tokens = logits.argmax(-1)

@@ -105,7 +105,7 @@ class Step:
             rows.held = torch.where(young, torch.cat([eos, state.stop_ids[slot]], 1), -1)
         if features.logit_bias:
             rows.bias_ids, rows.bias = state.logit_bias_ids[slot], state.logit_bias[slot]
-        penalties = (state.output_counts[slot], state.prompt_mask[slot]) if features.penalties else (None, None)
+        penalties = _seen_tokens(state, slot) if features.penalties else (None, None)
         out = sample(logits, rows, features, self.vocab_hash, *penalties)
         scored = score_prompt(state, plan, prompt_tokens, prompt_logits) if shape.prompt_rows else None
         return commit(state, pool, mirror, plan, R, out, logits, self.eos_ids, count_outputs=features.penalties,
@@ -128,6 +128,14 @@ class Step:
                 groups.append(build_row_group(rows.head(n), table, page, queries, shape.context,
                                               self.model.cfg.sliding_window, B))
         return AttentionBatch(write_rows, groups)
+
+
+def _seen_tokens(state: Slots, slot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The penalties' inputs for the rows of `slot`: each sequence's tokens so far ([R, max_len], -1 past its
+    length) and how often each was generated: gathers over the context, not the vocabulary."""
+    tokens = state.tokens[slot, :-1].long()
+    seen = torch.where(torch.arange(tokens.shape[1], device=tokens.device) < state.seq_len[slot][:, None], tokens, -1)
+    return seen, state.output_counts[slot[:, None], seen.clamp(min=0)]
 
 
 def _prompt_tokens(state: Slots, plan: StepPlan, tokens: int, prompt_rows: int) -> torch.Tensor:
