@@ -462,3 +462,16 @@ def test_gpu_idle_time_between_kernels_and_what_preceded_it():
     # Overlapping kernels (two streams) leave no gap; the idle time is charged to the kernel that ended last.
     spans = [(0, 10, "plan"), (12, 20, "gemm"), (15, 18, "norm"), (30, 31, "emit"), (31, 40, "pick")]
     assert _idle(spans) == (12, [("gemm", 10), ("plan", 2)])
+
+
+def test_bench_grain_times_decodes_alone_and_beside_a_chunk(tmp_path, capsys):
+    """The dry run of `blink bench grain`: a row per chunk size, the decode-only step as the unit."""
+    from blink.bench.cli import main
+
+    assert main(["grain", "--repeats", "2", "--decodes", "2", "--chunks", "8", "32", "--result-dir",
+                 str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("grain-*.json")
+    rows = json.loads(path.read_text())["rows"]
+    assert [r["chunk"] for r in rows] == [0, 8, 32] and rows[0]["over_decode_only"] == 1.0
+    assert all(r["min_ms"] <= r["median_ms"] <= r["max_ms"] for r in rows)
+    assert "the decodes alone" in capsys.readouterr().out
