@@ -23,7 +23,7 @@ from pathlib import Path
 
 # name: its own timeout in seconds, in the order they run (the cheap, telling ones first)
 PHASES = {"env": 90, "model-llama3-1b": 150, "parity": 120, "persistent": 90, "model-llama3-8b": 200,
-          "model-qwen3-30b-a3b-24l": 200, "interference": 300, "tests": 240}
+          "model-qwen3-30b-a3b-24l": 200, "interference": 300, "kv-pressure": 300, "tests": 240}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -119,7 +119,21 @@ def summary(phases: dict[str, dict]) -> str:
         if "throughput_kept" in r:
             lines.append(f"interference {mode}: throughput kept {r['throughput_kept']:.1%}, P99 TPOT x"
                          f"{r['p99_tpot_ratio']:.2f}, P99 TTFT x{r['p99_ttft_ratio']:.2f}")
+    for mode, by_policy in phases.get("kv-pressure", {}).get("runs", {}).items():
+        cells = []
+        for policy, r in by_policy.items():
+            ls = r.get("latency_sensitive", {})
+            attained = [c.get("ttft_slo_attainment_all") for c in (r.get("latency_sensitive", {}),
+                                                                    r.get("best_effort", {}))]
+            cells.append(f"{policy}: TTFT SLO met ls {_percent(attained[0])} be {_percent(attained[1])}, ls P99 TTFT "
+                         f"{ls.get('p99_ttft_ms') or 0:.0f} ms, {r.get('output_throughput') or 0:.0f} tok/s, "
+                         f"{r.get('preemptions') or 0:.0f} preemptions")
+        lines.append(f"kv pressure {mode}: " + "; ".join(cells))
     if "summary" in phases.get("tests", {}):
         lines.append(f"\ntests: {phases['tests']['summary']}")
         lines += [f"  {line}" for line in phases["tests"]["failed"][:20]]
     return "\n".join(lines)
+
+
+def _percent(fraction: float | None) -> str:
+    return "-" if fraction is None else f"{fraction:.0%}"

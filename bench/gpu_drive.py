@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import statistics
 import tempfile
 import time
 import uuid
@@ -98,7 +99,8 @@ def _prompt(slot: int, length: int = 16) -> list[int]:
 
 def step_times(directory: Path, dry_run: bool, mode: str, batches: list[int]) -> dict[str, dict]:
     """Steady decode of `batch` requests in `mode`: milliseconds per step (the table's step counter) and tokens
-    per second (what a reader took), over half a second once every request has its first tokens."""
+    per second (what a reader took), the medians of WINDOWS windows once every request has its first tokens, and
+    the slowest and fastest window's step time."""
     engine = engine_for(directory, dry_run)
     table = _table(engine)
     started = time.monotonic()
@@ -114,13 +116,10 @@ def step_times(directory: Path, dry_run: bool, mode: str, batches: list[int]) ->
             _wait(driver, lambda slots=slots: all(int(table.slots["produced"][s]) >= 2 for s in slots), 60)
             for slot in slots:
                 table.read(slot)
-            t0, steps0, tokens = time.monotonic(), int(table.header["steps"]), 0
-            while time.monotonic() < t0 + 0.5:
-                time.sleep(0.05)
-                tokens += sum(len(table.read(slot).tokens) for slot in slots)
-            seconds, steps = time.monotonic() - t0, int(table.header["steps"]) - steps0
-            results[str(batch)] = {"ms_per_step": 1e3 * seconds / max(steps, 1), "steps": steps,
-                                   "tokens_per_s": tokens / seconds}
+            windows = [_window(table, slots) for _ in range(WINDOWS)]
+            step_ms = sorted(w[0] for w in windows)
+            results[str(batch)] = {"ms_per_step": statistics.median(step_ms), "ms_per_step_range": [step_ms[0],
+                                   step_ms[-1]], "tokens_per_s": statistics.median(w[1] for w in windows)}
             # CUPTI delivers a kernel's record when its launch ends, and the persistent loop's never does.
             if torch.cuda.is_available() and mode != "persistent" and batch in (batches[0], batches[-1]):
                 try:
@@ -136,6 +135,19 @@ def step_times(directory: Path, dry_run: bool, mode: str, batches: list[int]) ->
     finally:
         _close(driver, table)
     return results
+
+
+WINDOWS, WINDOW_S = 3, 0.3
+
+
+def _window(table: SlotTable, slots: range) -> tuple[float, float]:
+    """Milliseconds per step and tokens per second over one window, reading as an ingress would."""
+    t0, steps0, tokens = time.monotonic(), int(table.header["steps"]), 0
+    while time.monotonic() < t0 + WINDOW_S:
+        time.sleep(0.05)
+        tokens += sum(len(table.read(slot).tokens) for slot in slots)
+    seconds, steps = time.monotonic() - t0, int(table.header["steps"]) - steps0
+    return 1e3 * seconds / max(steps, 1), tokens / seconds
 
 
 KERNEL_KINDS = (  # by name: what a steady step's GPU time goes to

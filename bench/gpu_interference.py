@@ -21,6 +21,8 @@ from blink.bench.interference import Interference
 from blink.bench.server import running_server
 
 FIGURES = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "completed")
+CLASS_FIGURES = ("completed", "output_throughput", "median_ttft_ms", "p99_ttft_ms", "p99_tpot_ms",
+                 "ttft_slo_attainment_all", "tpot_slo_attainment_all")
 
 
 def cpu_layout() -> tuple[str, str, int]:
@@ -53,7 +55,7 @@ def interference(out: dict, dry_run: bool, save) -> None:
                 # Started here, not by the client: the client is pinned to the NIC's cores, the load to the host's.
                 with Interference(host_count, [int(c) for c in host.split(",")]) if condition == "interference" \
                         else nullcontext():
-                    results[mode][condition] = _bench(server.url, nic, [*load, "--tokenizer", str(directory)],
+                    results[mode][condition] = bench_serve(server.url, nic, [*load, "--tokenizer", str(directory)],
                                                       Path(tmp) / condition)
                 save(out)
         iso, loaded = results[mode].get("isolated", {}), results[mode].get("interference", {})
@@ -63,7 +65,8 @@ def interference(out: dict, dry_run: bool, save) -> None:
             results[mode]["p99_ttft_ratio"] = loaded["p99_ttft_ms"] / iso["p99_ttft_ms"]
 
 
-def _bench(url: str, cpus: str, flags: list[str], result_dir: Path) -> dict:
+def bench_serve(url: str, cpus: str, flags: list[str], result_dir: Path) -> dict:
+    """`blink bench serve` against `url`, pinned to `cpus`: vLLM's figures, and each class's when there are classes."""
     result_dir.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "blink.services.cli", "bench", "serve", "--base-url", url, "--result-dir",
            str(result_dir), "--result-filename", "result.json", *flags]
@@ -74,4 +77,7 @@ def _bench(url: str, cpus: str, flags: list[str], result_dir: Path) -> dict:
     if done.returncode != 0 or not path.is_file():
         return {"error": (done.stdout + done.stderr)[-2000:]}
     saved = json.loads(path.read_text())
-    return {k: saved.get(k) for k in FIGURES}
+    figures = {k: saved.get(k) for k in FIGURES}
+    for name, kept in (saved["runs"][-1].get("classes") or {}).items():  # with --class-mix
+        figures[name] = {k: kept.get(k) for k in CLASS_FIGURES}
+    return figures

@@ -33,6 +33,7 @@ from blink.bench.gpu_drive import (
     weight_bytes,
 )
 from blink.bench.gpu_interference import interference
+from blink.bench.gpu_pressure import kv_pressure
 
 SHAPES = ("llama3-1b", "llama3-8b", "qwen3-30b-a3b-24l")
 
@@ -279,7 +280,8 @@ def _env_result() -> dict:
 PHASES = {"env": env, "model-llama3-1b": lambda o, d: model(o, d, SHAPES[0]),
           "model-llama3-8b": lambda o, d: model(o, d, SHAPES[1]), "parity": parity, "persistent": persistent,
           "model-qwen3-30b-a3b-24l": lambda o, d: model(o, d, SHAPES[2]),
-          "interference": lambda o, d: interference(o, d, _save), "tests": tests}
+          "interference": lambda o, d: interference(o, d, _save), "kv-pressure": lambda o, d: kv_pressure(o, d, _save),
+          "tests": tests}
 
 
 def main(argv: list[str]) -> int:
