@@ -20,6 +20,7 @@ from blink.engine.model.checkpoint import load_config, read_generation_defaults
 from blink.engine.model.config import DTYPES, ModelConfig
 from blink.engine.model.default_model import ensure_default_model
 from blink.engine.model.model import LOAD_FORMATS, Transformer
+from blink.engine.model.parallel import Shard
 from blink.shared.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,9 @@ class EngineConfig:
     load_format: str = "auto"  # auto: the checkpoint's safetensors; dummy: random weights of their shapes (vLLM's)
     scheduling_policy: str = "slo"  # fcfs | priority | slo (blink.engine.core.policy)
     swap_space: float = 4.0  # GiB of host memory for KV rotation; 0: recompute preempted requests instead
+    tensor_parallel_size: int = 1  # ranks the model is split over (blink.engine.model.parallel)
+    tensor_parallel_rank: int = 0  # this engine's (the LLM API starts the others)
+    distributed_init_method: str | None = None  # where the ranks meet: tcp://HOST:PORT
 
     def validate(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -55,6 +59,9 @@ class EngineConfig:
             raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
         if not 0 <= self.swap_space < float("inf"):
             raise ValueError(f"swap_space must be a finite number of GiB, at least 0, got {self.swap_space}")
+        if not 0 <= self.tensor_parallel_rank < self.tensor_parallel_size:
+            raise ValueError(f"tensor_parallel_rank must be in [0, {self.tensor_parallel_size}), got "
+                             f"{self.tensor_parallel_rank}")
         if self.kv_memory_fraction is not None and not 0 < self.kv_memory_fraction <= 1:
             raise ValueError(f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
 
@@ -66,6 +73,10 @@ class Engine:
         configure_threads()
         self.device = resolve_device(config.device)
         on_cuda = self.device.type == "cuda"
+        if on_cuda and config.tensor_parallel_size > 1 and config.device == "auto":  # a GPU per rank
+            self.device = torch.device("cuda", config.tensor_parallel_rank)
+            torch.cuda.set_device(self.device)
+        self.shard = _join_ranks(config, self.device)
         self.model_dir = Path(config.model) if config.model else ensure_default_model()
 
         cfg = load_config(self.model_dir)
@@ -83,11 +94,12 @@ class Engine:
                              "so every running sequence can decode in one step")
         page = config.page_size
 
-        self.model = Transformer.from_checkpoint(self.model_dir, cfg, max_len, self.device, config.load_format)
+        self.model = Transformer.from_checkpoint(self.model_dir, cfg, max_len, self.device, config.load_format,
+                                                 self.shard)
         if on_cuda:  # the loading's staging copies go back to the device before the KV pool is sized from what is free
             torch.cuda.empty_cache()
         pages_per_seq = -(-max_len // page)
-        num_pages = config.num_pages or self._pages_that_fit(cfg, page, num_slots * pages_per_seq + 1)
+        num_pages = config.num_pages or self._pages_that_fit(self.model.cfg, page, num_slots * pages_per_seq + 1)
         if (num_pages - 1) * page < max_len:
             if config.max_model_len:
                 raise ValueError(f"max_model_len {max_len} needs {pages_per_seq} KV pages of {page} tokens, "
@@ -96,13 +108,13 @@ class Engine:
             pages_per_seq = num_pages - 1
             log.info("context limit lowered to %d tokens to fit the KV pool", max_len)
         self.max_model_len = max_len
-        self.pool = PagePool(cfg, num_pages, page, self.device)
+        self.pool = PagePool(self.model.cfg, num_pages, page, self.device)  # this rank's KV heads
         self.state = Slots(num_slots, max_len, pages_per_seq, cfg.vocab_size, self.device)
         mirror_pages = min(int(config.swap_space * 2**30) // PagePool.bytes_per_page(cfg, page),
                            num_slots * pages_per_seq) + 1
         self._mirror_pages = mirror_pages if config.swap_space > 0 and mirror_pages > 1 else 0
         self.step = Step(self.model, self.pool, self.state, list(self.generation.eos_token_ids), budget,
-                         Policy(config.scheduling_policy))
+                         Policy(config.scheduling_policy), self.shard)
         log.info("engine ready: %s on %s in %s (dtype %s), %d slots, %d-token budget, %d KV pages of %d, context %d, "
                  "%s scheduling, %d host pages for KV rotation", cfg.architecture, self.device,
                  str(cfg.dtype).removeprefix("torch."), config.dtype, num_slots, budget, num_pages, page, max_len,
@@ -118,3 +130,18 @@ class Engine:
         fraction = self.config.kv_memory_fraction or (0.9 if self.device.type == "cuda" else 0.25)
         per_page = PagePool.bytes_per_page(cfg, page)
         return max(2, min(useful, int(available_memory(self.device) * fraction) // per_page))
+
+
+def _join_ranks(config: EngineConfig, device: torch.device) -> Shard | None:
+    """With tensor parallelism, this engine's rank joins the others (gloo on the CPU, NCCL on GPUs)."""
+    if config.tensor_parallel_size == 1:
+        return None
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        if config.distributed_init_method is None:
+            raise ValueError("tensor parallelism needs distributed_init_method (tcp://HOST:PORT), where ranks meet")
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                init_method=config.distributed_init_method, rank=config.tensor_parallel_rank,
+                                world_size=config.tensor_parallel_size)
+    return Shard(config.tensor_parallel_rank, config.tensor_parallel_size)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from blink.engine.drive.offline import OfflineDriver
 from blink.engine.engine import Engine, EngineConfig
 from blink.engine.errors import RequestError
+from blink.engine.ranks import Ranks, free_init_method
 from blink.engine.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -28,6 +29,12 @@ class RequestOutput:
 
 class LLM:
     def __init__(self, model: str | None = None, **engine_options):
+        """engine_options: EngineConfig's fields; with tensor_parallel_size N > 1 this process is rank 0 and starts
+        the other ranks (blink.engine.ranks)."""
+        self._ranks = None
+        if engine_options.get("tensor_parallel_size", 1) > 1 and "tensor_parallel_rank" not in engine_options:
+            engine_options.setdefault("distributed_init_method", free_init_method())
+            self._ranks = Ranks(model, engine_options)
         self.engine = Engine(EngineConfig(model=model, **engine_options))
         self.tokenizer = self.engine.tokenizer
         self._driver = OfflineDriver(self.engine)
@@ -48,6 +55,8 @@ class LLM:
 
         # Validate every request before any is queued, so one bad prompt loses nothing.
         requests = [self._prepare(p, sp) for p, sp in zip(prompts, sampling_params, strict=True)]
+        if self._ranks is not None:  # the other ranks run the same call, in lock-step with this one
+            self._ranks.generate(prompts, sampling_params)
         self._driver.abort_all()  # what an interrupted call left behind
         outputs: dict[str, RequestOutput] = {}
         for out, params, max_tokens in requests:
@@ -72,6 +81,15 @@ class LLM:
         for out in outputs.values():
             out.text = self.tokenizer.decode(out.token_ids)
         return list(outputs.values())
+
+    def close(self) -> None:
+        """Stops the other ranks, with tensor parallelism (they also end with this process)."""
+        if self._ranks is not None:
+            self._ranks.close()
+            self._ranks = None
+            import torch.distributed as dist
+
+            dist.destroy_process_group()  # a later LLM's ranks meet anew
 
     def _prepare(self, prompt: Prompt, params: SamplingParams) -> tuple[RequestOutput, SamplingParams, int]:
         if not isinstance(params, SamplingParams):

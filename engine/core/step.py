@@ -21,6 +21,7 @@ from blink.engine.core.scheduler import QUERY_BLOCK, PlanSizes, StepPlan, pack, 
 from blink.engine.core.state import Slots
 from blink.engine.model.attention import AttentionBatch, build_row_group
 from blink.engine.model.model import Transformer
+from blink.engine.model.parallel import Shard
 
 
 @dataclass(frozen=True)
@@ -46,8 +47,9 @@ def ladder(top: int, start: int) -> list[int]:
 
 class Step:
     def __init__(self, model: Transformer, pool: PagePool, state: Slots, eos_ids: list[int],
-                 token_budget: int, policy: Policy):
-        self.model, self.pool, self.state = model, pool, state
+                 token_budget: int, policy: Policy, shard: Shard | None = None):
+        """shard: this rank's, with tensor parallelism: every rank plans with rank 0's step-cost inputs."""
+        self.model, self.pool, self.state, self.shard = model, pool, state, shard
         self.token_budget, self.policy = token_budget, policy
         device = state.status.device
         self.cost = torch.zeros(3, dtype=torch.float64, device=device)  # see policy.StepCostModel
@@ -68,6 +70,8 @@ class Step:
     def plan(self, features: SamplerFeatures, mirror: HostMirror | None) -> StepPlan:
         """mirror: where KV pages rotate (the host drive mode's); None: preempted requests are recomputed."""
         prompt_rows = self.token_budget if features.prompt_logprobs else 0
+        if self.shard is not None:  # the host-timed inputs: every rank must make rank 0's decisions
+            self.shard.from_first(self.cost)
         return plan(self.state, self.pool, self.token_budget, self.policy, mirror, self.cost, prompt_rows)
 
     def shape_for(self, sizes: PlanSizes) -> StepShape:

@@ -10,6 +10,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 from blink.engine.core.admission import admit_records
 from blink.engine.core.commit import StepOutput
@@ -103,6 +104,9 @@ class OfflineDriver:
         if not slots:
             return
         engine = self.engine
+        if engine.shard is not None:  # rank 0's records and clock: its deadlines, on every rank
+            engine.shard.from_first(torch.from_numpy(self.records.view(np.uint8)))
+            now = float(engine.shard.from_first(torch.tensor([now], dtype=torch.float64))[0])
         invalid = admit_records(self.state, self.records, sorted(slots), now, self._arrivals,
                                 engine.model_config.vocab_size, engine.max_model_len)
         if invalid:  # LLM checked every prompt before queueing it

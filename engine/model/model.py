@@ -18,6 +18,7 @@ from blink.engine.model.config import ModelConfig
 from blink.engine.model.dummy import dummy_tensors
 from blink.engine.model.linear import can_pack, linear, pack
 from blink.engine.model.moe import MoeWeights
+from blink.engine.model.parallel import Shard
 from blink.engine.model.rope import apply_rope, rope_tables
 
 
@@ -81,8 +82,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 class Transformer:
     """Weights as plain tensors and a forward pass over [B] tokens that reads and writes the paged cache."""
 
-    def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], max_len: int, device: torch.device):
-        self.cfg = cfg
+    def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], max_len: int, device: torch.device,
+                 shard: Shard | None = None):
+        """cfg and tensors: this rank's part when `shard` is set (Transformer.from_checkpoint cuts them)."""
+        self.cfg, self.shard = cfg, shard
         missing = [n for n in checkpoint_tensor_names(cfg) if n not in tensors]
         if missing:
             shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
@@ -112,7 +115,8 @@ class Transformer:
                 moe=moe.load(cfg.moe, i, get) if sparse else None,
             ))
         self.norm = get("model.norm.weight")
-        self.lm_head = self.embed if cfg.tie_word_embeddings else get("lm_head.weight")
+        # A rank holds its rows of the vocabulary, tied or not (blink.engine.model.parallel).
+        self.lm_head = self.embed if cfg.tie_word_embeddings and shard is None else get("lm_head.weight")
         if can_pack(self.embed):  # a tied output embedding is packed as a copy: the lookup reads the plain one
             for w in self.layers:
                 w.qkv, w.o_proj = pack(w.qkv), pack(w.o_proj)
@@ -137,12 +141,18 @@ class Transformer:
 
     @classmethod
     def from_checkpoint(cls, model_dir: Path, cfg: ModelConfig, max_len: int, device: torch.device,
-                        load_format: str = "auto") -> Transformer:
-        """load_format: auto (the safetensors) or dummy (random weights of their shapes, made on `device`)."""
+                        load_format: str = "auto", shard: Shard | None = None) -> Transformer:
+        """load_format: auto (the safetensors) or dummy (random weights of their shapes, made on `device`); shard:
+        this rank's part, with tensor parallelism (blink.engine.model.parallel)."""
         names = checkpoint_tensor_names(cfg)
         if load_format == "dummy":
-            return cls(cfg, dummy_tensors(cfg, names, device), max_len, device)
-        return cls(cfg, load_tensors(model_dir, set(names), cfg.dtype), max_len, device)
+            tensors = dummy_tensors(cfg, names, device)
+        else:
+            tensors = load_tensors(model_dir, set(names), cfg.dtype)
+        if shard is None:
+            return cls(cfg, tensors, max_len, device)
+        shard.check(cfg)
+        return cls(shard.config(cfg), shard.tensors(cfg, tensors), max_len, device, shard)
 
     def forward(
         self,
@@ -172,14 +182,15 @@ class Transformer:
             else:
                 q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
                 attn = paged_attention(q, k, v, k_cache[i], v_cache[i], batch, self.scale)
-            x, h = self._add_norm(x, linear(attn.reshape(-1, cfg.q_size), w.o_proj, w.o_proj_bias), w.post_norm)
+            x, h = self._add_norm(x, self._sum(linear(attn.reshape(-1, cfg.q_size), w.o_proj, w.o_proj_bias)),
+                                  w.post_norm)
             if w.moe is not None and self.kernels == "triton":
                 delta = moe.grouped_moe_mlp(h, w.moe, cfg.moe, self._moe_kernel)
             elif w.moe is not None:
                 delta = moe.moe_mlp(h, w.moe, cfg.moe)
             else:
                 gate, up = linear(h, w.gate_up).chunk(2, dim=-1)
-                delta = linear(F.silu(gate) * up, w.down)
+                delta = self._sum(linear(F.silu(gate) * up, w.down))
         return x if delta is None else x + delta
 
     def _add_norm(self, x: torch.Tensor, delta: torch.Tensor | None,
@@ -209,4 +220,9 @@ class Transformer:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [R, hidden] rows that sample. Returns float32 logits [R, vocab]."""
-        return linear(self._norm(hidden, self.norm), self.lm_head).float()
+        logits = linear(self._norm(hidden, self.norm), self.lm_head).float()
+        return logits if self.shard is None else self.shard.gather_vocab(logits, self.cfg.vocab_size)
+
+    def _sum(self, partial: torch.Tensor) -> torch.Tensor:
+        """A row-parallel projection's output: each rank's partial sum, summed over the ranks."""
+        return partial if self.shard is None else self.shard.all_reduce(partial)

@@ -1,0 +1,46 @@
+"""Tensor parallelism on the CPU (gloo): two ranks give one rank's tokens, which test_parity checks against
+transformers; a model that does not split is refused, saying why."""
+
+from __future__ import annotations
+
+import pytest
+
+from blink.engine import LLM, SamplingParams
+
+PROMPTS = [list(range(3, 8)), list(range(10, 110)), list(range(200, 240)), [7] * 17, list(range(300, 333))]
+OPTIONS = dict(max_num_seqs=4, max_num_batched_tokens=64, num_pages=80, page_size=8, max_model_len=256,
+               dtype="float32")
+
+
+@pytest.mark.parametrize("kind", ["llama-gqa", "qwen3", "llama-tied", "qwen2"])  # GQA; q/k norms; tied output
+# embedding (its vocabulary rows split); q/k/v biases
+def test_two_ranks_give_one_ranks_tokens(kind, checkpoint):
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+    seeded = SamplingParams(temperature=0.9, top_p=0.9, seed=11, max_tokens=8, ignore_eos=True,
+                            repetition_penalty=1.2)
+    params = [greedy, seeded, greedy, seeded, greedy]
+    one = LLM(str(checkpoint(kind)), **OPTIONS).generate(PROMPTS, params)
+    llm = LLM(str(checkpoint(kind)), tensor_parallel_size=2, **OPTIONS)
+    try:
+        assert llm.engine.model.cfg.num_heads * 2 == llm.engine.model_config.num_heads  # each rank holds half
+        two = llm.generate(PROMPTS, params)
+        again = llm.generate(PROMPTS[:2], params[:2])  # the other rank follows call after call
+    finally:
+        llm.close()
+    assert [o.token_ids for o in two] == [o.token_ids for o in one]
+    assert [o.token_ids for o in again] == [o.token_ids for o in one[:2]]
+    for a, b in zip(one, two, strict=True):
+        for expected, got in zip(a.logprobs or [], b.logprobs or [], strict=True):
+            assert got.keys() == expected.keys()
+            assert all(got[t] == pytest.approx(lp, abs=1e-4) for t, lp in expected.items())
+
+
+def test_a_model_that_does_not_split_is_refused(checkpoint):
+    from blink.engine.model.config import ModelConfig
+    from blink.engine.model.parallel import Shard
+
+    cfg = ModelConfig.from_dir(checkpoint("llama-gqa"))  # 4 query heads, 2 KV heads
+    with pytest.raises(ValueError, match="num_attention_heads 4 does not split over 3 ranks"):
+        Shard(0, 3).check(cfg)
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        Shard(0, 2).check(ModelConfig.from_dir(checkpoint("qwen3-moe")))
