@@ -50,9 +50,10 @@ def cpu_quota() -> int:
     return cpus
 
 
-def configure_threads() -> None:
+def configure_threads(ranks: int = 1) -> None:
+    """torch's threads: this process's CPU quota, shared by the tensor-parallel ranks of this host."""
     if "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(cpu_quota())
+        torch.set_num_threads(max(1, cpu_quota() // ranks))
 
 
 def available_memory(device: torch.device) -> int:

@@ -70,7 +70,7 @@ class Engine:
     def __init__(self, config: EngineConfig):
         config.validate()
         self.config = config
-        configure_threads()
+        configure_threads(config.tensor_parallel_size)
         self.device = resolve_device(config.device)
         on_cuda = self.device.type == "cuda"
         if on_cuda and config.tensor_parallel_size > 1 and config.device == "auto":  # a GPU per rank

@@ -479,3 +479,14 @@ def test_bench_grain_times_decodes_alone_and_beside_a_chunk(tmp_path, capsys):
     assert [r["chunk"] for r in rows] == [0, 8, 32] and rows[0]["over_decode_only"] == 1.0
     assert all(r["min_ms"] <= r["median_ms"] <= r["max_ms"] for r in rows)
     assert "the decodes alone" in capsys.readouterr().out
+
+
+def test_bench_tp_runs_one_rank_and_two_side_by_side(tmp_path, checkpoint, capsys):
+    from blink.bench.cli import main
+
+    assert main(["tp", "--model", str(checkpoint("llama-gqa")), "--batch", "2", "--output-len", "4", "--repeats", "1",
+                 "--result-dir", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("tensor_parallel-*.json")
+    result = json.loads(path.read_text())
+    assert set(result["rows"]) == {"1 rank", "2 ranks"} and result["same_tokens"] is True
+    assert "the same tokens: True" in capsys.readouterr().out
