@@ -25,6 +25,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="auto", help="auto: the checkpoint's, bfloat16 on a CPU that has it")
     p.add_argument("--result-dir", type=Path, default=Path("bench/results"))
     p.add_argument("--no-save", action="store_true")
 
@@ -45,8 +46,9 @@ def _measure(args: argparse.Namespace, model: Path) -> None:
     from blink.engine import LLM, SamplingParams
     from blink.engine.device import configure_threads
 
-    options = dict(device=args.device, max_num_seqs=args.batch, max_num_batched_tokens=max(64, args.batch),
-                   max_model_len=args.prompt_len + args.output_len + 16, swap_space=0)
+    options = dict(device=args.device, dtype=args.dtype, max_num_seqs=args.batch,
+                   max_num_batched_tokens=max(64, args.batch), max_model_len=args.prompt_len + args.output_len + 16,
+                   swap_space=0)
     systems = {"1 rank": LLM(str(model), **options),
                f"{args.tensor_parallel_size} ranks": LLM(str(model), tensor_parallel_size=args.tensor_parallel_size,
                                                           **options)}
@@ -72,13 +74,16 @@ def _measure(args: argparse.Namespace, model: Path) -> None:
     names = list(systems)
     ratio = rows[names[1]]["output_tokens_per_s"] / rows[names[0]]["output_tokens_per_s"]
     same = tokens[names[0]] == tokens[names[1]]
-    print(f"{args.batch} requests x {args.output_len} tokens after {args.prompt_len}, {model.name} on {args.device}, "
-          f"{args.repeats} alternated repeats:")
+    dtype = str(systems["1 rank"].engine.model_config.dtype).removeprefix("torch.")
+    print(f"{args.batch} requests x {args.output_len} tokens after {args.prompt_len}, {model.name} in {dtype} on "
+          f"{args.device}, {args.repeats} alternated repeats:")
     for name, r in rows.items():
         print(f"  {name:8s} {r['median_s']:.2f} s [{r['min_s']:.2f}, {r['max_s']:.2f}], "
               f"{r['output_tokens_per_s']:.1f} output tok/s")
+    # In 16-bit types the ranks' partial sums round differently from one rank's sums: greedy tokens may part.
     print(f"  {names[1]} / {names[0]}: {ratio:.2f}x the throughput; the same tokens: {same}")
-    result = {"benchmark": "tensor_parallel", "model": str(model), "device": args.device, "batch": args.batch,
+    result = {"benchmark": "tensor_parallel", "model": str(model), "device": args.device, "dtype": dtype,
+              "batch": args.batch,
               "prompt_len": args.prompt_len, "output_len": args.output_len, "repeats": args.repeats, "rows": rows,
               "ratio": ratio, "same_tokens": same, "machine": machine(),
               "blink": blink_source()}

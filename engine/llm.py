@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from blink.engine.drive.offline import OfflineDriver
 from blink.engine.engine import Engine, EngineConfig
 from blink.engine.errors import RequestError
-from blink.engine.ranks import Ranks, free_init_method
+from blink.engine.ranks import Ranks, agreed, free_init_method
 from blink.engine.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -33,7 +33,7 @@ class LLM:
         the other ranks (blink.engine.ranks)."""
         self._ranks = None
         if engine_options.get("tensor_parallel_size", 1) > 1 and "tensor_parallel_rank" not in engine_options:
-            engine_options.setdefault("distributed_init_method", free_init_method())
+            engine_options = agreed(model, {"distributed_init_method": free_init_method(), **engine_options})
             self._ranks = Ranks(model, engine_options)
         self.engine = Engine(EngineConfig(model=model, **engine_options))
         self.tokenizer = self.engine.tokenizer

@@ -19,6 +19,22 @@ def free_init_method() -> str:
         return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
+def agreed(model: str | None, engine_options: dict) -> dict:
+    """The options with what each rank would resolve for itself resolved once, here: the dtype (`auto` depends on
+    the CPU's flags, and ranks that disagreed would exchange tensors of different types)."""
+    if engine_options.get("dtype", "auto") != "auto":
+        return engine_options
+    from pathlib import Path
+
+    from blink.engine.device import auto_dtype, resolve_device
+    from blink.engine.model.checkpoint import load_config
+    from blink.engine.model.default_model import ensure_default_model
+
+    cfg = load_config(Path(model) if model else ensure_default_model())
+    dtype = auto_dtype(cfg.dtype, resolve_device(engine_options.get("device", "auto")))
+    return {**engine_options, "dtype": str(dtype).removeprefix("torch.")}
+
+
 class Ranks:
     """Ranks 1..N-1 of an LLM, each a process that replays rank 0's calls."""
 

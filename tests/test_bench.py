@@ -485,7 +485,7 @@ def test_bench_tp_runs_one_rank_and_two_side_by_side(tmp_path, checkpoint, capsy
     from blink.bench.cli import main
 
     assert main(["tp", "--model", str(checkpoint("llama-gqa")), "--batch", "2", "--output-len", "4", "--repeats", "1",
-                 "--result-dir", str(tmp_path)]) == 0
+                 "--dtype", "float32", "--result-dir", str(tmp_path)]) == 0
     (path,) = tmp_path.glob("tensor_parallel-*.json")
     result = json.loads(path.read_text())
     assert set(result["rows"]) == {"1 rank", "2 ranks"} and result["same_tokens"] is True

@@ -4,6 +4,7 @@ transformers; a model that does not split is refused, saying why."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from blink.engine import LLM, SamplingParams
 
@@ -44,3 +45,18 @@ def test_a_model_that_does_not_split_is_refused(checkpoint):
         Shard(0, 3).check(cfg)
     with pytest.raises(ValueError, match="mixture-of-experts"):
         Shard(0, 2).check(ModelConfig.from_dir(checkpoint("qwen3-moe")))
+
+
+def test_the_ranks_agree_on_the_dtype_auto_picks(checkpoint):
+    """`auto` depends on the CPU's flags (and, in this suite, on a patch in this process only): rank 0 resolves it
+    for every rank, which would otherwise exchange tensors of different types."""
+    prompts, params = PROMPTS[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    options = {**OPTIONS, "dtype": "auto"}
+    llm = LLM(str(checkpoint("llama-gqa")), tensor_parallel_size=2, **options)
+    try:
+        assert llm.engine.model_config.dtype == torch.float32
+        two = llm.generate(prompts, params)
+    finally:
+        llm.close()
+    one = LLM(str(checkpoint("llama-gqa")), **options).generate(prompts, params)
+    assert [o.token_ids for o in two] == [o.token_ids for o in one]
