@@ -63,7 +63,7 @@ class Shard:
                 t = t[kv_rows]
             elif part == "o_proj" and name.endswith("weight"):
                 t = t[:, q_rows]
-            elif part == "o_proj":  # its bias is added once, after the sum over ranks
+            elif part == "o_proj":  # its bias counts once in the sum over ranks: rank 0's
                 t = t if self.rank == 0 else torch.zeros_like(t)
             elif part in ("gate_proj", "up_proj"):
                 t = t[mlp_rows]
