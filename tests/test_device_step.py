@@ -232,12 +232,16 @@ def test_the_device_step_fits_its_step_cost_and_caps_tokens_for_a_tight_tpot(che
         a, b, _ = device.step.cost.tolist()
         assert a == pytest.approx(0.010, rel=1e-6) and b == pytest.approx(0.0005, rel=1e-6)  # the nap left out
         step.nap = False
-        for slot in (0, 1):
-            table.cancel(slot)
-        for _ in range(3):
-            step()
-        for slot in (0, 1):
-            table.read(slot), table.free(slot)
+
+        def end_both() -> None:
+            for slot in (0, 1):
+                table.cancel(slot)
+            for _ in range(3):
+                step()
+            for slot in (0, 1):
+                table.read(slot), table.free(slot)
+
+        end_both()
 
         def tokens_beside_a_decode(tpot_slo_ms: float) -> int:
             table.publish(0, Request([3, 4, 5], 30, temperature=0.0, ignore_eos=True, tpot_slo_ms=tpot_slo_ms))
@@ -246,12 +250,7 @@ def test_the_device_step_fits_its_step_cost_and_caps_tokens_for_a_tight_tpot(che
             step()  # admits it, on the bucket the demand before it asked for (16 tokens: the decode and 15)
             step()
             tokens = int(device._last_tokens)
-            for slot in (0, 1):
-                table.cancel(slot)
-            for _ in range(3):
-                step()
-            for slot in (0, 1):
-                table.read(slot), table.free(slot)
+            end_both()
             return tokens
 
         assert tokens_beside_a_decode(1000.0) == 186  # the decode and the rest of the prompt

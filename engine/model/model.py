@@ -115,8 +115,7 @@ class Transformer:
                 moe=moe.load(cfg.moe, i, get) if sparse else None,
             ))
         self.norm = get("model.norm.weight")
-        # A rank holds its rows of the vocabulary, tied or not (blink.engine.model.parallel).
-        self.lm_head = self.embed if cfg.tie_word_embeddings and shard is None else get("lm_head.weight")
+        self.lm_head = self.embed if cfg.tie_word_embeddings else get("lm_head.weight")
         if can_pack(self.embed):  # a tied output embedding is packed as a copy: the lookup reads the plain one
             for w in self.layers:
                 w.qkv, w.o_proj = pack(w.qkv), pack(w.o_proj)

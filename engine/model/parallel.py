@@ -40,9 +40,10 @@ class Shard:
 
     def config(self, cfg: ModelConfig) -> ModelConfig:
         """The slice of the model this rank computes."""
+        # Untied: a rank's output embedding is its rows of the vocabulary, not its whole input embedding.
         return dataclasses.replace(cfg, num_heads=cfg.num_heads // self.world,
                                    num_kv_heads=max(1, cfg.num_kv_heads // self.world),
-                                   intermediate_size=cfg.intermediate_size // self.world)
+                                   intermediate_size=cfg.intermediate_size // self.world, tie_word_embeddings=False)
 
     def tensors(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This rank's slice of each checkpoint tensor (cfg: the whole model's)."""
