@@ -20,7 +20,7 @@ from blink.engine.engine import Engine, EngineConfig
 from blink.engine.model.default_model import ensure_default_model
 from blink.engine.model.dummy import tensor_shape
 from blink.engine.model.model import checkpoint_tensor_names
-from blink.shared.slot_table import Geometry, Request, SlotState, SlotTable
+from blink.shared.slot_table import Request, SlotState, SlotTable
 
 LLAMA3 = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "rms_norm_eps": 1e-5,
           "rope_theta": 500000.0, "max_position_embeddings": 131072, "hidden_act": "silu", "torch_dtype": "bfloat16",
@@ -90,7 +90,7 @@ def weight_bytes(engine: Engine) -> int:
 
 
 def _table(engine: Engine, window: int = 1024) -> SlotTable:
-    return SlotTable.create(f"gpu-bench-{uuid.uuid4().hex[:8]}", Geometry(engine.state.num_slots, 512, window))
+    return SlotTable.create(f"gpu-bench-{uuid.uuid4().hex[:8]}", engine.geometry(window, max_prompt_tokens=512))
 
 
 def _prompt(slot: int, length: int = 16) -> list[int]:

@@ -172,10 +172,10 @@ def persistent(out: dict, dry_run: bool) -> None:
         out["skipped"] = "persistent does not run here"
         return
     from blink.engine.drive.modes import build
-    from blink.shared.slot_table import Geometry, Request, SlotTable
+    from blink.shared.slot_table import Request, SlotTable
 
     engine = engine_for(model_dir(SHAPES[0], dry_run), dry_run)
-    table = SlotTable.create(f"gpu-bench-{uuid.uuid4().hex[:8]}", Geometry(engine.state.num_slots, 512, 256))
+    table = SlotTable.create(f"gpu-bench-{uuid.uuid4().hex[:8]}", engine.geometry(256, max_prompt_tokens=512))
     driver = build("persistent", engine, table)
     try:
         out["conditional"] = "switch" if driver.switch else "if-chain"

@@ -13,13 +13,13 @@ import torch
 
 from blink.engine.drive.device_step import DeviceStep
 from blink.engine.engine import Engine
-from blink.shared.slot_table import Geometry, Request, SlotTable
+from blink.shared.slot_table import Request, SlotTable
 
 STEPS = 10
 
 
 def eager_step_checks(engine: Engine) -> dict:
-    table = SlotTable.create(f"gpu-bench-{uuid.uuid4().hex[:8]}", Geometry(engine.state.num_slots, 512, 1024))
+    table = SlotTable.create(f"gpu-bench-{uuid.uuid4().hex[:8]}", engine.geometry(1024, max_prompt_tokens=512))
     step = DeviceStep(engine, table)
     out: dict = {}
     try:

@@ -76,11 +76,11 @@ def count_step(model_dir: Path, slots: int, context: int, bucket: int) -> dict[s
     from blink.engine.drive import device_step
     from blink.engine.drive.device_step import DeviceStep
     from blink.engine.engine import Engine, EngineConfig
-    from blink.shared.slot_table import Geometry, Request, SlotTable
+    from blink.shared.slot_table import Request, SlotTable
 
     engine = Engine(EngineConfig(model=str(model_dir), device="cpu", max_num_seqs=slots,
                                  max_num_batched_tokens=max(bucket, slots), max_model_len=context, swap_space=0))
-    table = SlotTable.create(f"bench-step-{uuid.uuid4().hex[:10]}", Geometry(slots, context, window=1 << 16))
+    table = SlotTable.create(f"bench-step-{uuid.uuid4().hex[:10]}", engine.geometry(window=1 << 16))
     try:
         device = DeviceStep(engine, table)
         for slot in range(slots):

@@ -12,6 +12,7 @@ import torch
 
 from blink.engine.core.kv_cache import PagePool
 from blink.engine.core.policy import Policy
+from blink.engine.core.prefix_cache import PrefixCache
 from blink.engine.core.rotation import HostMirror
 from blink.engine.core.state import Slots
 from blink.engine.core.step import Step
@@ -21,6 +22,8 @@ from blink.engine.model.config import DTYPES, ModelConfig
 from blink.engine.model.default_model import ensure_default_model
 from blink.engine.model.model import LOAD_FORMATS, Transformer
 from blink.engine.model.parallel import Shard
+from blink.shared.prefix_hash import prefix_seed
+from blink.shared.slot_table import Geometry
 from blink.shared.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -41,6 +44,7 @@ class EngineConfig:
     load_format: str = "auto"  # auto: the checkpoint's safetensors; dummy: random weights of their shapes (vLLM's)
     scheduling_policy: str = "slo"  # fcfs | priority | slo (blink.engine.core.policy)
     swap_space: float = 4.0  # GiB of host memory for KV rotation; 0: recompute preempted requests instead
+    enable_prefix_caching: bool = True  # requests share the KV pages of equal prompt prefixes (vLLM's default)
     tensor_parallel_size: int = 1  # ranks the model is split over (blink.engine.model.parallel)
     tensor_parallel_rank: int = 0  # this engine's (the LLM API starts the others)
     distributed_init_method: str | None = None  # where the ranks meet: tcp://HOST:PORT
@@ -108,7 +112,10 @@ class Engine:
             pages_per_seq = num_pages - 1
             log.info("context limit lowered to %d tokens to fit the KV pool", max_len)
         self.max_model_len = max_len
-        self.pool = PagePool(self.model.cfg, num_pages, page, self.device)  # this rank's KV heads
+        cache = PrefixCache(num_pages, page, self.device) if config.enable_prefix_caching else None
+        self.pool = PagePool(self.model.cfg, num_pages, page, self.device, cache)  # this rank's KV heads
+        # What the KV of a page depends on besides its tokens: the root of every page hash requests carry.
+        self.prefix_seed = prefix_seed(str(self.model_dir.resolve()), str(cfg.dtype), str(page))
         self.state = Slots(num_slots, max_len, pages_per_seq, cfg.vocab_size, self.device)
         mirror_pages = min(int(config.swap_space * 2**30) // PagePool.bytes_per_page(cfg, page),
                            num_slots * pages_per_seq) + 1
@@ -116,9 +123,28 @@ class Engine:
         self.step = Step(self.model, self.pool, self.state, list(self.generation.eos_token_ids), budget,
                          Policy(config.scheduling_policy), self.shard)
         log.info("engine ready: %s on %s in %s (dtype %s), %d slots, %d-token budget, %d KV pages of %d, context %d, "
-                 "%s scheduling, %d host pages for KV rotation", cfg.architecture, self.device,
+                 "%s scheduling, %d host pages for KV rotation, prefix caching %s", cfg.architecture, self.device,
                  str(cfg.dtype).removeprefix("torch."), config.dtype, num_slots, budget, num_pages, page, max_len,
-                 config.scheduling_policy, max(0, self._mirror_pages - 1))
+                 config.scheduling_policy, max(0, self._mirror_pages - 1),
+                 "on" if config.enable_prefix_caching else "off")
+
+    def geometry(self, window: int, max_prompt_tokens: int | None = None) -> Geometry:
+        """The slot table this engine reads: its slots, prompts up to its context limit (or fewer), its page size
+        and prefix seed, so the page hashes the ingress writes are this engine's."""
+        return Geometry(self.state.num_slots, max_prompt_tokens or self.max_model_len, window,
+                        page_size=self.pool.page_size, prefix_seed=self.prefix_seed)
+
+    def check_geometry(self, g: Geometry) -> None:
+        """Raises unless this engine can serve a slot table of geometry `g`: as many slots, prompts that fit its
+        context, page hashes made for its pages."""
+        if g.num_slots != self.state.num_slots:
+            raise ValueError("the slot table and the engine must have as many slots")
+        if g.max_prompt_tokens > self.max_model_len:
+            raise ValueError(f"the slot table takes prompts of {g.max_prompt_tokens} tokens, past the engine's "
+                             f"context limit of {self.max_model_len}")
+        if g.page_size != self.pool.page_size:  # its hashes would name other token spans than this pool's pages
+            raise ValueError(f"the slot table hashes prompts in pages of {g.page_size} tokens, the engine's pages "
+                             f"hold {self.pool.page_size}: make its geometry with Engine.geometry")
 
     @cached_property
     def mirror(self) -> HostMirror | None:

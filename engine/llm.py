@@ -25,6 +25,7 @@ class RequestOutput:
     logprobs: list[dict[int, float]] | None = None  # per generated token: its logprob and the top ones
     # vLLM's: per prompt token, its logprob given those before it and the top ones (None for the first)
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    num_cached_tokens: int | None = None  # vLLM's: prompt tokens whose KV the prefix cache held (with the finish)
 
 
 class LLM:
@@ -78,6 +79,8 @@ class LLM:
                     if out.logprobs is not None:
                         out.logprobs.append(event.top_logprobs)
                 out.finish_reason = event.finish_reason or out.finish_reason
+                if event.stats is not None:
+                    out.num_cached_tokens = event.stats.cached_tokens
         for out in outputs.values():
             out.text = self.tokenizer.decode(out.token_ids)
         return list(outputs.values())

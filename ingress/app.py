@@ -79,7 +79,8 @@ def create_app(state: IngressState) -> FastAPI:
                 "draining": state.draining, "drive": state.info.drive, "transport": state.transport,
                 "degraded": state.degraded, "device": state.info.device, "epoch": health.epoch,
                 "failovers": health.failovers, "scheduling_policy": state.info.scheduling_policy,
-                "kv_host_pages": state.info.kv_host_pages, "limitations": state.info.limitations}
+                "kv_host_pages": state.info.kv_host_pages, "prefix_caching": state.info.prefix_caching,
+                "limitations": state.info.limitations}
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics", response_class=PlainTextResponse,

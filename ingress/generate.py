@@ -31,6 +31,7 @@ class Delta:
     finish_reason: str | None = None
     prompt: list[TokenLogprob] | None = None  # the prompt's tokens after the first, scored, when asked: all at once
     whole: bool = False  # a whole choice (the deltas merged), not a chunk of a stream
+    cached_tokens: int = 0  # with the finish of a choice that counts its prompt: what the prefix cache held of it
 
 
 def slot_request(prompt: list[int], fields: SamplingFields, max_tokens: int, logprobs: int | None,
@@ -43,7 +44,7 @@ def slot_request(prompt: list[int], fields: SamplingFields, max_tokens: int, log
         prompt=prompt, max_tokens=max_tokens, logprobs=-1 if logprobs is None else logprobs, seed=seed,
         prompt_logprobs=-1 if prompt_logprobs is None else prompt_logprobs,
         stop_token_ids=tuple(fields.stop_token_ids), logit_bias=logit_bias_pairs(fields.logit_bias),
-        service_class=int(service_class),
+        service_class=int(service_class), cache_salt=fields.cache_salt or "",
         ttft_slo_ms=ttft or math.inf, tpot_slo_ms=tpot or math.inf, **knobs_of(fields),
     )
 
@@ -114,6 +115,8 @@ async def choice_deltas(client: SlotClient, tokenizer: Tokenizer, request: Reque
                 tail = detok.flush()
                 delta.text += tail.text
                 delta.finish_reason = "stop" if tail.stopped else FINISH_NAMES[out.finish]
+            if out.stats is not None and counts_prompt:
+                delta.cached_tokens = out.stats.cached_tokens
             finish_reason = delta.finish_reason or finish_reason
             if delta.text or delta.token_ids or delta.finish_reason or delta.prompt:
                 yield delta

@@ -102,6 +102,11 @@ class Metrics:
                                      registry=r).labels(**labels)
         self.generation_tokens = Counter("blink:generation_tokens", "Tokens generated", list(labels),
                                          registry=r).labels(**labels)
+        # vLLM's names, in tokens: of the prompts the engine looked up in the prefix cache, what it found there.
+        self.prefix_queries = Counter("blink:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                      list(labels), registry=r).labels(**labels)
+        self.prefix_hits = Counter("blink:prefix_cache_hits", "Of those, the tokens found cached", list(labels),
+                                   registry=r).labels(**labels)
         self.policies = dict(policies or {})
         self.info = Gauge("blink:engine_info", "The engine's drive mode, transport and scheduling policies",
                           ["drive", "transport", *self.policies, *labels], registry=r)
@@ -143,6 +148,9 @@ class Metrics:
         self.prompt_tokens.inc(record.prompt_tokens)
         self.generation_tokens.inc(record.generated)
         if (stats := record.stats) is not None:
+            if record.prompt_tokens:  # the choice that counts its prompt (the engine reports per request)
+                self.prefix_queries.inc(record.prompt_tokens)
+                self.prefix_hits.inc(stats.cached_tokens)
             m.engine_wait.observe(stats.wait_ms / 1000)
             m.preemptions.inc(stats.preemptions)
             for way, pages, size in (("out", stats.pages_out, stats.bytes_out), ("in", stats.pages_in, stats.bytes_in)):

@@ -46,6 +46,8 @@ class SamplingFields(SamplingKnobs):
                                               description="each prompt token's logprob and the top ones (vLLM's)")
     logit_bias: dict[str, float] | None = Field(
         None, max_length=MAX_LOGIT_BIAS, description="token id -> a bias in [-100, 100] added to its logit")
+    cache_salt: str | None = Field(None, min_length=1, max_length=1024, description="requests share cached KV "
+                                   "pages only with requests of the same salt (vLLM's; prefix caching)")
     # Blink's: the service class (else the x-blink-class header, else the default) and SLOs (else the class's).
     service_class: ClassName | None = None
     ttft_slo_ms: float | None = Field(None, gt=0, allow_inf_nan=False)

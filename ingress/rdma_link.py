@@ -45,5 +45,4 @@ class RdmaLink:
         except BaseException:
             memory.close()
             raise
-        return memory, Geometry(reply.num_slots, reply.max_prompt_tokens, reply.window, reply.top_logprobs,
-                                reply.max_stop_ids)
+        return memory, reply.geometry

@@ -115,12 +115,13 @@ class Shape:
 
 async def sse(shape: Shape, first: Delta | None, deltas: AsyncIterator[Delta],
                prompt_tokens: int, include_usage: bool) -> AsyncIterator[str]:
-    completion_tokens = 0
+    completion_tokens = cached_tokens = 0
     try:
         delta = first
         try:
             while delta is not None:
                 completion_tokens += len(delta.token_ids)
+                cached_tokens += delta.cached_tokens
                 yield f"data: {json.dumps(shape.chunk(delta))}\n\n"
                 delta = await anext(deltas, None)
         except APIError as e:  # after the headers went out: an error event, as vLLM sends, then the end
@@ -129,8 +130,7 @@ async def sse(shape: Shape, first: Delta | None, deltas: AsyncIterator[Delta],
             yield "data: [DONE]\n\n"
             return
         if include_usage:
-            usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                     "total_tokens": prompt_tokens + completion_tokens}
+            usage = _usage(prompt_tokens, completion_tokens, cached_tokens)
             kind = "chat.completion.chunk" if shape.chat else "text_completion"
             yield f"data: {json.dumps({'id': shape.id, 'object': kind, 'created': shape.created, 'model': shape.model, 'choices': [], 'usage': usage})}\n\n"  # noqa: E501
         yield "data: [DONE]\n\n"
@@ -139,8 +139,9 @@ async def sse(shape: Shape, first: Delta | None, deltas: AsyncIterator[Delta],
 
 
 def collect(shape: Shape, first: Delta | None, rest: list[Delta], num_choices: int, prompt_tokens: int) -> dict:
+    deltas = ([first] if first else []) + rest
     by_index: dict[int, list[Delta]] = {}
-    for delta in ([first] if first else []) + rest:
+    for delta in deltas:
         by_index.setdefault(delta.index, []).append(delta)
     choices, completion_tokens = [], 0
     for index in range(num_choices):
@@ -153,5 +154,11 @@ def collect(shape: Shape, first: Delta | None, rest: list[Delta], num_choices: i
         choices.append(shape.choice(whole))
     return {"id": shape.id, "object": "chat.completion" if shape.chat else "text_completion",
             "created": shape.created, "model": shape.model, "choices": choices,
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                      "total_tokens": prompt_tokens + completion_tokens}}
+            "usage": _usage(prompt_tokens, completion_tokens, sum(d.cached_tokens for d in deltas))}
+
+
+def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    """OpenAI's usage, with the prompt tokens the prefix cache held."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}

@@ -16,8 +16,9 @@ def add_settings_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per Settings field; what is not given comes from BLINK_* variables or the defaults."""
     for name, field in Settings.model_fields.items():
         flag = f"--{name.replace('_', '-')}"
-        if field.annotation is bool:  # a switch, as vLLM's --enable-auto-tool-choice
-            parser.add_argument(flag, dest=name, action="store_const", const=True, default=None, help=field.description)
+        if field.annotation is bool:  # a switch and its --no- form, as vLLM's --enable-prefix-caching
+            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None,
+                                help=field.description)
         else:
             parser.add_argument(flag, dest=name, default=None, help=field.description)
 

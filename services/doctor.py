@@ -11,14 +11,14 @@ from blink.shared.slot_table import SHM_DIR
 
 @dataclass
 class Capability:
-    kind: str  # transport | drive | device
+    kind: str  # transport | drive | device | feature
     name: str
     available: bool
     why: str
 
 
 def check(rdma_device: str | None = None) -> list[Capability]:
-    return [*_transports(rdma_device), *_drive_modes()]
+    return [*_transports(rdma_device), *_drive_modes(), *_features()]
 
 
 def _transports(rdma_device: str | None) -> list[Capability]:
@@ -63,14 +63,20 @@ def _drive_modes() -> list[Capability]:
                        why["persistent"] or "the step loops on the GPU in a CUDA graph WHILE node: no host work")]
 
 
+def _features() -> list[Capability]:
+    return [Capability("feature", "prefix-cache", True, "every drive mode: the step looks prompts' page hashes up on "
+                       "the engine's device and shares cached KV pages; on unless --no-enable-prefix-caching")]
+
+
 def _device_modes(why: str) -> list[Capability]:
     return [Capability("drive", mode, False, why) for mode in ("graph", "persistent")]
 
 
 def report(capabilities: list[Capability]) -> str:
     lines = []
-    for kind in ("device", "transport", "drive"):
-        lines.append({"device": "engine device", "transport": "transports", "drive": "drive modes"}[kind] + ":")
+    titles = {"device": "engine device", "transport": "transports", "drive": "drive modes", "feature": "features"}
+    for kind, title in titles.items():
+        lines.append(title + ":")
         for c in (c for c in capabilities if c.kind == kind):
             lines.append(f"  {c.name:<11} {'yes' if c.available else 'no ':<4} {c.why}")
     return "\n".join(lines)

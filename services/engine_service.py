@@ -52,10 +52,9 @@ class EngineService:
             model=settings.model, device=settings.device, dtype=settings.dtype, max_num_seqs=settings.max_num_seqs,
             max_num_batched_tokens=settings.max_num_batched_tokens, max_model_len=settings.max_model_len,
             num_pages=settings.num_pages, scheduling_policy=settings.scheduling_policy, swap_space=settings.swap_space,
-            load_format=settings.load_format,
+            load_format=settings.load_format, enable_prefix_caching=settings.enable_prefix_caching,
         ))
-        geometry = Geometry(num_slots=self.engine.state.num_slots, max_prompt_tokens=self.engine.max_model_len,
-                            window=settings.window)
+        geometry = self.engine.geometry(settings.window)
         self.keys = sockets.load_keys(settings, create=True)
         self.table = open_table(settings.deployment, geometry)
         self.driver = self._build_driver()
@@ -69,6 +68,7 @@ class EngineService:
             eos_token_ids=list(self.engine.generation.eos_token_ids), device=str(self.engine.device),
             drive=self.driver.mode, pid=os.getpid(), scheduling_policy=settings.scheduling_policy,
             kv_host_pages=self.driver.mirror.num_pages - 1 if self.driver.mirror else 0,
+            prefix_caching=settings.enable_prefix_caching,
             limitations=list(self.driver.limitations),
         )
         log.info("drive mode", mode=self.driver.mode, kv_host_pages=self.info.kv_host_pages, **self.info.policies())
@@ -217,9 +217,7 @@ class EngineService:
             return control.Failure(message=str(e))
         g = self.table.geometry
         log.info("rdma queue pair up", remote_device=remote.device, remote_gid=remote.gid, qp_num=peer.qp_num)
-        return control.RdmaAccept(peer=peer, address=address, rkey=rkey, size=self.rdma.size, num_slots=g.num_slots,
-                                  max_prompt_tokens=g.max_prompt_tokens, window=g.window,
-                                  top_logprobs=g.top_logprobs, max_stop_ids=g.max_stop_ids,
+        return control.RdmaAccept(peer=peer, address=address, rkey=rkey, size=self.rdma.size, geometry=g,
                                   epoch=int(self.table.header["epoch"]))
 
 

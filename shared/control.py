@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Annotated, Literal
 from pydantic import BaseModel, Field, TypeAdapter
 
 from blink.shared.service_class import ClassDefaults, ClassName, ClassSLO
+from blink.shared.slot_table import Geometry
 
 if TYPE_CHECKING:
     from blink.shared.sockets import Keys
@@ -72,11 +73,7 @@ class RdmaAccept(BaseModel):
     address: int
     rkey: int
     size: int
-    num_slots: int
-    max_prompt_tokens: int
-    window: int
-    top_logprobs: int
-    max_stop_ids: int
+    geometry: Geometry
     epoch: int
 
 
@@ -133,11 +130,13 @@ class EngineInfo(BaseModel):
     pid: int
     scheduling_policy: str = "slo"
     kv_host_pages: int = 0  # the host mirror KV pages rotate to; 0: recompute only
+    prefix_caching: bool = True
     limitations: list[str] = []  # what the drive mode does not do yet (blink.engine.drive.driver.Driver)
 
     def policies(self) -> dict[str, str]:
         """How the engine schedules, in words: the start-up log and blink:engine_info's labels say it."""
-        return {"scheduling_policy": self.scheduling_policy, "kv_rotation": "on" if self.kv_host_pages else "off"}
+        return {"scheduling_policy": self.scheduling_policy, "kv_rotation": "on" if self.kv_host_pages else "off",
+                "prefix_caching": "on" if self.prefix_caching else "off"}
 
 
 class EngineStatus(BaseModel):

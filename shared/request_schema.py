@@ -87,11 +87,13 @@ KNOBS = tuple(f for f in FIELDS if f.knob)
 FIRST = FIELDS[0].name
 
 
-def record_fields(max_stop_ids: int) -> list[tuple]:
+def record_fields(max_stop_ids: int, max_page_hashes: int) -> list[tuple]:
     """The request's part of a slot record (numpy dtype entries), its arrays last: the stop ids, the biased
-    tokens and their biases (OpenAI's logit_bias)."""
+    tokens and their biases (OpenAI's logit_bias), and the prompt's page hashes (blink.shared.prefix_hash: what
+    prefix caching looks up; one per full page of the prompt)."""
     return [*((f.name, f.wire) for f in FIELDS), ("stop_ids", "<i4", (max_stop_ids,)),
-            ("logit_bias_ids", "<i4", (MAX_LOGIT_BIAS,)), ("logit_bias", "<f4", (MAX_LOGIT_BIAS,))]
+            ("logit_bias_ids", "<i4", (MAX_LOGIT_BIAS,)), ("logit_bias", "<f4", (MAX_LOGIT_BIAS,)),
+            ("page_hashes", "<i8", (max(1, max_page_hashes),))]
 
 
 def _request_fields() -> list[tuple]:
@@ -100,14 +102,16 @@ def _request_fields() -> list[tuple]:
             *((f.name, f.python_type, field(default=f.default)) for f in FIELDS
               if f.name not in specials | {"max_tokens"}),
             ("stop_token_ids", tuple[int, ...], field(default=())),
-            ("logit_bias", tuple[tuple[int, float], ...], field(default=()))]
+            ("logit_bias", tuple[tuple[int, float], ...], field(default=())),
+            ("cache_salt", str, field(default=""))]
 
 
 Request = make_dataclass("Request", _request_fields())
 Request.__module__ = __name__  # for pickling and repr (make_dataclass's `module` is 3.12's)
 Request.__doc__ = """What the ingress writes into a slot: the prompt, max_tokens, then every field of FIELDS with its
 default (`logprobs` -1: none; `ttft_slo_ms`: what remains of the SLO at publication, inf: none), the stop
-token ids and the logit biases ((token id, bias) pairs)."""
+token ids, the logit biases ((token id, bias) pairs) and the cache salt (vLLM's: requests share cached KV pages only
+with requests of the same salt; it goes into the page hashes, not the record)."""
 
 
 def _pydantic_knob(f: RequestField) -> tuple:

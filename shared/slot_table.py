@@ -25,10 +25,11 @@ from pathlib import Path
 
 import numpy as np
 
+from blink.shared.prefix_hash import page_hashes
 from blink.shared.request_schema import FIELDS, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_IDS, Request, record_fields
 
 MAGIC = 0x424C494E4B534C54  # "BLINKSLT"
-VERSION = 5  # 5: records carry prompt_logprobs and logit biases
+VERSION = 6  # 6: records carry their prompt's page hashes (prefix caching)
 SHM_DIR = Path(os.environ.get("BLINK_SHM_DIR", "/dev/shm"))  # another directory stands for another host in tests
 
 
@@ -82,15 +83,22 @@ class Geometry:
     window: int  # output tokens a slot buffers before the engine pauses it
     top_logprobs: int = MAX_LOGPROBS
     max_stop_ids: int = MAX_STOP_IDS
+    page_size: int = 16  # tokens per KV page: a record holds a hash per full page of its prompt
+    prefix_seed: int = 0  # the engine's part of the page hashes (blink.shared.prefix_hash)
+
+    @property
+    def max_page_hashes(self) -> int:
+        return self.max_prompt_tokens // self.page_size
 
 
-_COUNTED = ("preemptions", "pages_out", "pages_in", "bytes_out", "bytes_in")
+_COUNTED = ("preemptions", "pages_out", "pages_in", "bytes_out", "bytes_in", "cached_tokens")
 
 HEADER = np.dtype([
     ("magic", "<u8"), ("version", "<u4"), ("num_slots", "<u4"), ("max_prompt_tokens", "<u4"), ("window", "<u4"),
     ("top_logprobs", "<u4"), ("max_stop_ids", "<u4"), ("engine_state", "<u4"), ("failovers", "<u4"),
     ("epoch", "<u8"), ("steps", "<u8"), ("last_step_ns", "<u8"), ("client", "<u4"),
     ("admission_limit", "<u4"),  # requests the engine admits at once (the control plane's set_limits)
+    ("page_size", "<u4"), ("prefix_seed", "<u8"),
 ], align=True)
 NO_LIMIT = 0xFFFFFFFF
 HEADER_BYTES = 256
@@ -101,13 +109,13 @@ def slot_dtype(g: Geometry) -> np.dtype:
         # Control: state has one owner per transition; cancel is the ingress's.
         ("state", "<u4"), ("seq", "<u4"), ("epoch", "<u4"), ("cancel", "<u4"),
         # The request, written by the ingress before it publishes the slot (blink.shared.request_schema).
-        *record_fields(g.max_stop_ids),
+        *record_fields(g.max_stop_ids, g.max_page_hashes),
         ("prompt", "<i4", (g.max_prompt_tokens,)),
         # The output window, written by the engine; consumed is the ingress's.
         ("produced", "<u4"), ("consumed", "<u4"), ("finish_reason", "<u4"),
         # What the engine did to the request, written before it finishes the slot.
         ("preemptions", "<u4"), ("pages_out", "<u4"), ("pages_in", "<u4"), ("bytes_out", "<u8"), ("bytes_in", "<u8"),
-        ("wait_ms", "<f4"),
+        ("cached_tokens", "<u4"), ("wait_ms", "<f4"),
         ("tokens", "<i4", (g.window,)), ("logprob", "<f4", (g.window,)),
         ("top_ids", "<i4", (g.window, g.top_logprobs)), ("top_logprobs", "<f4", (g.window, g.top_logprobs)),
     ], align=True)
@@ -123,6 +131,7 @@ class RequestStats:
     pages_in: int = 0
     bytes_out: int = 0
     bytes_in: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (OpenAI's usage.prompt_tokens_details)
     wait_ms: float = 0.0
 
 
@@ -154,6 +163,9 @@ def write_request(record: np.void, request: Request, g: Geometry) -> None:
     if bias:
         record["logit_bias_ids"][: len(bias)], record["logit_bias"][: len(bias)] = zip(*bias, strict=True)
     record["prompt"][:n] = request.prompt
+    hashes = page_hashes(request.prompt, g.page_size, g.prefix_seed, request.cache_salt)
+    record["page_hashes"][: len(hashes)] = hashes
+    record["page_hashes"][len(hashes):] = 0
 
 
 class SlotTable:
@@ -189,6 +201,7 @@ class SlotTable:
         for field, value in (("version", VERSION), ("num_slots", geometry.num_slots),
                              ("max_prompt_tokens", geometry.max_prompt_tokens), ("window", geometry.window),
                              ("top_logprobs", geometry.top_logprobs), ("max_stop_ids", geometry.max_stop_ids),
+                             ("page_size", geometry.page_size), ("prefix_seed", geometry.prefix_seed),
                              ("epoch", epoch), ("engine_state", EngineState.STARTING),
                              ("admission_limit", NO_LIMIT)):
             h[field] = value
@@ -208,7 +221,7 @@ class SlotTable:
         if int(h["magic"]) != MAGIC or int(h["version"]) != VERSION:
             raise ValueError(f"{path} is not a version-{VERSION} Blink slot table")
         geometry = Geometry(int(h["num_slots"]), int(h["max_prompt_tokens"]), int(h["window"]),
-                            int(h["top_logprobs"]), int(h["max_stop_ids"]))
+                            int(h["top_logprobs"]), int(h["max_stop_ids"]), int(h["page_size"]), int(h["prefix_seed"]))
         if size != cls.size_for(geometry):
             raise ValueError(f"{path} is {size} bytes, its header describes {cls.size_for(geometry)}")
         return cls(path, mapping, geometry)
@@ -248,7 +261,7 @@ class SlotTable:
         finished = s["state"] == SlotState.FINISHED  # read before `produced`: then no token can follow it
         produced, consumed = int(s["produced"]), int(s["consumed"])
         at = [i % window for i in range(consumed, produced)]
-        stats = RequestStats(*(int(s[f]) for f in _COUNTED), float(s["wait_ms"])) if finished else None
+        stats = RequestStats(**{f: int(s[f]) for f in _COUNTED}, wait_ms=float(s["wait_ms"])) if finished else None
         out = Output(s["tokens"][at].tolist(), s["logprob"][at].tolist(), s["top_ids"][at].tolist(),
                      s["top_logprobs"][at].tolist(), Finish(int(s["finish_reason"])) if finished else Finish.NONE,
                      stats)

@@ -149,11 +149,11 @@ def tiny_engine(checkpoint):
 
 @pytest.fixture
 def small_table():
-    """A 4-slot table with a 3-token window, removed afterwards."""
+    """A 4-slot table with a 3-token window and tiny_engine's pages, removed afterwards."""
     import uuid
 
     from blink.shared.slot_table import Geometry, SlotTable
 
-    table = SlotTable.create(f"test-{uuid.uuid4().hex[:10]}", Geometry(4, 64, 3))
+    table = SlotTable.create(f"test-{uuid.uuid4().hex[:10]}", Geometry(4, 64, 3, page_size=8))
     yield table
     table.unlink()

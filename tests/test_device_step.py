@@ -12,7 +12,7 @@ import pytest
 from blink.engine.drive.device_step import DeviceStep
 from blink.engine.drive.host import HostDriver
 from blink.engine.engine import Engine, EngineConfig
-from blink.shared.slot_table import Finish, Geometry, Request, SlotState, SlotTable
+from blink.shared.slot_table import Finish, Request, SlotState, SlotTable
 
 REQUESTS = {
     0: Request([5, 6, 7, 8], 6, temperature=0.0, ignore_eos=True, logprobs=2),
@@ -171,6 +171,38 @@ def test_the_device_step_makes_the_host_modes_policy_decisions(checkpoint, table
     assert sum(stats.pages_out for _, _, stats in host.values()) > 0 and moved["device"] == moved["host"]
 
 
+def test_the_device_step_reuses_cached_prefixes_as_the_host_driver_does(checkpoint, table, devices):
+    """Prefix caching inside the device step: a prompt, then (once it finished) the same prompt, one sharing its
+    first five pages, one ending mid-page and a seeded one. The device step gives the host driver's tokens and
+    cached tokens, and the tokens of a host driver without the cache."""
+    prompt = list(range(10, 60))  # six full pages of 8
+    waves = [{0: Request(prompt, 5, temperature=0.0, ignore_eos=True)},
+             {0: Request(prompt, 5, temperature=0.0, ignore_eos=True),
+              1: Request([*prompt[:40], 7, 7, 7], 5, temperature=0.0, ignore_eos=True),
+              2: Request(prompt[:21], 5, temperature=0.0, ignore_eos=True),
+              3: Request([*prompt, 3], 5, temperature=0.8, seed=9, ignore_eos=True)}]
+
+    def serve(caching: bool, device: bool) -> list[dict]:
+        engine = Engine(EngineConfig(model=str(checkpoint("qwen3")), max_num_seqs=4, max_num_batched_tokens=32,
+                                     num_pages=64, page_size=8, max_model_len=96, enable_prefix_caching=caching))
+        step = _device(engine, table, devices)[1] if device else HostDriver(engine, table).step
+        served = []
+        for wave in waves:
+            got = _serve(table, step, wave)
+            cached = {slot: int(table.slots[slot]["cached_tokens"]) for slot in wave}  # the finished record's
+            served.append({slot: (got[slot][0], got[slot][2], cached[slot]) for slot in wave})
+            for slot in wave:
+                table.free(slot)
+        return served
+
+    host = serve(caching=True, device=False)
+    assert [cached for *_, cached in host[1].values()] == [48, 40, 16, 48]
+    assert serve(caching=True, device=True) == host
+    plain = serve(caching=False, device=False)
+    assert [{s: got[:2] for s, got in wave.items()} for wave in plain] == [
+        {s: got[:2] for s, got in wave.items()} for wave in host]
+
+
 def test_invalid_records_end_and_a_newer_epoch_fences_the_device(tiny_engine, table, devices):
     engine = tiny_engine()
     device, step = _device(engine, table, devices)
@@ -211,8 +243,9 @@ def test_the_device_step_fits_its_step_cost_and_caps_tokens_for_a_tight_tpot(che
     token, and once a long nap), fits a + b·tokens in device memory, and the TPOT cap uses the fit: a long prompt
     beside a decode with a tight TPOT SLO is cut to the cap's floor, as the host mode cuts it."""
     engine = Engine(EngineConfig(model=str(checkpoint("qwen3")), max_num_seqs=4, max_num_batched_tokens=256,
-                                 num_pages=80, page_size=8, max_model_len=256))
-    table = SlotTable.create(f"test-{uuid.uuid4().hex[:10]}", Geometry(4, 256, 8))
+                                 num_pages=80, page_size=8, max_model_len=256,
+                                 enable_prefix_caching=False))  # each round computes the same prompt whole
+    table = SlotTable.create(f"test-{uuid.uuid4().hex[:10]}", engine.geometry(8, 256))
     device = DeviceStep(engine, table)
     now = 1000.0
 

@@ -66,7 +66,7 @@ def test_graph_mode_gives_the_host_modes_greedy_tokens(kind, checkpoint):
     prompts = [[5, 6, 7, 8], list(range(10, 60)), [99] * 7, [42, 43]]
     results = {}
     for mode in ("host", "graph"):
-        table = SlotTable.create(f"test-{uuid.uuid4().hex[:10]}", Geometry(4, 128, 8))
+        table = SlotTable.create(f"test-{uuid.uuid4().hex[:10]}", Geometry(4, 128, 8, page_size=8))
         try:
             driver = build(mode, engine(), table)  # one interface: each steps by itself once started
             driver.start()

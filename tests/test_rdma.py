@@ -110,7 +110,7 @@ def test_requests_through_a_replica_equal_those_through_shm(engine):
     prompts = [[5, 6, 7, 8], list(range(10, 60)), [99] * 7, [1, 2, 3], [42, 43]]
     results = {}
     for name in ("shm", "replica"):
-        table = SlotTable.create(f"test-{uuid.uuid4().hex[:10]}", Geometry(4, 128, 4))
+        table = SlotTable.create(f"test-{uuid.uuid4().hex[:10]}", engine.geometry(4, 128))
         stop = threading.Event()
         thread = _drive(engine, table, stop)
         view = table if name == "shm" else ReplicaTable(MappedMemory(table.path), table.geometry)
@@ -135,7 +135,7 @@ def test_requests_through_a_replica_equal_those_through_shm(engine):
 
 
 def test_a_lost_path_is_restored_and_the_request_completes_once(engine):
-    table = SlotTable.create(f"test-{uuid.uuid4().hex[:10]}", Geometry(4, 128, 4))
+    table = SlotTable.create(f"test-{uuid.uuid4().hex[:10]}", engine.geometry(4, 128))
     stop = threading.Event()
     thread = _drive(engine, table, stop)
     replica = ReplicaTable(MappedMemory(table.path), table.geometry)

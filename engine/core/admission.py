@@ -25,7 +25,7 @@ _VIEW = {"<u4": torch.int32, "<i4": torch.int32, "<f4": torch.float32, "<u8": to
 _LANDED_OTHERWISE = {"max_tokens", "seed"}  # schema fields with a conversion of their own below
 # What a new request starts from, whatever the slot held before.
 _RESET = (("num_computed", 0), ("finish_reason", 0), ("cancel", False), ("paused", False), ("rotated", False),
-          ("preemptions", 0), ("pages_out", 0), ("pages_in", 0), ("wait_s", 0.0), ("scored", 0))
+          ("preemptions", 0), ("pages_out", 0), ("pages_in", 0), ("wait_s", 0.0), ("scored", 0), ("cached_tokens", 0))
 
 
 def span(record: np.dtype) -> tuple[int, int]:
@@ -45,7 +45,8 @@ def field_views(raw: torch.Tensor, record: np.dtype) -> dict[str, torch.Tensor]:
     for f in FIELDS:
         offset, size = record.fields[f.name][1] - start, np.dtype(f.wire).itemsize
         views[f.name] = raw[:, offset:offset + size].view(_VIEW[f.wire])[:, 0]
-    for name, dtype in (("stop_ids", torch.int32), ("logit_bias_ids", torch.int32), ("logit_bias", torch.float32)):
+    for name, dtype in (("stop_ids", torch.int32), ("logit_bias_ids", torch.int32), ("logit_bias", torch.float32),
+                        ("page_hashes", torch.int64)):
         array, offset = record.fields[name][:2]
         offset -= start
         views[name] = raw[:, offset:offset + array.itemsize].view(dtype)  # as many as the record holds
@@ -85,6 +86,9 @@ def admit(state: Slots, admitted: torch.Tensor, records: dict[str, torch.Tensor]
     state.logit_bias_ids.copy_(torch.where(admitted[:, None], torch.where(given, bias_ids, -1), state.logit_bias_ids))
     state.logit_bias.copy_(torch.where(admitted[:, None], torch.where(given, records["logit_bias"], 0.0),
                                        state.logit_bias))
+    hashes = records["page_hashes"]  # as many as the record holds: a hash per full page of its longest prompt
+    held = state.page_hashes[:, :hashes.shape[1]]
+    held.copy_(torch.where(admitted[:, None], hashes, held))
     land("arrival", arrival)
     for name, value in _RESET:
         land(name, value)

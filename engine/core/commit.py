@@ -10,7 +10,7 @@ import torch
 from blink.engine.core.kv_cache import PagePool
 from blink.engine.core.rotation import HostMirror
 from blink.engine.core.sampler import SampleOutput
-from blink.engine.core.scheduler import StepPlan, advance
+from blink.engine.core.scheduler import StepPlan, advance, max_new_pages
 from blink.engine.core.state import Slots, SlotStatus
 from blink.shared.request_schema import MAX_LOGPROBS
 from blink.shared.slot_table import Finish
@@ -61,6 +61,10 @@ def commit(state: Slots, pool: PagePool, mirror: HostMirror | None, plan: StepPl
            prompt: PromptScores | None = None) -> StepOutput:
     S = state.num_slots
     advance(state, plan)
+    if pool.prefix_cache is not None:  # the prompt pages this step filled can be found from now on
+        pool.prefix_cache.register(state.page_hashes, state.prompt_len, state.num_computed - plan.take,
+                                   state.num_computed, state.block_table,
+                                   max_new_pages(plan.token_slot.shape[0], pool.page_size))
     slot, sampled = plan.sample_slot[:rows], plan.sample_valid[:rows]
     # max_tokens 0 (the prompt's logprobs only): the row ends its request without a token.
     valid = sampled & (state.max_tokens[slot] > 0)

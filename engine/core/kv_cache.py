@@ -7,9 +7,14 @@ scatters and prefix sums), so they run inside the step with no host sync.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from blink.engine.model.config import ModelConfig
+
+if TYPE_CHECKING:
+    from blink.engine.core.prefix_cache import PrefixCache
 
 NULL_PAGE = 0
 
@@ -48,7 +53,9 @@ class FreeList:
 
 
 class PagePool:
-    def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int, device: torch.device):
+    def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int, device: torch.device,
+                 prefix_cache: PrefixCache | None = None):
+        """prefix_cache: the pages' allocator with prefix caching (its pages shared and kept); else a FreeList."""
         if num_pages < 2:
             raise ValueError(f"the KV pool needs at least 2 pages (one is the null page), got {num_pages}")
         self.num_pages = num_pages
@@ -57,7 +64,8 @@ class PagePool:
         # Zeroed so padding tokens that read never-written rows still see finite values.
         self.k = torch.zeros(shape, dtype=cfg.dtype, device=device)
         self.v = torch.zeros(shape, dtype=cfg.dtype, device=device)
-        self.free = FreeList(num_pages, device)
+        self.prefix_cache = prefix_cache
+        self.free = prefix_cache or FreeList(num_pages, device)
 
     @property
     def num_free(self) -> torch.Tensor:

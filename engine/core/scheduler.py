@@ -14,8 +14,9 @@ from typing import NamedTuple
 
 import torch
 
-from blink.engine.core.kv_cache import PagePool
+from blink.engine.core.kv_cache import NULL_PAGE, PagePool
 from blink.engine.core.policy import Policy, lexsort
+from blink.engine.core.prefix_cache import PrefixCache
 from blink.engine.core.rotation import HostMirror, PageMoves
 from blink.engine.core.state import Slots, SlotStatus
 
@@ -85,6 +86,8 @@ def plan(state: Slots, pool: PagePool, token_budget: int, policy: Policy, mirror
     # Hand out the token budget in the policy's order, up to its cap.
     fresh = resident & (state.num_computed == 0) & (state.pages_held == 0)
     held_back = fresh & _hold_new(state, pool, policy, mirror, token_budget)
+    if pool.prefix_cache is not None:
+        _reuse_prefix(state, pool.prefix_cache, fresh & ~held_back & ~state.cancel)
     live = resident & ~state.paused & ~state.cancel & ~held_back
     demand = torch.where(live, state.seq_len - state.num_computed, 0)
     if prompt_rows:  # else no resident request asked for its prompt's logprobs
@@ -115,7 +118,7 @@ def plan(state: Slots, pool: PagePool, token_budget: int, policy: Policy, mirror
     state.preemptions += evicted.long()
     state.num_preemptions += evicted.sum()
     state.num_recomputes += recompute.sum()
-    pool.allocate(need, state.block_table, state.pages_held, max_new=token_budget // page + 2)
+    pool.allocate(need, state.block_table, state.pages_held, max_new=max_new_pages(token_budget, page))
     if mirror:
         come_back = running & state.rotated & ~state.cancel & ~state.paused & ~rotate_out & ~evicted.any()
         moves_in = _move_in(state, pool, mirror, come_back, keep, reserve, token_budget)
@@ -152,6 +155,15 @@ def plan(state: Slots, pool: PagePool, token_budget: int, policy: Policy, mirror
                     sample_token, sample_valid, entries, moves, sizes)
 
 
+def _reuse_prefix(state: Slots, cache: PrefixCache, starting: torch.Tensor) -> None:
+    """Requests starting (or starting over after a recompute) take what the prefix cache holds of their prompt; one
+    that asks for its prompt's logprobs computes every position."""
+    starting = starting & (state.prompt_logprobs < 0)
+    hit = cache.reuse(state.page_hashes, state.prompt_len, starting, state.block_table, state.pages_held,
+                      state.num_computed)
+    state.cached_tokens.copy_(torch.where(starting & (state.preemptions == 0), hit, state.cached_tokens))
+
+
 def _score_prompts(state: Slots, take: torch.Tensor, order: torch.Tensor,
                    prompt_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The prompt logprobs each slot computes with its tokens (its positions from `scored` up to the prompt's
@@ -176,6 +188,11 @@ def advance(state: Slots, planned: StepPlan) -> None:
                                        torch.maximum(state.num_computed, state.scored) + planned.prompt_entries,
                                        state.scored))
     state.num_computed += planned.take
+
+
+def max_new_pages(token_budget: int, page: int) -> int:
+    """The most pages one slot's tokens in a step reach into (a run of the whole budget across page bounds)."""
+    return token_budget // page + 2
 
 
 def max_chunk_rows(token_budget: int, num_slots: int) -> int:
@@ -208,19 +225,46 @@ def _make_room(state: Slots, pool: PagePool, need: torch.Tensor, take: torch.Ten
     """Keeps the longest prefix of slots, in `keep` order, whose new pages (and a page for each slot ahead that
     will cross into a new page next step) fit once every slot after it gives its pages back; then takes pages,
     in `victims` order, from as few slots past that prefix as the prefix needs. Returns the new pages, the
-    tokens, the evicted slots and the pages reserved for the next step."""
-    need_o, held_o, cross_o = need[keep], state.pages_held[keep], crossing[keep]
-    held_after = held_o.sum() - held_o.cumsum(0)
-    fits_o = need_o.cumsum(0) + cross_o.cumsum(0) - cross_o <= pool.num_free + held_after
+    tokens, the evicted slots and the pages reserved for the next step.
+
+    A page frees when every slot mapping it gives it back (prefix caching shares pages), so what giving back frees
+    is counted per page, by the first slot (in keep order) or the last victim that maps it."""
+    S = state.num_slots
+    need_o, cross_o = need[keep], crossing[keep]
+    first_o = _pages_by_position(state, pool, _positions(keep), "amin").cumsum(0)  # pages kept by slots <= k
+    freed_after = first_o[-1] - first_o
+    fits_o = need_o.cumsum(0) + cross_o.cumsum(0) - cross_o <= pool.num_free + freed_after
     fits = torch.empty_like(fits_o).scatter_(0, keep, fits_o)
     reserve = (crossing * fits).sum()
     deficit = (need * fits).sum() + reserve - pool.num_free
-    held_v = torch.where(~fits & (state.pages_held > 0), state.pages_held, 0)[victims]
-    evict_v = (held_v > 0) & (held_v.cumsum(0) - held_v < deficit)
+    candidate = ~fits & (state.pages_held > 0)
+    at = torch.where(candidate, _positions(victims), S)  # a page a kept slot maps never frees
+    last_v = _pages_by_position(state, pool, at, "amax")
+    evict_v = candidate[victims] & (last_v.cumsum(0) - last_v < deficit)  # short before this victim gives back
     evicted = torch.empty_like(evict_v).scatter_(0, victims, evict_v)
     # A slot past the prefix still runs if it needs no new page and keeps its own.
     runs = fits | ((need == 0) & ~evicted)
     return torch.where(fits, need, 0), torch.where(runs, take, 0), evicted, reserve
+
+
+def _positions(order: torch.Tensor) -> torch.Tensor:
+    """[S] each slot's position in `order` (a permutation of the slots)."""
+    return torch.empty_like(order).scatter_(0, order, torch.arange(order.shape[0], device=order.device))
+
+
+def _pages_by_position(state: Slots, pool: PagePool, position: torch.Tensor, reduce: str) -> torch.Tensor:
+    """[S] how many pages have their first ('amin') or last ('amax') mapping slot at each position (slot s at
+    `position[s]`, in [0, S]; S counts nowhere). Without shared pages: each slot's pages_held, by position."""
+    S, table = state.num_slots, state.block_table
+    held = torch.arange(table.shape[1], device=table.device)[None, :] < state.pages_held[:, None]
+    pages = torch.where(held, table, NULL_PAGE).flatten()
+    start = S if reduce == "amin" else -1
+    by_page = torch.full((pool.num_pages,), start, dtype=torch.int64, device=table.device)
+    by_page.scatter_reduce_(0, pages, torch.where(held, position[:, None], start).flatten(), reduce=reduce)
+    by_page = torch.where(by_page < 0, S, by_page)  # mapped by no slot
+    by_page[NULL_PAGE] = S
+    return torch.zeros(S + 1, dtype=torch.int64, device=table.device).scatter_add_(
+        0, by_page, torch.ones_like(by_page))[:S]
 
 
 def _hold_new(state: Slots, pool: PagePool, policy: Policy, mirror: HostMirror | None,

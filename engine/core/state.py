@@ -61,6 +61,8 @@ class Slots:
         # Pages of each sequence; the last column takes masked-off writes.
         self.block_table = zeros(S, max_pages + 1)
         self.pages_held = zeros(S)
+        # The prompt's page hashes, from the record: what prefix caching looks up and registers (prefix_cache).
+        self.page_hashes = zeros(S, max_pages)
         # Sequences whose pages were rotated out to the host mirror wait there, in these pages, to come back.
         self.rotated = zeros(S, dtype=torch.bool)
         self.host_table = zeros(S, max_pages + 1)
@@ -69,6 +71,7 @@ class Slots:
         self.preemptions = zeros(S)
         self.pages_out = zeros(S)
         self.pages_in = zeros(S)
+        self.cached_tokens = zeros(S)  # prompt tokens the prefix cache gave the request when it first started
         self.wait_s = zeros(S, dtype=torch.float64)
         self.output_counts = zeros(S, vocab_size, dtype=torch.int32)
         self.prompt_mask = zeros(S, vocab_size, dtype=torch.bool)

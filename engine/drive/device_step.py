@@ -40,8 +40,7 @@ NAP_OVER_PREDICTION = 4.0
 
 class DeviceStep:
     def __init__(self, engine: Engine, table: SlotTable):
-        if table.geometry.num_slots != engine.state.num_slots:
-            raise ValueError("the slot table and the engine must have as many slots")
+        engine.check_geometry(table.geometry)
         if engine.model_config.moe is not None and engine.model.kernels != "triton":
             raise RuntimeError("a mixture of experts runs in the device step with the Triton kernels only (the torch "
                                "path reads on the host which experts run): unset BLINK_KERNELS")

@@ -122,7 +122,7 @@ def _events(out: StepOutput, resident: Mapping[int, Asked], features: SamplerFea
     if features.logprobs:
         logprob, top_ids, top_lp = out.logprob.tolist(), out.top_ids.tolist(), out.top_logprobs.tolist()
     if any(reasons):
-        counts = torch.stack([state.preemptions, state.pages_out, state.pages_in]).tolist()
+        counts = torch.stack([state.preemptions, state.pages_out, state.pages_in, state.cached_tokens]).tolist()
         waited = state.wait_s.tolist()
     scored = _scored(out.prompt, resident) if out.prompt is not None else {}
     events = {}
@@ -138,7 +138,7 @@ def _events(out: StepOutput, resident: Mapping[int, Asked], features: SamplerFea
             event.finish_reason = FINISH_NAMES[Finish(reason)]
             out_pages, in_pages = counts[1][slot], counts[2][slot]
             event.stats = RequestStats(counts[0][slot], out_pages, in_pages, out_pages * page_bytes,
-                                       in_pages * page_bytes, waited[slot] * 1000)
+                                       in_pages * page_bytes, counts[3][slot], waited[slot] * 1000)
         events[slot] = event
     return events
 
@@ -165,8 +165,7 @@ class HostDriver:
     limitations = ()
 
     def __init__(self, engine: Engine, table: SlotTable):
-        if table.geometry.num_slots != engine.state.num_slots:
-            raise ValueError("the slot table and the engine must have as many slots")
+        engine.check_geometry(table.geometry)
         self.engine, self.table = engine, table
         self.epoch = int(table.header["epoch"])
         self.loop = HostLoop(engine)

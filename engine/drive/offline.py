@@ -18,7 +18,7 @@ from blink.engine.drive.host import Asked, HostLoop, SlotEvent
 from blink.engine.engine import Engine
 from blink.engine.sampling_params import SamplingParams
 from blink.shared.request_schema import Request, knobs_of, logit_bias_pairs
-from blink.shared.slot_table import Geometry, slot_dtype, write_request
+from blink.shared.slot_table import slot_dtype, write_request
 
 
 @dataclass
@@ -48,7 +48,7 @@ class OfflineDriver:
         self._free_slots = list(range(self.state.num_slots - 1, -1, -1))
         # The slot records requests are written into, as the ingress writes them into the slot table: admission
         # reads them as it reads the table's.
-        self.geometry = Geometry(self.state.num_slots, engine.max_model_len, window=1)
+        self.geometry = engine.geometry(window=1)
         self.records = np.zeros(self.state.num_slots, dtype=slot_dtype(self.geometry))
         self._arrivals = 0
         self._seeds = random.Random(engine.config.seed)

@@ -25,11 +25,11 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Record fields the kernels touch, in the order of the offsets tensor; K_* name their indices. The request's own
 # fields are not among them: the admit kernel copies their bytes whole and blink.engine.core.admission lands them.
 FIELDS = ("state", "epoch", "cancel", "prompt_len", "logprobs", "prompt_logprobs", "prompt", "produced", "consumed",
-          "finish_reason", "preemptions", "pages_out", "pages_in", "bytes_out", "bytes_in", "wait_ms", "tokens",
-          "logprob", "top_ids", "top_logprobs")
+          "finish_reason", "preemptions", "pages_out", "pages_in", "bytes_out", "bytes_in", "cached_tokens", "wait_ms",
+          "tokens", "logprob", "top_ids", "top_logprobs")
 (K_STATE, K_EPOCH, K_CANCEL, K_PROMPT_LEN, K_LOGPROBS, K_PROMPT_LOGPROBS, K_PROMPT, K_PRODUCED, K_CONSUMED, K_FINISH,
- K_PREEMPTIONS, K_PAGES_OUT, K_PAGES_IN, K_BYTES_OUT, K_BYTES_IN, K_WAIT_MS, K_TOKENS, K_LOGPROB, K_TOP_IDS,
- K_TOP_LOGPROBS) = (tl.constexpr(i) for i in range(len(FIELDS)))
+ K_PREEMPTIONS, K_PAGES_OUT, K_PAGES_IN, K_BYTES_OUT, K_BYTES_IN, K_CACHED_TOKENS, K_WAIT_MS, K_TOKENS, K_LOGPROB,
+ K_TOP_IDS, K_TOP_LOGPROBS) = (tl.constexpr(i) for i in range(len(FIELDS)))
 
 # The engine's FREE slot status (blink.engine.core.state.SlotStatus), restated as a Triton constant.
 ENGINE_FREE = tl.constexpr(0)
@@ -146,9 +146,12 @@ def _admit(table, offsets, admit, tokens, tokens_stride, prompt_mask, output_cou
         tl.debug_barrier()
         _store_release(state_word, tl.full((), FINISHED, tl.uint32), INTERPRET)
         return
-    b = tl.arange(0, BLOCK_SPAN)
-    fields = tl.load(record + SPAN_START + b, mask=b < SPAN, other=0)
-    tl.store(requests + s.to(tl.int64) * SPAN + b, fields, mask=b < SPAN)
+    start = 0
+    while start < SPAN:  # the span holds a hash per page of the longest prompt: in blocks
+        b = start + tl.arange(0, BLOCK_SPAN)
+        fields = tl.load(record + SPAN_START + b, mask=b < SPAN, other=0)
+        tl.store(requests + s.to(tl.int64) * SPAN + b, fields, mask=b < SPAN)
+        start += BLOCK_SPAN
     tl.debug_barrier()
     _store_release(state_word, tl.full((), ADMITTED, tl.uint32), INTERPRET)
 
@@ -169,7 +172,7 @@ def _put(record, offsets, i, t, lp, top_ids, top_logprobs, k, TOP: tl.constexpr,
 @triton.jit
 def _emit(table, offsets, fenced, token, finish, logprob, top_ids, top_logprobs, top_stride, status,
           scored_first, scored_count, scored_token, scored_logprob, scored_top_ids, scored_top_logprobs,
-          scored_stride, preemptions, pages_out, pages_in, wait_s, page_bytes, RECORD: tl.constexpr,
+          scored_stride, preemptions, pages_out, pages_in, cached_tokens, wait_s, page_bytes, RECORD: tl.constexpr,
           WINDOW: tl.constexpr, TOP: tl.constexpr, WIDTH: tl.constexpr, BLOCK_TOP: tl.constexpr,
           HEADER_STEPS: tl.constexpr, INTERPRET: tl.constexpr):
     """One program per slot: the prompt tokens it scored, then its token, into the output window, then `produced`;
@@ -212,6 +215,7 @@ def _emit(table, offsets, fenced, token, finish, logprob, top_ids, top_logprobs,
         tl.store(_field(record, offsets, K_PAGES_IN, tl.uint32), in_pages.to(tl.uint32))
         tl.store(_field(record, offsets, K_BYTES_OUT, tl.uint64), (out_pages * page_bytes).to(tl.uint64))
         tl.store(_field(record, offsets, K_BYTES_IN, tl.uint64), (in_pages * page_bytes).to(tl.uint64))
+        tl.store(_field(record, offsets, K_CACHED_TOKENS, tl.uint32), tl.load(cached_tokens + s).to(tl.uint32))
         tl.store(_field(record, offsets, K_WAIT_MS, tl.float32), (tl.load(wait_s + s) * 1000).to(tl.float32))
         tl.store(_field(record, offsets, K_FINISH, tl.uint32), reason.to(tl.uint32))
         tl.debug_barrier()
@@ -275,7 +279,7 @@ def take_requests(table: DeviceTable, inbox: Inbox, state, vocab: int, max_len: 
     start, span_bytes = span(slot_dtype(g))
     _admit[(S,)](table.memory, table.offsets, inbox.admit, state.tokens, state.tokens.stride(0), state.prompt_mask,
                  state.output_counts, inbox.requests, SPAN_START=start, SPAN=span_bytes, vocab=vocab, max_len=max_len,
-                 RECORD=table.record_bytes, BLOCK_SPAN=next_power_of_2(span_bytes),
+                 RECORD=table.record_bytes, BLOCK_SPAN=min(4096, next_power_of_2(span_bytes)),
                  BLOCK_P=min(1024, next_power_of_2(g.max_prompt_tokens)), BLOCK_V=min(1024, next_power_of_2(vocab)),
                  INTERPRET=INTERPRET)
 
@@ -289,9 +293,9 @@ def emit(table: DeviceTable, inbox: Inbox, state, out, page_bytes: int) -> None:
                               out.logprob, out.top_ids, out.top_logprobs, out.top_ids.stride(0), state.status,
                               scored.first, scored.count, scored.token, scored.logprob, scored.top_ids,
                               scored.top_logprobs, scored.top_ids.stride(0), state.preemptions, state.pages_out,
-                              state.pages_in, state.wait_s, page_bytes, RECORD=table.record_bytes, WINDOW=g.window,
-                              TOP=g.top_logprobs, WIDTH=top, BLOCK_TOP=next_power_of_2(top),
-                              HEADER_STEPS=header_offset("steps"), INTERPRET=INTERPRET)
+                              state.pages_in, state.cached_tokens, state.wait_s, page_bytes,
+                              RECORD=table.record_bytes, WINDOW=g.window, TOP=g.top_logprobs, WIDTH=top,
+                              BLOCK_TOP=next_power_of_2(top), HEADER_STEPS=header_offset("steps"), INTERPRET=INTERPRET)
 
 
 @triton.jit

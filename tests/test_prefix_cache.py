@@ -1,0 +1,163 @@
+"""Prefix caching: the page hashes requests carry, and the engine reusing cached KV pages (the host mode here; the
+device step in tests/test_device_step.py): the same tokens with and without a hit, the hits counted, reference counts
+right through preemption, rotation and cancellation."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from blink.engine import LLM, SamplingParams
+from blink.engine.core.kv_cache import NULL_PAGE
+from blink.engine.core.state import SlotStatus
+from blink.shared.prefix_hash import page_hashes
+from blink.shared.service_class import ServiceClass
+
+SHAPE = dict(max_num_seqs=4, max_num_batched_tokens=32, page_size=8, max_model_len=96)
+PROMPT = list(range(10, 60))  # 50 tokens: 6 full pages of 8 and 2 tokens
+
+
+def test_page_hashes_name_whole_prefixes():
+    a = page_hashes(PROMPT, 8, seed=1)
+    assert len(a) == 6 and all(h > 0 for h in a)
+    assert page_hashes([*PROMPT[:40], 1, 2, 3], 8, seed=1) == a[:5]  # a page's hash covers everything before it
+    assert page_hashes([99, *PROMPT[1:]], 8, seed=1)[5] != a[5]  # ... the first page too
+    assert page_hashes(PROMPT, 8, seed=2)[0] != a[0]  # the engine's seed, its salt and the page size are roots
+    assert page_hashes(PROMPT, 8, seed=1, cache_salt="tenant")[0] != a[0]
+    assert page_hashes(PROMPT, 16, seed=1)[0] != a[1]
+    assert page_hashes(PROMPT[:7], 8, seed=1) == []  # no full page, no hash
+
+
+@pytest.fixture(scope="module")
+def engines(checkpoint):
+    model = str(checkpoint("qwen3"))
+    return LLM(model, num_pages=64, **SHAPE), LLM(model, num_pages=64, enable_prefix_caching=False, **SHAPE)
+
+
+def test_a_cached_prefix_gives_the_tokens_computing_it_gives(engines):
+    cached, plain = engines
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    seeded = SamplingParams(temperature=0.9, top_k=20, seed=7, max_tokens=8, ignore_eos=True)
+    # The prompt, again; a shared prefix with another tail; a prefix ending mid-page; the whole prompt with a
+    # sampled continuation; a prompt of whole pages (its last token is computed: 40 cached of 48).
+    rounds = [[PROMPT], [PROMPT], [[*PROMPT[:40], 7, 7, 7]], [PROMPT[:21]], [[*PROMPT, 3]], [PROMPT[:48]]]
+    hits = []
+    for prompts in rounds:
+        for params in (greedy, seeded):
+            got, want = cached.generate(prompts, params), plain.generate(prompts, params)
+            assert [o.token_ids for o in got] == [o.token_ids for o in want]
+            hits.append(got[0].num_cached_tokens)
+            assert want[0].num_cached_tokens == 0
+    assert hits == [0, 48, 48, 48, 40, 40, 16, 16, 48, 48, 40, 40]
+
+
+def test_prompt_logprobs_are_computed_not_cached(engines):
+    cached, plain = engines
+    params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=1)
+    cached.generate([PROMPT], SamplingParams(max_tokens=1))
+    got, want = cached.generate([PROMPT], params)[0], plain.generate([PROMPT], params)[0]
+    assert got.num_cached_tokens == 0 and got.token_ids == want.token_ids
+    assert got.prompt_logprobs == pytest.approx(want.prompt_logprobs)
+
+
+def test_a_prefix_outlives_its_owner_s_preemption(checkpoint):
+    """A best-effort request whose pages a latency-sensitive one takes (recomputed: no host mirror) leaves its
+    prompt's pages cached: it finds them when it starts over, and so does a later request with the same prompt."""
+    model = str(checkpoint("qwen3"))
+    tight = LLM(model, num_pages=14, swap_space=0, **SHAPE)  # 13 pages: the owner's 7, the intruder's 9 do not fit
+    be = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, service_class=ServiceClass.BEST_EFFORT)
+    ls = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    driver, state = tight._driver, tight.engine.state
+    driver.add_request("owner", PROMPT, be, 6)
+    tokens: dict[str, list[int]] = {}
+    stats = {}
+
+    def run(steps: int | None = None) -> None:
+        while driver.has_work() and (steps is None or steps > 0):
+            for e in driver.step():
+                tokens.setdefault(e.request_id, []).extend([e.token] if e.token is not None else [])
+                if e.stats is not None:
+                    stats[e.request_id] = e.stats
+            steps = None if steps is None else steps - 1
+
+    run(steps=3)  # the owner's prompt is computed and it decodes
+    driver.add_request("intruder", list(range(200, 270)), ls, 8)
+    driver.add_request("again", PROMPT, be, 6)
+    run()
+    assert stats["owner"].preemptions >= 1 and stats["owner"].cached_tokens == 0
+    assert stats["again"].cached_tokens == 48
+    assert int(state.num_recomputes) >= 1
+    roomy = LLM(model, num_pages=64, enable_prefix_caching=False, **SHAPE)
+    want = roomy.generate([PROMPT, list(range(200, 270))], [be, ls])
+    assert tokens["owner"] == tokens["again"] == want[0].token_ids and tokens["intruder"] == want[1].token_ids
+
+
+def _check_pages(engine, contents: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Every page's reference count is the block-table entries mapping it; the free count is the pages nobody
+    maps; a page with a hash holds what the first page seen with that hash held."""
+    state, pool, cache = engine.state, engine.pool, engine.pool.prefix_cache
+    resident = (state.status == SlotStatus.RUNNING) & ~state.rotated
+    held = torch.arange(state.block_table.shape[1]) < state.pages_held[:, None]
+    mapped = state.block_table[held & resident[:, None]]
+    assert int(state.pages_held[~resident].sum()) == 0
+    refs = torch.bincount(mapped, minlength=pool.num_pages)
+    assert torch.equal(cache.refs[1:], refs[1:]) and int(refs[NULL_PAGE]) == 0
+    assert int(pool.num_free) == int((refs[1:] == 0).sum())
+    for page in cache.hash.nonzero()[:, 0].tolist():
+        kv = (pool.k[:, page].clone(), pool.v[:, page].clone())
+        first = contents.setdefault(int(cache.hash[page]), kv)
+        assert torch.allclose(first[0], kv[0], atol=1e-5) and torch.allclose(first[1], kv[1], atol=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_random_sharing_churn_keeps_every_reference(checkpoint, seed):
+    """Random arrivals of prompts built from a few shared prefixes, both classes, cancellations, a pool far too
+    small and a host mirror that fills: after every step no page is leaked, none is free while mapped, no cached
+    page holds other contents; uncancelled requests end with the tokens of an engine with room and no cache."""
+    from blink.engine.core.kv_cache import PagePool
+
+    model = str(checkpoint("qwen3"))
+    shape = dict(SHAPE, max_num_seqs=8, max_num_batched_tokens=48)
+    roomy = LLM(model, num_pages=200, enable_prefix_caching=False, **shape)
+    page_bytes = PagePool.bytes_per_page(roomy.engine.model_config, 8)
+    tight = LLM(model, num_pages=16, swap_space=4 * page_bytes / 2**30, **shape)  # a mirror of 3 pages
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(1, 1000) for _ in range(rng.randint(8, 40))] for _ in range(3)]
+    prompts, params = [], []
+    for _ in range(rng.randint(14, 22)):
+        tail = [rng.randrange(1, 1000) for _ in range(rng.randint(0, 12))]
+        prompts.append((rng.choice(prefixes) + tail)[: rng.randint(9, 56)] or [1])
+        params.append(SamplingParams(max_tokens=rng.randint(1, 20), temperature=rng.choice([0.0, 0.9]),
+                                     seed=rng.randrange(1000), service_class=rng.choice(list(ServiceClass))))
+    expected = {str(i): o.token_ids for i, o in enumerate(roomy.generate(prompts, params))}
+
+    driver, contents = tight._driver, {}
+    pending = list(range(len(prompts)))
+    tokens: dict[str, list[int]] = {}
+    finishes: dict[str, list[str]] = {}
+    cancelled: set[str] = set()
+    cached = 0
+    while pending or driver.has_work():
+        for i in [pending.pop(0) for _ in range(min(len(pending), rng.randint(0, 3)))]:
+            driver.add_request(str(i), prompts[i], params[i], params[i].max_tokens)
+        if rng.random() < 0.1 and tokens:
+            victim = rng.choice(sorted(tokens))
+            if victim not in finishes:
+                cancelled.add(victim)
+                for e in driver.abort(victim):
+                    finishes.setdefault(e.request_id, []).append(e.finish_reason)
+        for e in driver.step():
+            tokens.setdefault(e.request_id, []).extend([e.token] if e.token is not None else [])
+            if e.finish_reason:
+                finishes.setdefault(e.request_id, []).append(e.finish_reason)
+                cached += e.stats.cached_tokens if e.stats else 0
+        _check_pages(tight.engine, contents)
+
+    assert sorted(finishes) == sorted(expected) and all(len(f) == 1 for f in finishes.values())
+    for rid, want in expected.items():
+        got = tokens.get(rid, [])
+        assert got == want if rid not in cancelled else got == want[: len(got)]
+    assert cached > 0  # prefixes were shared
+    assert int(tight.engine.pool.num_free) == tight.engine.pool.usable_pages
