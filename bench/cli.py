@@ -1,4 +1,4 @@
-"""`blink bench serve|plot|offline|overhead|step|gpu|grain|tp|cpu`: each subcommand's module declares its flags
+"""`blink bench serve|plot|offline|overhead|step|gpu|grain|tp|cpu|prefix`: each subcommand's module declares its flags
 and runs it.
 
 Only the module of the command asked for is imported: `offline` needs torch and transformers, `serve` does not.
@@ -20,6 +20,7 @@ COMMANDS = {
     "gpu": ("blink.bench.gpu", "first light for the device drive modes: checks and figures in one GPU call"),
     "grain": ("blink.bench.grain", "what a best-effort prompt chunk in a step costs the decodes beside it"),
     "tp": ("blink.bench.tensor_parallel", "decode with the model split over N ranks against one rank"),
+    "prefix": ("blink.bench.prefix", "prefix caching on against off: TTFT of a cached prefix, multi-turn, a load"),
     "cpu": ("blink.bench.cpu", "CPU decode at batch 1 and 16 against transformers and llama.cpp, fp32 and bf16"),
 }
 
