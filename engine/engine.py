@@ -135,13 +135,10 @@ class Engine:
                         page_size=self.pool.page_size, prefix_seed=self.prefix_seed)
 
     def check_geometry(self, g: Geometry) -> None:
-        """Raises unless this engine can serve a slot table of geometry `g`: as many slots, prompts that fit its
-        context, page hashes made for its pages."""
+        """Raises unless this engine can serve a slot table of geometry `g`: as many slots, page hashes made for
+        its pages."""
         if g.num_slots != self.state.num_slots:
             raise ValueError("the slot table and the engine must have as many slots")
-        if g.max_prompt_tokens > self.max_model_len:
-            raise ValueError(f"the slot table takes prompts of {g.max_prompt_tokens} tokens, past the engine's "
-                             f"context limit of {self.max_model_len}")
         if g.page_size != self.pool.page_size:  # its hashes would name other token spans than this pool's pages
             raise ValueError(f"the slot table hashes prompts in pages of {g.page_size} tokens, the engine's pages "
                              f"hold {self.pool.page_size}: make its geometry with Engine.geometry")

@@ -324,6 +324,33 @@ def test_stop_token_text_is_dropped_and_prompt_tokens_count_once(server, offline
     assert three.usage.prompt_tokens == one.usage.prompt_tokens
 
 
+def test_prefix_caching_through_the_api(server, offline):
+    """A long prompt sent again is answered from its cached pages (OpenAI's usage says how many tokens), with the
+    offline engine's tokens; a request with another cache_salt shares nothing; /metrics and /ready say so."""
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+    prompt = list(range(100, 400))  # 300 tokens: 18 full pages of 16, the last token always computed
+
+    def send(**extra):
+        return client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0,
+                                         extra_body={"ignore_eos": True, **extra})
+
+    cold, warm, salted = send(), send(), send(cache_salt="another tenant")
+    want = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0].text
+    assert cold.choices[0].text == warm.choices[0].text == salted.choices[0].text == want
+    assert warm.usage.prompt_tokens_details.cached_tokens == 288
+    assert salted.usage.prompt_tokens_details.cached_tokens == 0
+    stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, stream=True,
+                                       stream_options={"include_usage": True})
+    assert next(c.usage for c in stream if c.usage).prompt_tokens_details.cached_tokens == 288
+    metrics = httpx.get(f"{server.url}/metrics").text
+    hits = next(float(line.split()[-1]) for line in metrics.splitlines()
+                if line.startswith("blink:prefix_cache_hits_total"))
+    assert hits >= 2 * 288 and 'prefix_caching="on"' in metrics
+    assert httpx.get(f"{server.url}/ready").json()["prefix_caching"] is True
+    bad = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": "x", "cache_salt": ""})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "cache_salt"
+
+
 def test_zmq_api_answers_odd_frames(server):
     import zmq
 

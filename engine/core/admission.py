@@ -86,8 +86,9 @@ def admit(state: Slots, admitted: torch.Tensor, records: dict[str, torch.Tensor]
     state.logit_bias_ids.copy_(torch.where(admitted[:, None], torch.where(given, bias_ids, -1), state.logit_bias_ids))
     state.logit_bias.copy_(torch.where(admitted[:, None], torch.where(given, records["logit_bias"], 0.0),
                                        state.logit_bias))
-    hashes = records["page_hashes"]  # as many as the record holds: a hash per full page of its longest prompt
-    held = state.page_hashes[:, :hashes.shape[1]]
+    # A hash per full page of the longest prompt the record holds (admission ends a prompt past the context).
+    width = min(records["page_hashes"].shape[1], state.page_hashes.shape[1])
+    hashes, held = records["page_hashes"][:, :width], state.page_hashes[:, :width]
     held.copy_(torch.where(admitted[:, None], hashes, held))
     land("arrival", arrival)
     for name, value in _RESET:
