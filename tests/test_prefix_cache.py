@@ -161,3 +161,23 @@ def test_random_sharing_churn_keeps_every_reference(checkpoint, seed):
         assert got == want if rid not in cancelled else got == want[: len(got)]
     assert cached > 0  # prefixes were shared
     assert int(tight.engine.pool.num_free) == tight.engine.pool.usable_pages
+
+
+def test_allocation_takes_empty_pages_then_the_least_recently_released_tails_first():
+    from blink.engine.core.prefix_cache import PrefixCache
+
+    cache = PrefixCache(num_pages=6, page_size=4, device=torch.device("cpu"))  # pages 1..5
+    table, held = torch.zeros(2, 5, dtype=torch.int64), torch.zeros(2, dtype=torch.int64)
+    cache.allocate(torch.tensor([3, 0]), table, held, max_new=3)
+    owned = table[0, :3].tolist()
+    hashes = torch.tensor([[11, 12, 13, 0], [0, 0, 0, 0]])
+    cache.register(hashes, torch.tensor([12, 0]), torch.tensor([0, 0]), torch.tensor([12, 0]), table, max_new=4)
+    cache.release(torch.tensor([True, False]), table, held)
+    assert int(cache.num_free) == 5 and sorted(cache.hash.tolist()) == [0, 0, 0, 11, 12, 13]
+    cache.allocate(torch.tensor([0, 2]), table, held, max_new=3)  # the two pages that never held anything
+    assert not set(table[1, :2].tolist()) & set(owned)
+    cache.allocate(torch.tensor([0, 1]), table, held, max_new=3)  # then the released request's last page
+    assert table[1, 2].item() == owned[2] and sorted(cache.hash.tolist()) == [0, 0, 0, 0, 11, 12]
+    found = cache.reuse(hashes, torch.tensor([12, 0]), torch.tensor([True, False]), table, held,
+                        torch.zeros(2, dtype=torch.int64))
+    assert found.tolist() == [8, 0] and table[0, :2].tolist() == owned[:2] and int(cache.num_free) == 0

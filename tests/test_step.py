@@ -42,8 +42,10 @@ def test_plan_and_run_never_read_tensors_on_the_host(checkpoint):
         driver.add_request(str(i), list(range(1, n + 1)), params, 6)
     features = SamplerFeatures(penalties=True, filtering=True, random=True, logprobs=True)
     step = llm.engine.step
-    steps = 0
+    steps, cached = 0, 0
     while driver.has_work():
+        if steps == 4:  # a prompt starting with pages the others computed: the prefix cache's lookup, in the step
+            driver.add_request("3", list(range(1, 41)), params, 6)
         driver._fill_slots()
         resident = dict(driver._asked)
         with host_reads_forbidden():
@@ -53,11 +55,12 @@ def test_plan_and_run_never_read_tensors_on_the_host(checkpoint):
             out = step.run(plan, shape, features, llm.engine.mirror)
         for slot, event in _events(out, resident, features, llm.engine.state, page_bytes=0).items():
             if event.finish_reason:
+                cached += event.stats.cached_tokens
                 del driver._resident[slot], driver._asked[slot]
                 driver.state.release_slot(slot)
                 driver._free_slots.append(slot)
         steps += 1
-    assert steps > 6  # chunked prefill, then decodes
+    assert steps > 6 and cached > 0  # chunked prefill, then decodes; a prefix found cached
 
 
 def _tiny_config() -> ModelConfig:
