@@ -164,8 +164,8 @@ def _summary(rounds: list[dict]) -> dict:
     for name, of in figures.items():
         for setting in SETTINGS:
             out.setdefault(name, {})[setting] = _spread([of(r[setting]) for r in rounds])
-        ratios = [of(r["on"]) / of(r["off"]) for r in rounds if of(r["off"])]
-        out[name]["on_over_off"] = _spread(ratios)
+        if name != "probe_warm_over_cold":  # already a ratio on each server
+            out[name]["on_over_off"] = _spread([of(r["on"]) / of(r["off"]) for r in rounds if of(r["off"])])
     return out
 
 
@@ -177,7 +177,7 @@ def _print(summary: dict) -> None:
     print(f"{'figure':<26}{'on':>22}{'off':>22}{'on / off':>22}")
     for name, by in summary.items():
         cells = [f"{s['median']:.3g} [{s['min']:.3g}, {s['max']:.3g}]" if s else "-"
-                 for s in (by["on"], by["off"], by["on_over_off"])]
+                 for s in (by["on"], by["off"], by.get("on_over_off"))]
         print(f"{name:<26}" + "".join(f"{c:>22}" for c in cells))
 
 
