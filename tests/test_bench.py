@@ -490,3 +490,18 @@ def test_bench_tp_runs_one_rank_and_two_side_by_side(tmp_path, checkpoint, capsy
     result = json.loads(path.read_text())
     assert set(result["rows"]) == {"1 rank", "2 ranks"} and result["same_tokens"] is True
     assert "the same tokens: True" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_bench_prefix_runs_both_servers_side_by_side(tmp_path, capsys):
+    """Two servers of one build, caching on and off: the warm probe finds its prefix on one and not the other."""
+    assert bench_cli.main(["prefix", "--rounds", "1", "--prefix-len", "48", "--question-len", "8", "--output-len", "2",
+                           "--turns", "2", "--system-len", "32", "--num-prompts", "4", "--num-prefixes", "2",
+                           "--request-rate", "inf", "--result-dir", str(tmp_path)]) == 0
+    result = json.loads(next(tmp_path.glob("prefix-*.json")).read_text())
+    (round_,) = result["rounds"]
+    assert round_["on"]["probe"]["warm_cached_tokens"] == 48 and round_["off"]["probe"]["warm_cached_tokens"] == 0
+    assert [t["cached_tokens"] for t in round_["off"]["multi_turn"]["turns"]] == [0, 0]
+    assert round_["on"]["multi_turn"]["turns"][1]["cached_tokens"] >= 32
+    assert round_["on"]["load"]["completed"] == round_["off"]["load"]["completed"] == 4
+    assert "probe_warm_ttft_ms" in capsys.readouterr().out
