@@ -14,6 +14,7 @@ from blink.engine.core.kv_cache import NULL_PAGE
 from blink.engine.core.state import SlotStatus
 from blink.shared.prefix_hash import page_hashes
 from blink.shared.service_class import ServiceClass
+from tests.churn import assert_ended_as, churn
 
 SHAPE = dict(max_num_seqs=4, max_num_batched_tokens=32, page_size=8, max_model_len=96)
 PROMPT = list(range(10, 60))  # 50 tokens: 6 full pages of 8 and 2 tokens
@@ -133,33 +134,10 @@ def test_random_sharing_churn_keeps_every_reference(checkpoint, seed):
                                      seed=rng.randrange(1000), service_class=rng.choice(list(ServiceClass))))
     expected = {str(i): o.token_ids for i, o in enumerate(roomy.generate(prompts, params))}
 
-    driver, contents = tight._driver, {}
-    pending = list(range(len(prompts)))
-    tokens: dict[str, list[int]] = {}
-    finishes: dict[str, list[str]] = {}
-    cancelled: set[str] = set()
-    cached = 0
-    while pending or driver.has_work():
-        for i in [pending.pop(0) for _ in range(min(len(pending), rng.randint(0, 3)))]:
-            driver.add_request(str(i), prompts[i], params[i], params[i].max_tokens)
-        if rng.random() < 0.1 and tokens:
-            victim = rng.choice(sorted(tokens))
-            if victim not in finishes:
-                cancelled.add(victim)
-                for e in driver.abort(victim):
-                    finishes.setdefault(e.request_id, []).append(e.finish_reason)
-        for e in driver.step():
-            tokens.setdefault(e.request_id, []).extend([e.token] if e.token is not None else [])
-            if e.finish_reason:
-                finishes.setdefault(e.request_id, []).append(e.finish_reason)
-                cached += e.stats.cached_tokens if e.stats else 0
-        _check_pages(tight.engine, contents)
-
-    assert sorted(finishes) == sorted(expected) and all(len(f) == 1 for f in finishes.values())
-    for rid, want in expected.items():
-        got = tokens.get(rid, [])
-        assert got == want if rid not in cancelled else got == want[: len(got)]
-    assert cached > 0  # prefixes were shared
+    contents = {}
+    churned = churn(tight._driver, prompts, params, rng, lambda: _check_pages(tight.engine, contents))
+    assert_ended_as(churned, expected)
+    assert churned.cached_tokens > 0  # prefixes were shared
     assert int(tight.engine.pool.num_free) == tight.engine.pool.usable_pages
 
 

@@ -8,6 +8,7 @@ import pytest
 
 from blink.engine import LLM, SamplingParams
 from blink.engine.core.state import SlotStatus
+from tests.churn import assert_ended_as, churn
 
 
 @pytest.fixture(scope="module")
@@ -73,34 +74,16 @@ def test_churn_with_rotation_loses_and_duplicates_nothing(checkpoint, seed):
                                      seed=rng.randrange(1000), service_class=rng.choice(list(ServiceClass))))
     expected = {str(i): o.token_ids for i, o in enumerate(roomy.generate(prompts, params))}
 
-    driver, state, pool, mirror = tight._driver, tight.engine.state, tight.engine.pool, tight.engine.mirror
-    pending = list(range(len(prompts)))
-    tokens: dict[str, list[int]] = {}
-    finishes: dict[str, list[str]] = {}
-    cancelled: set[str] = set()
-    while pending or driver.has_work():
-        for i in [pending.pop(0) for _ in range(min(len(pending), rng.randint(0, 3)))]:
-            driver.add_request(str(i), prompts[i], params[i], params[i].max_tokens)
-        if rng.random() < 0.1 and tokens:
-            victim = rng.choice(sorted(tokens))
-            if victim not in finishes:
-                cancelled.add(victim)
-                for e in driver.abort(victim):
-                    finishes.setdefault(e.request_id, []).append(e.finish_reason)
-        for e in driver.step():
-            tokens.setdefault(e.request_id, []).extend([e.token] if e.token is not None else [])
-            if e.finish_reason:
-                finishes.setdefault(e.request_id, []).append(e.finish_reason)
+    state, pool, mirror = tight.engine.state, tight.engine.pool, tight.engine.mirror
+
+    def check() -> None:
         running = state.status == SlotStatus.RUNNING
         assert int(state.pages_held[~running | state.rotated].sum()) == 0
         assert int(state.host_held[~state.rotated].sum()) == 0
         assert int(state.pages_held.sum()) + int(pool.num_free) == pool.usable_pages
         assert int(state.host_held.sum()) + int(mirror.free.num_free) == mirror.num_pages - 1
 
-    assert sorted(finishes) == sorted(expected) and all(len(f) == 1 for f in finishes.values())
-    for rid, want in expected.items():
-        got = tokens.get(rid, [])
-        assert got == want if rid not in cancelled else got == want[: len(got)]
+    assert_ended_as(churn(tight._driver, prompts, params, rng, check), expected)
     out, back = mirror.pages_moved.tolist()
     assert out > 0 and back <= out  # a request cancelled while rotated out never comes back
     assert int(state.num_recomputes) > 0  # the mirror filled: recompute, the last resort

@@ -88,9 +88,10 @@ class PrefixCache:
         table[:, :H] = torch.where(run.bool(), pages, table[:, :H])
         self.refs.index_add_(0, pages.flatten(), run.flatten())
         self._count_free()
+        found_tokens = run.sum(1) * page
         held += run.sum(1)
-        computed += run.sum(1) * page
-        return run.sum(1) * page
+        computed += found_tokens
+        return found_tokens
 
     def register(self, hashes: torch.Tensor, prompt_len: torch.Tensor, before: torch.Tensor, after: torch.Tensor,
                  table: torch.Tensor, max_new: int) -> None:

@@ -254,8 +254,11 @@ def _positions(order: torch.Tensor) -> torch.Tensor:
 
 def _pages_by_position(state: Slots, pool: PagePool, position: torch.Tensor, reduce: str) -> torch.Tensor:
     """[S] how many pages have their first ('amin') or last ('amax') mapping slot at each position (slot s at
-    `position[s]`, in [0, S]; S counts nowhere). Without shared pages: each slot's pages_held, by position."""
+    `position[s]`, in [0, S]; S counts nowhere)."""
     S, table = state.num_slots, state.block_table
+    counts = torch.zeros(S + 1, dtype=torch.int64, device=table.device)
+    if pool.prefix_cache is None:  # no page is shared: a page's only holder is the slot whose pages_held counts it
+        return counts.scatter_add_(0, position, state.pages_held)[:S]
     held = torch.arange(table.shape[1], device=table.device)[None, :] < state.pages_held[:, None]
     pages = torch.where(held, table, NULL_PAGE).flatten()
     start = S if reduce == "amin" else -1
@@ -263,8 +266,7 @@ def _pages_by_position(state: Slots, pool: PagePool, position: torch.Tensor, red
     by_page.scatter_reduce_(0, pages, torch.where(held, position[:, None], start).flatten(), reduce=reduce)
     by_page = torch.where(by_page < 0, S, by_page)  # mapped by no slot
     by_page[NULL_PAGE] = S
-    return torch.zeros(S + 1, dtype=torch.int64, device=table.device).scatter_add_(
-        0, by_page, torch.ones_like(by_page))[:S]
+    return counts.scatter_add_(0, by_page, torch.ones_like(by_page))[:S]
 
 
 def _hold_new(state: Slots, pool: PagePool, policy: Policy, mirror: HostMirror | None,
