@@ -12,7 +12,6 @@ leaves none behind.
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import os
 import signal
@@ -23,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-PR_SET_PDEATHSIG = 1
+from blink.shared.stopping import die_with_parent
 
 
 def last_level_cache_bytes() -> int:
@@ -83,8 +82,7 @@ class Interference:
 
 def work(buffer_bytes: int, parent_pid: int) -> None:
     """One worker's loop, until SIGTERM or its parent's death."""
-    if sys.platform == "linux":
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    die_with_parent(signal.SIGKILL)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's ^C reaches the parent, which stops us in order
     block = os.urandom(1 << 20)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from blink.engine.drive.offline import OfflineDriver
 from blink.engine.engine import Engine, EngineConfig
 from blink.engine.errors import RequestError
-from blink.engine.ranks import Ranks, agreed, free_init_method
+from blink.engine.ranks import Ranks, agreed, free_init_method, replay_generate
 from blink.engine.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -35,7 +35,7 @@ class LLM:
         self._ranks = None
         if engine_options.get("tensor_parallel_size", 1) > 1 and "tensor_parallel_rank" not in engine_options:
             engine_options = agreed(model, {"distributed_init_method": free_init_method(), **engine_options})
-            self._ranks = Ranks(model, engine_options)
+            self._ranks = Ranks(model, engine_options, replay_generate)
         self.engine = Engine(EngineConfig(model=model, **engine_options))
         self.tokenizer = self.engine.tokenizer
         self._driver = OfflineDriver(self.engine)
@@ -57,7 +57,7 @@ class LLM:
         # Validate every request before any is queued, so one bad prompt loses nothing.
         requests = [self._prepare(p, sp) for p, sp in zip(prompts, sampling_params, strict=True)]
         if self._ranks is not None:  # the other ranks run the same call, in lock-step with this one
-            self._ranks.generate(prompts, sampling_params)
+            self._ranks.send((prompts, sampling_params))
         self._driver.abort_all()  # what an interrupted call left behind
         outputs: dict[str, RequestOutput] = {}
         for out, params, max_tokens in requests:

@@ -1,16 +1,28 @@
-"""The offline API's other ranks, with tensor parallelism: `LLM(model, tensor_parallel_size=N)` runs rank 0 in the
-caller's process and starts ranks 1..N-1 as processes of their own, each an `LLM` over its slice of the model that
-runs the very `generate` calls rank 0 runs (rank 0 sends them each call after validating it), so every rank steps
-the same requests in lock-step; the collectives in the forward pass keep them there. Only rank 0's results are
-returned. The ranks die with the caller (daemon processes) or when it closes the LLM.
+"""Ranks 1..N-1 of a tensor-parallel engine, as processes that rank 0 starts and feeds.
+
+Rank 0 is the caller's process: the offline API's (`LLM(model, tensor_parallel_size=N)`), or the engine service's
+(`blink serve --tensor-parallel-size N`). Each other rank is a process of its own running an engine over its slice
+of the model; rank 0 sends it what it needs to step the very requests rank 0 steps (the offline API: each
+`generate` call, after validating it; the serve host mode: each step's inputs, blink.engine.drive.follower), and
+the collectives in the forward pass keep the ranks in lock-step. Only rank 0's results are used. A rank dies with
+rank 0 (its parent's death signal, and its pipe closing), and rank 0 learns of a rank that died (`lost`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import multiprocessing
+import os
+import signal
 import socket
+from collections.abc import Callable
 from multiprocessing.connection import Connection
+
+from blink.shared.stopping import die_with_parent
+
+# A rank's work: (model, its engine options, the pipe rank 0's messages arrive on; None ends it). A module-level
+# function: it reaches the rank's fresh interpreter by name.
+RankMain = Callable[[str | None, dict, Connection], None]
 
 
 def free_init_method() -> str:
@@ -36,23 +48,36 @@ def agreed(model: str | None, engine_options: dict) -> dict:
 
 
 class Ranks:
-    """Ranks 1..N-1 of an LLM, each a process that replays rank 0's calls."""
+    """Ranks 1..N-1, each a process running `main` over the messages this process sends."""
 
-    def __init__(self, model: str | None, engine_options: dict):
+    def __init__(self, model: str | None, engine_options: dict, main: RankMain):
         context = multiprocessing.get_context("spawn")  # a fresh interpreter: no torch state inherited
         self._pipes: list[Connection] = []
         self._procs = []
         for rank in range(1, engine_options["tensor_parallel_size"]):
             ours, theirs = context.Pipe()
-            proc = context.Process(target=_serve_rank, args=(model, {**engine_options, "tensor_parallel_rank": rank},
-                                                             theirs), daemon=True, name=f"blink-rank-{rank}")
+            options = {**engine_options, "tensor_parallel_rank": rank}
+            proc = context.Process(target=_run_rank, args=(main, model, options, theirs, os.getpid()), daemon=True,
+                                   name=f"blink-rank-{rank}")
             proc.start()
+            theirs.close()  # this process keeps only its end: the rank's recv ends when this process does
             self._pipes.append(ours)
             self._procs.append(proc)
 
-    def generate(self, prompts, sampling_params) -> None:
+    @property
+    def pids(self) -> list[int]:
+        return [proc.pid for proc in self._procs]
+
+    def send(self, message: object) -> None:
         for pipe in self._pipes:
-            pipe.send((prompts, sampling_params))
+            pipe.send(message)
+
+    def lost(self) -> str | None:
+        """Why a rank is gone, or None while every rank runs."""
+        for rank, proc in enumerate(self._procs, start=1):
+            if proc.exitcode is not None:
+                return f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}"
+        return None
 
     def close(self) -> None:
         for pipe in self._pipes:
@@ -65,9 +90,17 @@ class Ranks:
         self._pipes, self._procs = [], []
 
 
-def _serve_rank(model: str | None, engine_options: dict, pipe: Connection) -> None:
+def _run_rank(main: RankMain, model: str | None, engine_options: dict, inbox: Connection, parent: int) -> None:
+    die_with_parent(signal.SIGKILL)  # a rank alone holds a slice of a model nobody serves
+    if os.getppid() != parent:  # rank 0 died before the death signal was set
+        return
+    main(model, engine_options, inbox)
+
+
+def replay_generate(model: str | None, engine_options: dict, inbox: Connection) -> None:
+    """The offline API's other ranks: an `LLM` over this rank's slice running rank 0's `generate` calls."""
     from blink.engine.llm import LLM
 
     llm = LLM(model, **engine_options)
-    while (call := pipe.recv()) is not None:
+    while (call := inbox.recv()) is not None:
         llm.generate(*call)

@@ -11,7 +11,9 @@ import zmq
 
 from blink.engine.drive import modes as drive_modes
 from blink.engine.drive.driver import Driver, Fenced
+from blink.engine.drive.follower import follow
 from blink.engine.engine import Engine, EngineConfig
+from blink.engine.ranks import Ranks, agreed, free_init_method
 from blink.services.relay import Relay
 from blink.shared import control, sockets
 from blink.shared.rdma import RdmaUnavailable, TableTarget
@@ -23,6 +25,10 @@ from blink.shared.stopping import StopFlag
 log = structlog.get_logger()
 
 STALE_AFTER_S = 5.0  # a table whose engine has not stepped for this long belongs to a dead engine
+
+
+class RankLost(RuntimeError):
+    """A tensor-parallel rank died: rank 0 cannot step without it."""
 
 
 def open_table(name: str, geometry: Geometry) -> SlotTable:
@@ -48,12 +54,18 @@ def open_table(name: str, geometry: Geometry) -> SlotTable:
 class EngineService:
     def __init__(self, settings: Settings):
         self.settings = settings
-        self.engine = Engine(EngineConfig(
-            model=settings.model, device=settings.device, dtype=settings.dtype, max_num_seqs=settings.max_num_seqs,
+        options = dict(
+            device=settings.device, dtype=settings.dtype, max_num_seqs=settings.max_num_seqs,
             max_num_batched_tokens=settings.max_num_batched_tokens, max_model_len=settings.max_model_len,
             num_pages=settings.num_pages, scheduling_policy=settings.scheduling_policy, swap_space=settings.swap_space,
             load_format=settings.load_format, enable_prefix_caching=settings.enable_prefix_caching,
-        ))
+            tensor_parallel_size=settings.tensor_parallel_size,
+        )
+        self.ranks = None  # with tensor parallelism, the other ranks: this process is rank 0
+        if settings.tensor_parallel_size > 1:
+            options = agreed(settings.model, {**options, "distributed_init_method": free_init_method()})
+            self.ranks = Ranks(settings.model, options, follow)
+        self.engine = Engine(EngineConfig(model=settings.model, **options))
         geometry = self.engine.geometry(settings.window)
         self.keys = sockets.load_keys(settings, create=True)
         self.table = open_table(settings.deployment, geometry)
@@ -66,7 +78,8 @@ class EngineService:
             max_model_len=self.engine.max_model_len,
             vocab_size=self.engine.model_config.vocab_size,
             eos_token_ids=list(self.engine.generation.eos_token_ids), device=str(self.engine.device),
-            drive=self.driver.mode, pid=os.getpid(), scheduling_policy=settings.scheduling_policy,
+            drive=self.driver.mode, pid=os.getpid(), rank_pids=self.ranks.pids if self.ranks else [],
+            scheduling_policy=settings.scheduling_policy,
             kv_host_pages=self.driver.mirror.num_pages - 1 if self.driver.mirror else 0,
             prefix_caching=settings.enable_prefix_caching,
             limitations=list(self.driver.limitations),
@@ -77,14 +90,14 @@ class EngineService:
         """The best drive mode that starts here, falling back with the reason logged; or the one asked for, which
         starts or stops the engine with the reason."""
         requested = self.settings.drive
-        modes, passed_over = drive_modes.candidates(requested, self.engine.device)
+        modes, passed_over = drive_modes.candidates(requested, self.engine.device, self.settings.tensor_parallel_size)
         for reason in passed_over:
             log.info("drive mode unavailable", reason=reason)
         if not modes:
             raise RuntimeError(f"--drive {requested} cannot run here: {'; '.join(passed_over)}")
         for mode in modes:
             try:
-                driver = drive_modes.build(mode, self.engine, self.table)
+                driver = drive_modes.build(mode, self.engine, self.table, self.ranks)
             except Exception as e:  # a capture or a build that fails here must not keep the engine down
                 if requested != "auto":
                     raise RuntimeError(f"--drive {mode} failed to start: {e}") from e
@@ -137,6 +150,8 @@ class EngineService:
                 self.rdma.close()
             self.driver.close()  # unmaps the table from the device before it is closed
             self.table.close()
+            if self.ranks is not None:
+                self.ranks.close()
 
     def _drive(self) -> None:
         """The driver steps by itself; this thread only vouches for it to the watchdog: alive while its step count
@@ -149,6 +164,8 @@ class EngineService:
                 time.sleep(0.005)
                 if self.driver.failure is not None:
                     raise self.driver.failure
+                if self.ranks is not None and (lost := self.ranks.lost()):
+                    raise RankLost(lost)  # the ranks step together or not at all: the engine fails over
                 if int(self.table.header["epoch"]) != self.info.epoch:
                     raise Fenced(f"the slot table moved to epoch {int(self.table.header['epoch'])}")
                 steps = int(self.table.header["steps"])

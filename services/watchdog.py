@@ -12,7 +12,6 @@ Restarting is the supervisor's job: `blink serve` owns the processes and starts 
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import signal
@@ -30,13 +29,12 @@ from blink.shared import control, sockets
 from blink.shared.cpus import parse_cpus
 from blink.shared.settings import Settings
 from blink.shared.slot_table import EngineState, SlotTable
-from blink.shared.stopping import StopFlag
+from blink.shared.stopping import StopFlag, die_with_parent
 
 log = structlog.get_logger()
 
 ENGINE, INGRESS = "engine", "ingress"
-INGRESS_START_S = 120.0
-PR_SET_PDEATHSIG = 1  # an ingress may take this long to import, handshake and answer its first ping
+INGRESS_START_S = 120.0  # an ingress may take this long to import, handshake and answer its first ping
 
 
 class Supervisor(Protocol):
@@ -63,7 +61,7 @@ class ProcessSupervisor:
         cpus = self.cpus.get(service)
 
         def prepare() -> None:  # in the child, before it runs
-            _stop_with_parent()
+            die_with_parent()  # a drain when `blink serve` dies, even by SIGKILL
             if cpus:
                 os.sched_setaffinity(0, cpus)
 
@@ -97,12 +95,6 @@ class ProcessSupervisor:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-
-
-def _stop_with_parent() -> None:
-    """In a child, before it runs: SIGTERM (a drain) when `blink serve` dies, even by SIGKILL (Linux only)."""
-    if sys.platform == "linux":
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class PidSupervisor:

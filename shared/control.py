@@ -128,6 +128,7 @@ class EngineInfo(BaseModel):
     device: str
     drive: str
     pid: int
+    rank_pids: list[int] = []  # with tensor parallelism, the other ranks' processes (this pid is rank 0's)
     scheduling_policy: str = "slo"
     kv_host_pages: int = 0  # the host mirror KV pages rotate to; 0: recompute only
     prefix_caching: bool = True

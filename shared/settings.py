@@ -75,6 +75,9 @@ class Settings(BaseSettings):
         "decodes kept within their TPOT SLOs; priority: vLLM's; fcfs: arrival order")
     swap_space: float = Field(4.0, ge=0, allow_inf_nan=False, description="GiB of host memory KV pages rotate "
                               "to when the pool runs short; 0: preempted requests are recomputed instead")
+    tensor_parallel_size: int = Field(1, ge=1, description="ranks the model is split over (Megatron's tensor "
+                                      "parallelism; processes joined by torch.distributed: NCCL on GPUs, gloo on "
+                                      "the CPU); more than one runs the host drive mode")
     enable_prefix_caching: bool = Field(True, description="requests share the KV of equal prompt prefixes (cached "
                                         "pages kept until the pool needs them); --no-enable-prefix-caching: off")
     enable_auto_tool_choice: bool = Field(False, description="find tool calls in chat output (tool_choice auto), "

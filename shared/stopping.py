@@ -9,7 +9,9 @@ attribute, and the loops that stop on it poll it.
 
 from __future__ import annotations
 
+import ctypes
 import signal
+import sys
 import time
 
 
@@ -39,3 +41,12 @@ class StopFlag:
         while not self._set and time.monotonic() < deadline:
             time.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
         return self._set
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(sig: signal.Signals = signal.SIGTERM) -> None:
+    """In a child: `sig` when its parent dies, even by SIGKILL (Linux only; elsewhere a no-op)."""
+    if sys.platform == "linux":
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, sig)

@@ -26,6 +26,13 @@ def test_the_cpu_runs_the_host_mode_and_says_why_not_the_others():
     assert candidates("host", torch.device("cpu")) == (["host"], [])
 
 
+def test_tensor_parallelism_runs_the_host_mode_and_says_why_not_the_device_modes():
+    modes, reasons = candidates("auto", torch.device("cuda"), tensor_parallel_size=2)
+    assert modes == ["host"]
+    assert [r.split(":")[0] for r in reasons] == ["persistent", "graph"]
+    assert all("tensor parallelism runs in the host mode" in r for r in reasons)
+
+
 def test_serve_asked_for_persistent_on_the_cpu_refuses_to_start_and_says_why(tmp_path):
     """A result or a deployment labelled persistent must have run persistent: no silent fallback."""
     cmd = [sys.executable, "-m", "blink.services.cli", "serve", "--port", str(free_port()), "--deployment",

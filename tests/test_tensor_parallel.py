@@ -1,12 +1,23 @@
 """Tensor parallelism on the CPU (gloo): two ranks give one rank's tokens, which test_parity checks against
-transformers; a model that does not split is refused, saying why."""
+transformers, offline and behind `blink serve`; a killed rank fails the engine over like a killed engine; a model
+that does not split is refused, saying why."""
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
 import pytest
 import torch
 
+from blink.bench.server import running_server
 from blink.engine import LLM, SamplingParams
+from blink.shared import control
+from blink.shared.slot_table import SlotTable
+from tests.test_watchdog import DEADLINE_S, MODEL, SLACK_S, decoding, gone, stream, wait_ready_and_serving, wait_until
 
 PROMPTS = [list(range(3, 8)), list(range(10, 110)), list(range(200, 240)), [7] * 17, list(range(300, 333))]
 OPTIONS = dict(max_num_seqs=4, max_num_batched_tokens=64, num_pages=80, page_size=8, max_model_len=256,
@@ -60,3 +71,43 @@ def test_the_ranks_agree_on_the_dtype_auto_picks(checkpoint):
         llm.close()
     one = LLM(str(checkpoint("llama-gqa")), **options).generate(prompts, params)
     assert [o.token_ids for o in two] == [o.token_ids for o in one]
+
+
+@pytest.mark.slow
+def test_blink_serve_over_two_ranks(tmp_path):
+    """`blink serve --tensor-parallel-size 2`: one rank's tokens; then rank 1 is killed mid-decode, and the engine
+    fails over as a killed engine does (every stream ends with one error event within the deadline) and comes back
+    with both ranks."""
+    limits = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256, num_pages=80)
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    one_rank = LLM(None, dtype="float32", **limits)
+    expected = [one_rank.generate([p], greedy)[0].text for p in PROMPTS[:3]]  # alone, as they are sent below
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in limits.items()]
+    with running_server(tmp_path, "--tensor-parallel-size", "2", "--dtype", "float32", "--watchdog-deadline",
+                        str(DEADLINE_S), *flags) as server:
+        def texts() -> list[str]:
+            body = {"model": MODEL, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+            return [httpx.post(f"{server.url}/v1/completions", json={**body, "prompt": p}, timeout=60)
+                    .json()["choices"][0]["text"] for p in PROMPTS[:3]]
+
+        assert texts() == expected
+        info = server.request(server.control_endpoint, control.Hello(), timeout_s=5)
+        assert info.drive == "host" and len(info.rank_pids) == 1
+        table = SlotTable.attach(server.deployment)
+        try:
+            with ThreadPoolExecutor(4) as pool:
+                futures = [pool.submit(stream, server.url, f"decode for a long time {i}", 200) for i in range(4)]
+                wait_until(lambda: decoding(table, 4)(), 60, "four streams decoding")
+                killed_at = time.monotonic()
+                os.kill(info.rank_pids[0], signal.SIGKILL)
+                results = [f.result(timeout=60) for f in futures]
+        finally:
+            table.close()
+        for r in results:
+            assert r.done and r.terminal_events == 1 and r.errors[0]["code"] == "engine_failure", r
+            assert r.ended_at - killed_at < DEADLINE_S + SLACK_S
+        wait_ready_and_serving(server)
+        again = server.request(server.control_endpoint, control.Hello(), timeout_s=5)
+        assert again.pid != info.pid and len(again.rank_pids) == 1 and again.rank_pids != info.rank_pids
+        wait_until(lambda: gone(info.pid), 10, "the failed rank 0 to exit")
+        assert texts() == expected

@@ -3,9 +3,10 @@
 It is the CPU path and the baseline the device loops are measured against. `HostLoop` runs one step over
 whatever requests are resident in the engine's slots and reads its outputs back. `HostDriver` feeds it from the
 shared slot table, in a thread of the engine service: engine slot i is slot-table slot i; each step admits the
-slots the ingress published, mirrors their cancel flags and window room into the step's state, steps, and writes
-each slot's token, logprobs and finish into the slot's output window. (`blink.engine.drive.offline` feeds the same
-loop from an in-process queue.)
+slots the ingress published, mirrors their cancel flags and window room into the step's state, steps (`HostRank`:
+what every tensor-parallel rank does alike; blink.engine.drive.follower runs the others), and writes each slot's
+token, logprobs and finish into the slot's output window. (`blink.engine.drive.offline` feeds the same loop from
+an in-process queue.)
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from blink.engine.core.sampler import GREEDY_BELOW, SamplerFeatures
 from blink.engine.core.state import Slots
 from blink.engine.drive.driver import Fenced
 from blink.engine.engine import Engine
+from blink.engine.ranks import Ranks
 from blink.shared.slot_table import FINISH_NAMES, Finish, RequestStats, SlotTable, TokenLogprob
 
 
@@ -155,6 +157,59 @@ def _scored(prompt: PromptScores, resident: Mapping[int, Asked]) -> dict[int, li
     return scored
 
 
+@dataclass(frozen=True)
+class Windows:
+    """Each resident slot's cancel flag and output room, read from the slot table before a step."""
+
+    slots: np.ndarray  # the resident slots, in admission order
+    cancel: np.ndarray  # bool
+    room: np.ndarray  # output tokens the slot's window has room for; none pauses it
+
+
+class HostRank:
+    """The engine's side of a host step, the same on every rank (with tensor parallelism, rank 0 reads the slot
+    table and the others step on what it sends them: blink.engine.drive.follower): admits records, mirrors the
+    windows into the engine's slots, steps, and lets go of the requests that finished."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.loop = HostLoop(engine)
+        self.asked: dict[int, Asked] = {}  # resident slot -> what its request asked
+        self._arrivals = 0
+
+    def admit(self, records: np.ndarray, slots: list[int], now: float) -> list[int]:
+        """records: indexed by slot. Returns the slots whose record is invalid: not admitted."""
+        engine = self.engine
+        invalid = admit_records(engine.state, records, slots, now, self._arrivals, engine.model_config.vocab_size,
+                                engine.max_model_len)
+        self.asked.update((slot, Asked.of(records[slot])) for slot in slots if slot not in invalid)
+        self._arrivals += len(slots) - len(invalid)
+        return invalid
+
+    def step(self, windows: Windows) -> dict[int, SlotEvent]:
+        state = self.engine.state
+        index = torch.from_numpy(windows.slots).to(state.cancel.device)
+        state.cancel[index] = torch.from_numpy(windows.cancel).to(state.cancel.device)
+        state.paused[index] = torch.from_numpy(windows.room <= 0).to(state.paused.device)
+        state.room[index] = torch.from_numpy(windows.room).to(state.room.device)
+        events = self.loop.step(self.asked)
+        for slot, event in events.items():
+            if event.finish_reason:
+                state.release_slot(slot)
+                del self.asked[slot]
+        return events
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """What rank 0 sends the other ranks before each host step: the records it admitted and the windows."""
+
+    now: float  # rank 0's clock at admission: the TTFT deadlines count from it
+    admitted: list[int]  # slots admitted, in table order (an invalid record is dropped by every rank alike)
+    records: np.ndarray  # their records, in that order
+    windows: Windows
+
+
 IDLE_BACKOFF_S = (0.0002, 0.005)  # an idle loop naps this long, doubling: wakes within ~5 ms
 
 
@@ -164,22 +219,22 @@ class HostDriver:
     mode = "host"
     limitations = ()
 
-    def __init__(self, engine: Engine, table: SlotTable):
+    def __init__(self, engine: Engine, table: SlotTable, ranks: Ranks | None = None):
+        """ranks: the other ranks, with tensor parallelism: each step's inputs go to them."""
         engine.check_geometry(table.geometry)
-        self.engine, self.table = engine, table
+        self.engine, self.table, self.ranks = engine, table, ranks
         self.epoch = int(table.header["epoch"])
-        self.loop = HostLoop(engine)
+        self.rank = HostRank(engine)
+        self.loop = self.rank.loop
         self.mirror = self.loop.mirror
-        self.resident_asked: dict[int, Asked] = {}  # resident slot -> what its request asked
         self.max_running: int | None = None  # admission limit set over the control plane
         self.failure: BaseException | None = None
-        self._arrivals = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     @property
     def resident(self) -> int:
-        return len(self.resident_asked)
+        return len(self.rank.asked)
 
     def set_admission_limit(self, limit: int | None) -> None:
         self.max_running = limit
@@ -216,19 +271,17 @@ class HostDriver:
         Checks the epoch before touching any slot: an engine that was stopped (SIGSTOP) and declared dead must
         not write into slots the ingress has since given to other requests."""
         self.check_epoch()
-        self._admit()
-        if not self.resident_asked:
+        now = time.monotonic()
+        admitted = self._admit(now)
+        if not self.rank.asked:
             return False
-        slots = np.fromiter(self.resident_asked, dtype=np.int64)
+        slots = np.fromiter(self.rank.asked, dtype=np.int64)
         table = self.table.slots  # field by field: whole records would copy prompts and windows each step
-        cancel = table["cancel"][slots] != 0
         room = self.table.geometry.window - (table["produced"][slots].astype(np.int64) - table["consumed"][slots])
-        state = self.engine.state
-        index = torch.from_numpy(slots).to(state.cancel.device)
-        state.cancel[index] = torch.from_numpy(cancel).to(state.cancel.device)
-        state.paused[index] = torch.from_numpy(room <= 0).to(state.paused.device)
-        state.room[index] = torch.from_numpy(room).to(state.room.device)
-        events = self.loop.step(self.resident_asked)
+        windows = Windows(slots, table["cancel"][slots] != 0, room)
+        if self.ranks is not None:
+            self.ranks.send(StepInputs(now, admitted, table[admitted], windows))
+        events = self.rank.step(windows)
         self.check_epoch()
         for slot, event in events.items():
             self._publish(slot, event)
@@ -240,22 +293,17 @@ class HostDriver:
             raise Fenced(f"the slot table is in epoch {int(self.table.header['epoch'])}, this engine's was "
                          f"{self.epoch}")
 
-    def _admit(self) -> None:
+    def _admit(self, now: float) -> list[int]:
+        """Admits what the ingress submitted (up to the admission limit); returns those slots."""
         submitted = self.table.submitted().tolist()
         if self.max_running is not None:
             submitted = submitted[:max(0, self.max_running - self.resident)]  # the rest wait, SUBMITTED
-        if not submitted:
-            return
-        engine = self.engine
-        invalid = admit_records(engine.state, self.table.slots, submitted, time.monotonic(), self._arrivals,
-                                engine.model_config.vocab_size, engine.max_model_len)
+        invalid = self.rank.admit(self.table.slots, submitted, now) if submitted else []
         for slot in submitted:
             self.table.admit(slot)
             if slot in invalid:  # the ingress validates; a record that still fails is ended, not served
                 self.table.finish(slot, Finish.ABORT)
-            else:
-                self.resident_asked[slot] = Asked.of(self.table.slots[slot])
-        self._arrivals += len(submitted) - len(invalid)
+        return submitted
 
     def _publish(self, slot: int, event: SlotEvent) -> None:
         for p in event.prompt:  # ahead of the token: the reader counts prompt_len - 1 of them first
@@ -265,8 +313,6 @@ class HostDriver:
             self.table.emit(slot, event.token, event.logprob or 0.0, [t for t, _ in top], [lp for _, lp in top])
         if event.finish_reason:
             self.table.finish(slot, _FINISH[event.finish_reason], event.stats)
-            self.engine.state.release_slot(slot)
-            del self.resident_asked[slot]
 
 
 _FINISH = {name: reason for reason, name in FINISH_NAMES.items()}

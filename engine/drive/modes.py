@@ -9,15 +9,19 @@ import torch
 
 from blink.engine.drive.driver import Driver
 from blink.engine.engine import Engine
+from blink.engine.ranks import Ranks
 from blink.shared.slot_table import SlotTable
 
 BEST_FIRST = ("persistent", "graph", "host")
 
 
-def unavailable(mode: str, device: torch.device) -> str | None:
-    """None when `mode` can run on `device`, else why not."""
+def unavailable(mode: str, device: torch.device, tensor_parallel_size: int = 1) -> str | None:
+    """None when `mode` can run on `device` (over that many ranks), else why not."""
     if mode == "host":
         return None
+    if tensor_parallel_size > 1:
+        return ("tensor parallelism runs in the host mode: the device step does not run collectives yet (NCCL "
+                "captured in its graphs, built and checked on several GPUs)")
     if device.type != "cuda":
         return f"needs a CUDA device; the engine runs on {device.type}"
     if importlib.util.find_spec("triton") is None:
@@ -29,14 +33,14 @@ def unavailable(mode: str, device: torch.device) -> str | None:
     return None
 
 
-def candidates(requested: str, device: torch.device) -> tuple[list[str], list[str]]:
+def candidates(requested: str, device: torch.device, tensor_parallel_size: int = 1) -> tuple[list[str], list[str]]:
     """The modes to try, best first, and why the modes passed over cannot run here. `auto` tries every mode, each
     falling back to the next when it fails to start; a mode asked for by name is the only candidate, so a result
     or a deployment is never labelled with a mode that did not run."""
     wanted = BEST_FIRST if requested == "auto" else (requested,)
     modes, reasons = [], []
     for mode in wanted:
-        why = unavailable(mode, device)
+        why = unavailable(mode, device, tensor_parallel_size)
         if why is None:
             modes.append(mode)
         else:
@@ -44,12 +48,13 @@ def candidates(requested: str, device: torch.device) -> tuple[list[str], list[st
     return modes, reasons
 
 
-def build(mode: str, engine: Engine, table: SlotTable) -> Driver:
-    """The driver of `mode` over `table`, ready to start; raises when the mode cannot start here."""
+def build(mode: str, engine: Engine, table: SlotTable, ranks: Ranks | None = None) -> Driver:
+    """The driver of `mode` over `table`, ready to start; raises when the mode cannot start here. ranks: the other
+    ranks, with tensor parallelism (the host mode's only)."""
     if mode == "host":
         from blink.engine.drive.host import HostDriver
 
-        return HostDriver(engine, table)
+        return HostDriver(engine, table, ranks)
     from blink.engine.drive.device_step import DeviceStep
 
     step = DeviceStep(engine, table)
