@@ -18,7 +18,7 @@ from blink.engine.kernels.rope_kv import rope_and_cache
 from blink.engine.model.attention import AttentionBatch, build_row_group
 from blink.engine.model.attention import paged_attention as reference_attention
 from blink.engine.model.model import rms_norm as reference_rms_norm
-from blink.engine.model.rope import apply_rope
+from blink.engine.model.rope import apply_rope, rotate, step_rope
 from tests.test_step import host_reads_forbidden
 
 # The kernels run compiled on a GPU and in Triton's interpreter without one (conftest): inputs are drawn on the CPU
@@ -162,6 +162,17 @@ def test_rope_and_cache_write_match_the_reference(dtype, heads, kv_heads, head_d
     torch.testing.assert_close(roped, expected_q, **ELEMENTWISE[dtype])
     torch.testing.assert_close(k_cache[1:], expected_k[1:], **ELEMENTWISE[dtype])  # page 0: the padding's writes
     torch.testing.assert_close(v_cache[1:], expected_v[1:], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_torch_paths_rotation_is_transformers_bit_for_bit(dtype):
+    """The CPU path rotates queries and keys together with one roll and a sign-folded sin: the same values as
+    rotate_half's slices, negation and concatenation."""
+    gen = torch.Generator().manual_seed(3)
+    cos, sin = _rope_tables(64, 24, dtype)
+    positions = torch.randint(0, 64, (9,), generator=gen)
+    x = torch.randn(9, 6, 24, generator=gen).to(dtype)
+    assert torch.equal(rotate(x, *step_rope(cos, sin, positions)), apply_rope(x, cos[positions], sin[positions]))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

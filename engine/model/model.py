@@ -19,7 +19,7 @@ from blink.engine.model.dummy import dummy_tensors
 from blink.engine.model.linear import can_pack, linear, pack
 from blink.engine.model.moe import MoeWeights
 from blink.engine.model.parallel import Shard
-from blink.engine.model.rope import apply_rope, rope_tables
+from blink.engine.model.rope import rope_tables, rotate, step_rope
 
 
 @dataclass
@@ -165,22 +165,23 @@ class Transformer:
         cfg = self.cfg
         x = F.embedding(input_ids, self.embed)
         if self.kernels == "torch":
-            cos, sin = self.cos[positions], self.sin[positions]
+            rope = step_rope(self.cos, self.sin, positions)
         delta = None  # each sublayer's output, added to x by the next norm
         for i, w in enumerate(self.layers):
             x, h = self._add_norm(x, delta, w.input_norm)
-            q, k, v = linear(h, w.qkv, w.qkv_bias).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-            q = q.view(-1, cfg.num_heads, cfg.head_dim)
-            k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
-            v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
-            if w.q_norm is not None:
-                q = rms_norm(q, w.q_norm, cfg.rms_norm_eps)
-                k = rms_norm(k, w.k_norm, cfg.rms_norm_eps)
+            qkv = linear(h, w.qkv, w.qkv_bias)
             if self.kernels == "triton":
+                q, k, v = self._heads(qkv, w)
                 attn = self._triton_attention(q, k, v, positions, batch, k_cache[i], v_cache[i])
             else:
-                q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-                attn = paged_attention(q, k, v, k_cache[i], v_cache[i], batch, self.scale)
+                # Queries and keys rotate together: they lie side by side in the projection's output.
+                q_and_k = qkv[:, :cfg.q_size + cfg.kv_size].unflatten(-1, (-1, cfg.head_dim))
+                if w.q_norm is not None:
+                    q_and_k = torch.cat(self._qk_norm(q_and_k[:, :cfg.num_heads], q_and_k[:, cfg.num_heads:], w), 1)
+                q_and_k = rotate(q_and_k, *rope)
+                v = qkv[:, cfg.q_size + cfg.kv_size:].unflatten(-1, (-1, cfg.head_dim))
+                attn = paged_attention(q_and_k[:, :cfg.num_heads], q_and_k[:, cfg.num_heads:], v, k_cache[i],
+                                       v_cache[i], batch, self.scale)
             x, h = self._add_norm(x, self._sum(linear(attn.reshape(-1, cfg.q_size), w.o_proj, w.o_proj_bias)),
                                   w.post_norm)
             if w.moe is not None and self.kernels == "triton":
@@ -191,6 +192,20 @@ class Transformer:
                 gate, up = linear(h, w.gate_up).chunk(2, dim=-1)
                 delta = self._sum(linear(F.silu(gate) * up, w.down))
         return x if delta is None else x + delta
+
+    def _heads(self, qkv: torch.Tensor, w: LayerWeights) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The projection's output as [tokens, heads, head_dim] queries (normed, with q/k norms), keys and values."""
+        cfg = self.cfg
+        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        q = q.view(-1, cfg.num_heads, cfg.head_dim)
+        k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        if w.q_norm is not None:
+            q, k = self._qk_norm(q, k, w)
+        return q, k, v
+
+    def _qk_norm(self, q: torch.Tensor, k: torch.Tensor, w: LayerWeights) -> tuple[torch.Tensor, torch.Tensor]:
+        return rms_norm(q, w.q_norm, self.cfg.rms_norm_eps), rms_norm(k, w.k_norm, self.cfg.rms_norm_eps)
 
     def _add_norm(self, x: torch.Tensor, delta: torch.Tensor | None,
                   weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

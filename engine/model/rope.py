@@ -36,8 +36,23 @@ def rope_tables(cfg: ModelConfig, max_len: int, device: torch.device) -> tuple[t
     return emb.cos().to(device, cfg.dtype), emb.sin().to(device, cfg.dtype)
 
 
+def step_rope(cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tables' rows for a step's tokens, as `rotate` takes them ([tokens, 1, head_dim]): cos, and sin with the
+    sign of rotate_half folded in, once per step rather than in every layer."""
+    cos, sin = cos[positions], sin[positions]
+    half = sin.shape[-1] // 2
+    return cos[:, None], torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)[:, None]
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """`apply_rope` in four ops (one roll for rotate_half's two slices, negation and concatenation), with the same
+    values: -a * b and a * -b round alike. x: [tokens, heads, head_dim]; cos, signed_sin: from `step_rope`."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [tokens, heads, head_dim]; cos/sin: [tokens, head_dim]."""
+    """As transformers writes it (the reference the kernels are checked against). x: [tokens, heads, head_dim];
+    cos/sin: [tokens, head_dim]."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]
