@@ -4,6 +4,7 @@ that does not split is refused, saying why."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import time
@@ -24,8 +25,9 @@ OPTIONS = dict(max_num_seqs=4, max_num_batched_tokens=64, num_pages=80, page_siz
                dtype="float32")
 
 
-@pytest.mark.parametrize("kind", ["llama-gqa", "qwen3", "llama-tied", "qwen2"])  # GQA; q/k norms; tied output
-# embedding (its vocabulary rows split); q/k/v biases
+@pytest.mark.parametrize("kind", ["llama-gqa", "qwen3", "llama-tied", "qwen2", "qwen3-moe", "mixtral", "qwen2-moe"])
+# GQA; q/k norms; tied output embedding (its vocabulary rows split); q/k/v biases; experts split (Qwen3-MoE's with
+# dense layers mixed in, Mixtral's names, Qwen2-MoE's shared expert)
 def test_two_ranks_give_one_ranks_tokens(kind, checkpoint):
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
     seeded = SamplingParams(temperature=0.9, top_p=0.9, seed=11, max_tokens=8, ignore_eos=True,
@@ -54,8 +56,10 @@ def test_a_model_that_does_not_split_is_refused(checkpoint):
     cfg = ModelConfig.from_dir(checkpoint("llama-gqa"))  # 4 query heads, 2 KV heads
     with pytest.raises(ValueError, match="num_attention_heads 4 does not split over 3 ranks"):
         Shard(0, 3).check(cfg)
-    with pytest.raises(ValueError, match="mixture-of-experts"):
-        Shard(0, 2).check(ModelConfig.from_dir(checkpoint("qwen3-moe")))
+    moe = ModelConfig.from_dir(checkpoint("qwen3-moe"))
+    uneven = dataclasses.replace(moe, moe=dataclasses.replace(moe.moe, intermediate_size=50))
+    with pytest.raises(ValueError, match="the experts' intermediate size 50 does not split over 4 ranks"):
+        Shard(0, 4).check(uneven)
 
 
 def test_the_ranks_agree_on_the_dtype_auto_picks(checkpoint):

@@ -185,9 +185,9 @@ class Transformer:
             x, h = self._add_norm(x, self._sum(linear(attn.reshape(-1, cfg.q_size), w.o_proj, w.o_proj_bias)),
                                   w.post_norm)
             if w.moe is not None and self.kernels == "triton":
-                delta = moe.grouped_moe_mlp(h, w.moe, cfg.moe, self._moe_kernel)
+                delta = self._sum(moe.grouped_moe_mlp(h, w.moe, cfg.moe, self._moe_kernel))
             elif w.moe is not None:
-                delta = moe.moe_mlp(h, w.moe, cfg.moe)
+                delta = self._sum(moe.moe_mlp(h, w.moe, cfg.moe))
             else:
                 gate, up = linear(h, w.gate_up).chunk(2, dim=-1)
                 delta = self._sum(linear(F.silu(gate) * up, w.down))
