@@ -25,6 +25,8 @@ def follow(model: str | None, engine_options: dict, inbox: Connection) -> None:
 
 
 class Follower:
+    """A rank past the first: rank 0's admissions and windows in, the same step, nothing out."""
+
     def __init__(self, engine: Engine):
         self.rank = HostRank(engine)
         self.records: np.ndarray | None = None  # indexed by slot as the table's, of its record type (on first use)

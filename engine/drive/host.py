@@ -187,6 +187,7 @@ class HostRank:
         return invalid
 
     def step(self, windows: Windows) -> dict[int, SlotEvent]:
+        """One step over the resident requests, their windows as given; returns each slot's event."""
         state = self.engine.state
         index = torch.from_numpy(windows.slots).to(state.cancel.device)
         state.cancel[index] = torch.from_numpy(windows.cancel).to(state.cancel.device)
