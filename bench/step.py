@@ -11,6 +11,12 @@ the device they read each slot's control words, and a prompt once, when it is ad
 are the vocabulary, the context, the slots and the token bucket; the model itself is a one-layer stand-in with
 the real vocabulary, so the counts hold for the 1B and 8B Llama 3 shapes alike, and are compared with their
 weight bytes.
+
+The sampler is counted as the device step runs it on a GPU (`--sampler kernels`, the fused Triton kernels,
+interpreted here): each kernel counts its own passes over the logits, and a pass is counted as reading a row of
+logits. `--sampler torch` counts the torch reference, as the CPU runs it. `--requests` picks what the resident
+requests ask for: `greedy`, or `mixed` (half greedy, half sampling with temperature, top-k, top-p, min-p,
+penalties, a logit bias and logprobs): the captured step is the same code for both; what it costs is not.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import tempfile
 import time
 import uuid
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 SHAPES = {  # Llama 3's vocabulary; the weight bytes one decode step reads in bf16
@@ -36,6 +43,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context", type=int, default=4096, help="max_model_len")
     p.add_argument("--bucket", type=int, default=16, help="the token bucket of the step counted (decodes)")
     p.add_argument("--vocab", type=int, help="override the shape's vocabulary (a quick run)")
+    p.add_argument("--sampler", choices=("kernels", "torch"), default="kernels",
+                   help="the fused Triton sampler (the device step's on a GPU) or the torch reference")
+    p.add_argument("--requests", nargs="+", choices=sorted(REQUESTS), default=["greedy", "mixed"])
     p.add_argument("--label", help="names the code measured in the saved result (e.g. the commit of a baseline)")
     p.add_argument("--result-dir", type=Path, default=Path("bench/results"))
     p.add_argument("--no-save", action="store_true")
@@ -49,18 +59,19 @@ def run(args: argparse.Namespace) -> None:
     vocabs = sorted({args.vocab or SHAPES[s]["vocab"] for s in args.shape})
     for vocab in vocabs:
         with _stand_in(vocab, args.context) as model_dir:
-            for slots in args.slots:
-                counted = count_step(model_dir, slots, args.context, args.bucket)
+            for slots, requests in ((s, r) for s in args.slots for r in args.requests):
+                counted = count_step(model_dir, slots, args.context, args.bucket, args.sampler, requests)
                 for shape in args.shape:
                     if (args.vocab or SHAPES[shape]["vocab"]) != vocab:
                         continue
                     share = counted["bytes"] / SHAPES[shape]["weight_bytes"]
                     rows.append({"shape": shape, "vocab": vocab, "slots": slots, "context": args.context,
-                                 "bucket": args.bucket, **counted, "weight_bytes": SHAPES[shape]["weight_bytes"],
-                                 "bytes_over_weights": share})
+                                 "bucket": args.bucket, "sampler": args.sampler, "requests": requests, **counted,
+                                 "weight_bytes": SHAPES[shape]["weight_bytes"], "bytes_over_weights": share})
                     print(f"{shape:10s} vocab {vocab:6d} slots {slots:4d} context {args.context:6d} bucket "
-                          f"{args.bucket:3d}: {counted['ops']:4d} ops, {counted['bytes'] / 1e9:7.3f} GB outside "
-                          f"the forward = {share:6.1%} of the weights ({counted['seconds']:.2f} s on this CPU)")
+                          f"{args.bucket:3d} {requests:6s} ({args.sampler}): {counted['ops']:4d} ops, "
+                          f"{counted['bytes'] / 1e9:7.3f} GB outside the forward = {share:6.1%} of the weights "
+                          f"({counted['seconds']:.2f} s on this CPU)")
                     for name, (ops, nbytes) in list(counted["top"].items())[:5]:
                         print(f"    {nbytes / 1e9:7.3f} GB in {ops:3d} × {name}")
     result = {"benchmark": "step", "label": args.label, "machine": machine(), "blink": blink_source(), "rows": rows}
@@ -68,30 +79,47 @@ def run(args: argparse.Namespace) -> None:
         print(f"saved {save('step', result, args.result_dir)}")
 
 
-def count_step(model_dir: Path, slots: int, context: int, bucket: int) -> dict[str, object]:
+# What the resident requests ask for: every slot's knobs (slot -> Request keyword arguments).
+REQUESTS = {
+    "greedy": lambda slot: dict(temperature=0.0),
+    "mixed": lambda slot: dict(temperature=0.0) if slot % 2 else dict(
+        temperature=0.8, top_k=50, top_p=0.95, min_p=0.02, repetition_penalty=1.1, frequency_penalty=0.2,
+        logprobs=5, seed=slot, logit_bias=((13, 2.0),)),
+}
+
+
+def count_step(model_dir: Path, slots: int, context: int, bucket: int, sampler: str = "kernels",
+               requests: str = "greedy") -> dict[str, object]:
     """Ops and bytes of one steady decode step of the device step (every slot resident, decoding), outside the
     model's forward and logits."""
     import torch
 
+    from blink.engine.core.sampler import Sampler
     from blink.engine.drive import device_step
     from blink.engine.drive.device_step import DeviceStep
     from blink.engine.engine import Engine, EngineConfig
+    from blink.engine.kernels import sampler as sampler_kernels
     from blink.shared.slot_table import Request, SlotTable
 
     engine = Engine(EngineConfig(model=str(model_dir), device="cpu", max_num_seqs=slots,
                                  max_num_batched_tokens=max(bucket, slots), max_model_len=context, swap_space=0))
+    if sampler == "kernels":  # interpreted, a wide block runs faster; the passes counted do not depend on it
+        wide = dict(block=4096)
+        engine.step.sampler = Sampler(partial(sampler_kernels.fused_sample, **wide),
+                                      partial(sampler_kernels.token_logprobs, **wide))
     table = SlotTable.create(f"bench-step-{uuid.uuid4().hex[:10]}", engine.geometry(window=1 << 16))
     try:
         device = DeviceStep(engine, table)
         for slot in range(slots):
-            table.publish(slot, Request([1 + slot % 50, 2, 3], max_tokens=context - 8, temperature=0.0))
+            table.publish(slot, Request([1 + slot % 50, 2, 3], max_tokens=context - 8, **REQUESTS[requests](slot)))
         with torch.inference_mode():
             for _ in range(3):  # admission and prefill, then decodes
                 device.clock[0] = time.monotonic()
                 device.run(device.buckets[-1])
             counter = _OpCounter()
             with counter, _uncounted(counter, engine.model, ("forward", "logits")), \
-                    _uncounted(counter, device_step, ("take_requests", "emit", "report_demand")):
+                    _uncounted(counter, device_step, ("take_requests", "emit", "report_demand")), \
+                    _kernel_passes(counter, sampler_kernels):
                 started = time.perf_counter()
                 device.clock[0] = time.monotonic()
                 device.run(bucket)
@@ -129,6 +157,13 @@ class _OpCounter:
         self.bytes = 0
         self.by_op: dict[str, list[int]] = {}
 
+    def add(self, name: str, ops: int, nbytes: int) -> None:
+        self.ops += ops
+        self.bytes += nbytes
+        entry = self.by_op.setdefault(name, [0, 0])
+        entry[0] += ops
+        entry[1] += nbytes
+
     def record(self, func, args: tuple, kwargs: dict, out) -> None:
         import torch
         from torch.utils._pytree import tree_leaves
@@ -145,11 +180,7 @@ class _OpCounter:
             nbytes = 2 * size(args[1:], kwargs)  # the indices and values, read; as many elements updated
         else:
             nbytes = size(args, kwargs, out)
-        self.ops += 1
-        self.bytes += nbytes
-        entry = self.by_op.setdefault(name, [0, 0])
-        entry[0] += 1
-        entry[1] += nbytes
+        self.add(name, 1, nbytes)
 
     def __enter__(self):
         self.mode.__enter__()
@@ -181,6 +212,37 @@ def _uncounted(counter: _OpCounter, owner, names: tuple[str, ...]):
     finally:
         for name, fn in originals.items():
             setattr(owner, name, fn)
+
+
+@contextmanager
+def _kernel_passes(counter: _OpCounter, kernels):
+    """The fused sampler's kernels, counted by their own count of passes: each pass reads its row of logits
+    (interpreted, a launch copies its arguments, which a GPU does not)."""
+    draw, logprobs = kernels._draw, kernels._logprobs
+
+    def counted_draw(logits, rows, block):
+        counter.paused = True
+        try:
+            tokens, passes = draw(logits, rows, block)
+            counter.add("triton.sample", 1, int(passes.sum()) * logits.shape[1] * logits.element_size())
+        finally:
+            counter.paused = False
+        return tokens, passes
+
+    def counted_logprobs(logits, asked, tokens, block):
+        counter.paused = True
+        try:
+            out = logprobs(logits, asked, tokens, block)
+            counter.add("triton.logprobs", 1, int(out[3].sum()) * logits.shape[1] * logits.element_size())
+        finally:
+            counter.paused = False
+        return out
+
+    kernels._draw, kernels._logprobs = counted_draw, counted_logprobs
+    try:
+        yield
+    finally:
+        kernels._draw, kernels._logprobs = draw, logprobs
 
 
 @contextmanager

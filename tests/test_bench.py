@@ -355,17 +355,21 @@ def test_against_blink_serve_every_backend_and_plots(tmp_path):
 
 
 def test_bench_step_counts_what_a_step_does_outside_the_model(capsys):
-    """The dry run of `blink bench step`: a small vocabulary, a few slots; it counts ops and bytes, and more slots
-    cost more bytes (the per-slot state it walks), whatever the machine."""
+    """The dry run of `blink bench step`: a small vocabulary, a few slots; it counts ops and bytes, more slots cost
+    more bytes (the per-slot state it walks), and requests that sample, filter and ask for logprobs cost the fused
+    sampler's kernels more passes than greedy ones, in the same captured step (the same ops)."""
     from blink.bench.cli import main
 
     assert main(["step", "--shape", "llama3-1b", "--slots", "2", "8", "--vocab", "4096", "--context", "128",
-                 "--no-save"]) == 0
+                 "--requests", "greedy", "mixed", "--no-save"]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("llama3-1b")]
-    assert len(lines) == 2
-    gigabytes = [float(line.split(" GB outside")[0].rsplit(",", 1)[1]) for line in lines]
-    ops = [int(line.split(" ops,")[0].rsplit(":", 1)[1]) for line in lines]
-    assert all(n > 100 for n in ops) and gigabytes[1] > gigabytes[0]
+    assert len(lines) == 4
+    gigabytes = {(line.split()[4], line.split()[9]): float(line.split(" GB outside")[0].rsplit(",", 1)[1])
+                 for line in lines}
+    ops = {int(line.split(" ops,")[0].rsplit(":", 1)[1]) for line in lines}
+    assert len(ops) == 1 and ops.pop() > 100
+    assert gigabytes[("8", "greedy")] > gigabytes[("2", "greedy")]
+    assert gigabytes[("8", "mixed")] > gigabytes[("8", "greedy")]
 
 
 def test_vllm_bench_serve_flags(tmp_path, tokenizer_dir, capsys):

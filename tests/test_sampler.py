@@ -78,7 +78,7 @@ def test_penalties_follow_vllm():
     rows = _rows(1, temperature=0.0, repetition_penalty=2.0, frequency_penalty=0.1, presence_penalty=0.2)
     features = SamplerFeatures(penalties=True)
     expected = torch.tensor([[1.0, -2.0, 0.5 - 0.2 - 0.2, 0.5]])
-    torch.testing.assert_close(apply_penalties(logits, rows, seen, counts), expected)
+    torch.testing.assert_close(apply_penalties(logits.clone(), rows, seen, counts), expected)
     out = sample(logits, rows, features, hash32(torch.arange(4)), seen, counts)
     assert out.tokens.item() == expected.argmax().item() == 0
     rows.repetition_penalty[:] = 5.0
@@ -105,7 +105,7 @@ def test_sparse_penalties_equal_the_dense_definition():
     rep = rows.repetition_penalty[:, None]
     expected = torch.where(prompt | (dense_counts > 0), torch.where(logits > 0, logits / rep, logits * rep), logits)
     expected = expected - rows.frequency_penalty[:, None] * c - rows.presence_penalty[:, None] * (c > 0).float()
-    assert torch.equal(apply_penalties(logits, rows, seen, counts), expected)
+    assert torch.equal(apply_penalties(logits.clone(), rows, seen, counts), expected)
 
 
 def test_logprobs_are_the_raw_log_softmax():
@@ -186,9 +186,9 @@ def test_top_p_of_one_keeps_every_token_when_others_filter():
     logits = torch.randn(2, 150_000) * 6
     rows = _rows(2, top_p=1.0)
     rows.top_k[1] = 5  # a batch-mate that does filter
-    from blink.engine.core.sampler import filter_logits
+    from blink.engine.core.sampler import filtered
 
-    kept = torch.isfinite(filter_logits(logits, rows))
+    kept = filtered(logits, rows)
     assert kept[0].all() and kept[1].sum() == 5
 
 

@@ -9,10 +9,9 @@ import torch
 
 from blink.engine.core.kv_cache import PagePool
 from blink.engine.core.rotation import HostMirror
-from blink.engine.core.sampler import SampleOutput
+from blink.engine.core.sampler import TORCH_SAMPLER, SampleOutput, Sampler
 from blink.engine.core.scheduler import StepPlan, advance, max_new_pages
 from blink.engine.core.state import Slots, SlotStatus
-from blink.shared.request_schema import MAX_LOGPROBS
 from blink.shared.slot_table import Finish
 
 
@@ -30,16 +29,15 @@ class PromptScores:
     count: torch.Tensor  # [S] rows of each slot (the plan's prompt_entries)
 
 
-def score_prompt(state: Slots, plan: StepPlan, batch_index: torch.Tensor, logits: torch.Tensor) -> PromptScores:
+def score_prompt(state: Slots, plan: StepPlan, batch_index: torch.Tensor, logits: torch.Tensor,
+                 sampler: Sampler = TORCH_SAMPLER) -> PromptScores:
     """batch_index: [P] the batch tokens whose logits ([P, V] float32) score the prompt token after them."""
     slot, pos = plan.token_slot[batch_index], plan.token_pos[batch_index]
     count = plan.prompt_entries
     real = torch.arange(batch_index.shape[0], device=slot.device) < count.sum()
     token = state.tokens[slot, (pos + 1).clamp(max=state.max_len)].long()
-    logprobs = logits.log_softmax(-1)
-    top_logprobs, top_ids = logprobs.topk(min(MAX_LOGPROBS, logprobs.shape[-1]), dim=-1)
-    return PromptScores(torch.where(real, slot, -1), token, logprobs.gather(1, token[:, None])[:, 0], top_ids,
-                        top_logprobs, count.cumsum(0) - count, count)
+    return PromptScores(torch.where(real, slot, -1), token, *sampler.logprobs(logits, token, real.long() - 1),
+                        count.cumsum(0) - count, count)
 
 
 @dataclass

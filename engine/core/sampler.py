@@ -6,10 +6,10 @@ so a seeded request draws the same noise whatever else is in the batch and howev
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from blink.shared.request_schema import MAX_LOGPROBS
 
@@ -46,6 +46,7 @@ class SamplingRows:
     held: torch.Tensor | None = None  # [R, K] token ids the row may not sample yet (-1: none), for min_tokens
     bias_ids: torch.Tensor | None = None  # [R, MAX_LOGIT_BIAS] token ids the row biases (-1: none)
     bias: torch.Tensor | None = None  # [R, MAX_LOGIT_BIAS] what it adds to their logits
+    logprobs: torch.Tensor | None = None  # [R] top logprobs the row's request asked for (-1: none)
 
 
 @dataclass
@@ -54,6 +55,7 @@ class SampleOutput:
     logprob: torch.Tensor | None  # [R] raw logprob of the sampled token
     top_ids: torch.Tensor | None  # [R, MAX_LOGPROBS]
     top_logprobs: torch.Tensor | None
+    passes: torch.Tensor | None = None  # [R] passes over the logits each row took (the fused kernel counts them)
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
@@ -89,12 +91,17 @@ def hash32_words(x: torch.Tensor) -> torch.Tensor:
     return x ^ _shr(x, 16)
 
 
+def noise_key(seed: torch.Tensor, step_index: torch.Tensor) -> torch.Tensor:
+    """[R] int32 words: each row's key for this token, from its seed and how many tokens it has generated."""
+    key = hash32(seed & _MASK32) ^ hash32(((seed >> 32) & _MASK32) ^ 0x9E3779B9)
+    return hash32(hash32(key) ^ (step_index & _MASK32)).to(torch.int32)
+
+
 def uniform_noise(seed: torch.Tensor, step_index: torch.Tensor, vocab_hash: torch.Tensor) -> torch.Tensor:
     """Uniform (0, 1) float32 of shape [R, V], a pure function of (seed, step_index, vocab id). The [R, V] part
     runs on 32-bit words (vocab_hash: hash32 of the ids, either dtype)."""
-    key = hash32(seed & _MASK32) ^ hash32(((seed >> 32) & _MASK32) ^ 0x9E3779B9)
-    key = hash32(hash32(key) ^ (step_index & _MASK32))
-    return bits_to_uniform(hash32_words(key.to(torch.int32)[:, None] ^ vocab_hash.to(torch.int32)[None, :]))
+    key = noise_key(seed, step_index)
+    return bits_to_uniform(hash32_words(key[:, None] ^ vocab_hash.to(torch.int32)[None, :]))
 
 
 def bits_to_uniform(bits: torch.Tensor) -> torch.Tensor:
@@ -104,41 +111,65 @@ def bits_to_uniform(bits: torch.Tensor) -> torch.Tensor:
 
 
 def apply_penalties(logits: torch.Tensor, rows: SamplingRows, seen: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """vLLM's semantics: repetition over prompt and output tokens, presence/frequency over output only.
+    """vLLM's semantics, in place: repetition over prompt and output tokens, presence/frequency over output only.
 
     seen: [R, L] the ids of each row's tokens so far, prompt and output (-1: none), repeats allowed; counts: [R, L]
     how often each was generated. Only those ids change, so the work grows with the context, not the vocabulary:
-    each is rewritten from its own logit, count and the row's penalties (a repeated id writes the same value)."""
-    vocab = logits.shape[1]
-    at = seen.clamp(min=0)
+    each is rewritten from its own logit, count and the row's penalties. An unused entry rewrites the row's first
+    id, with that id's value (a repeated id writes the same value, so the scatter's order cannot matter)."""
+    used = seen >= 0
+    at = torch.where(used, seen, seen[:, :1].clamp(min=0))
+    counts = torch.where(used, counts, counts[:, :1]).to(logits.dtype)
     x = logits.gather(1, at)
     rep = rows.repetition_penalty[:, None]
-    x = torch.where(x > 0, x / rep, x * rep)
-    x = x - rows.frequency_penalty[:, None] * counts.to(logits.dtype)
-    x = x - rows.presence_penalty[:, None] * (counts > 0).to(logits.dtype)
-    padded = F.pad(logits, (0, 1))  # a last column takes the writes of the rows' unused entries
-    return padded.scatter_(1, torch.where(seen >= 0, at, vocab), x)[:, :vocab]
+    penalised = torch.where(x > 0, x / rep, x * rep)
+    penalised = penalised - rows.frequency_penalty[:, None] * counts - rows.presence_penalty[:, None] * (counts > 0)
+    return logits.scatter_(1, at, torch.where(used[:, :1], penalised, x))  # a row with no tokens: unchanged
 
 
 def hold_back(logits: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
-    """min_tokens: the ids in `held` (-1: none) may not be sampled yet."""
-    hits = torch.zeros_like(logits, dtype=torch.int32).scatter_add_(1, held.clamp(min=0), (held >= 0).int())
-    return logits.masked_fill(hits > 0, float("-inf"))
+    """min_tokens, in place: the ids in `held` (-1: none) may not be sampled yet (the minimum with +inf leaves a
+    logit alone, so unused entries can share an id with a used one)."""
+    return logits.scatter_reduce_(1, held.clamp(min=0), torch.where(held >= 0, float("-inf"), float("inf")), "amin")
 
 
-def filter_logits(scaled: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
-    """min-p, then top-k, then top-p over what top-k kept; filtered-out entries become -inf."""
+def edit_logits(logits: torch.Tensor, rows: SamplingRows, features: SamplerFeatures, seen: torch.Tensor | None,
+                counts: torch.Tensor | None) -> torch.Tensor:
+    """In place, the sparse edits before sampling, in order: logit biases, penalties, tokens held back. Each touches
+    the ids a row names, never the whole vocabulary."""
+    if features.logit_bias:
+        logits.scatter_add_(1, rows.bias_ids.clamp(min=0), torch.where(rows.bias_ids >= 0, rows.bias, 0.0))
+    if features.penalties:
+        apply_penalties(logits, rows, seen, counts)
+    if features.min_tokens:
+        hold_back(logits, rows.held)
+    return logits
+
+
+def edits(rows: SamplingRows, features: SamplerFeatures, seen: torch.Tensor | None) -> list[torch.Tensor]:
+    """The ids `edit_logits` may rewrite ([R, n] each; -1 unused), so a caller can save and restore them."""
+    return [ids for on, ids in ((features.logit_bias, rows.bias_ids), (features.penalties, seen),
+                                (features.min_tokens, rows.held)) if on]
+
+
+def filtered(scaled: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
+    """What min-p, then top-k, then top-p over what top-k kept leave of each row ([R, V] bool).
+
+    Every filter keeps a set of values, not of positions, so tokens with equal logits stay or go together (vLLM's
+    top-k keeps ties too): min-p keeps s with s - max >= log(min_p); top-k keeps s >= the k-th largest kept;
+    top-p keeps s when the mass of kept tokens with larger values stays below top_p."""
     vocab = scaled.shape[-1]
-    probs = scaled.softmax(-1)
-    scaled = scaled.masked_fill(probs < rows.min_p[:, None] * probs.amax(-1, keepdim=True), float("-inf"))
-    ordered, order = scaled.sort(dim=-1, descending=True)
-    k = torch.where(rows.top_k > 0, rows.top_k, vocab)
-    ordered = ordered.masked_fill(torch.arange(vocab, device=scaled.device)[None, :] >= k[:, None], float("-inf"))
-    p = ordered.softmax(-1)
-    # top_p = 1 keeps everything (the float cumsum can reach 1 before the tail).
-    beyond_p = (p.cumsum(-1) - p >= rows.top_p[:, None]) & (rows.top_p < 1)[:, None]
-    ordered = ordered.masked_fill(beyond_p, float("-inf"))
-    return torch.full_like(scaled, float("-inf")).scatter(1, order, ordered)
+    m = scaled.amax(-1, keepdim=True)
+    s = scaled.masked_fill(scaled - m < rows.min_p.log()[:, None], float("-inf"))
+    ordered = s.sort(dim=-1, descending=True).values
+    k = torch.where(rows.top_k > 0, rows.top_k.clamp(max=vocab), vocab)
+    kth = ordered.gather(1, k[:, None] - 1)
+    s = s.masked_fill(s < kth, float("-inf"))
+    e = (ordered - m).exp().masked_fill(ordered < kth, 0.0)
+    # top_p = 1 keeps everything (the float sum can reach the total before the tail).
+    beyond = (e.cumsum(-1) - e >= rows.top_p[:, None] * e.sum(-1, keepdim=True)) & (rows.top_p < 1)[:, None]
+    last = (~beyond).sum(-1, keepdim=True) - 1  # the smallest value kept (beyond is a suffix of the order)
+    return (s > float("-inf")) & (s >= ordered.gather(1, last))
 
 
 def sample(
@@ -149,25 +180,42 @@ def sample(
     seen: torch.Tensor | None = None,
     counts: torch.Tensor | None = None,
 ) -> SampleOutput:
-    """logits: float32 [R, V]. Rows with temperature 0 are greedy. seen, counts: the penalties' (apply_penalties)."""
+    """The torch sampler: the reference, and the CPU's. logits: float32 [R, V], left as they are. Rows with
+    temperature 0 are greedy. seen, counts: the penalties' (apply_penalties)."""
     raw = logits
-    if features.logit_bias:
-        logits = logits.scatter_add(1, rows.bias_ids.clamp(min=0), torch.where(rows.bias_ids >= 0, rows.bias, 0.0))
-    if features.penalties:
-        logits = apply_penalties(logits, rows, seen, counts)
-    if features.min_tokens:
-        logits = hold_back(logits, rows.held)
+    if edits(rows, features, seen):
+        logits = edit_logits(logits.clone(), rows, features, seen, counts)
     tokens = logits.argmax(-1)
     if features.random:
         greedy = rows.temperature < GREEDY_BELOW
         scaled = logits / torch.where(greedy, 1.0, rows.temperature)[:, None]
         if features.filtering:
-            scaled = filter_logits(scaled, rows)
+            scaled = scaled.masked_fill(~filtered(scaled, rows), float("-inf"))
         noise = uniform_noise(rows.seed, rows.step_index, vocab_hash)
         drawn = (scaled - torch.log(-torch.log(noise))).argmax(-1)
         tokens = torch.where(greedy, tokens, drawn)
     if not features.logprobs:
         return SampleOutput(tokens, None, None, None)
-    logprobs = raw.log_softmax(-1)
+    return SampleOutput(tokens, *token_logprobs(raw, tokens))
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor,
+                   asked: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's logprob of its token ([R]) and its top MAX_LOGPROBS (ids and logprobs, [R, k]): the raw
+    log-softmax. asked: which rows need them (-1: not); this reference scores every row."""
+    logprobs = logits.log_softmax(-1)
     top_logprobs, top_ids = logprobs.topk(min(MAX_LOGPROBS, logprobs.shape[-1]), dim=-1)
-    return SampleOutput(tokens, logprobs.gather(1, tokens[:, None])[:, 0], top_ids, top_logprobs)
+    return logprobs.gather(1, tokens[:, None])[:, 0], top_ids, top_logprobs
+
+
+@dataclass(frozen=True)
+class Sampler:
+    """Where the sampling implementations meet: the torch reference (TORCH_SAMPLER, the CPU's) and the fused
+    kernels (blink.engine.kernels.sampler.FUSED_SAMPLER, the GPU's) take the same arguments and give the same
+    tokens."""
+
+    sample: Callable[..., SampleOutput]  # sample's signature
+    logprobs: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # token_logprobs'
+
+
+TORCH_SAMPLER = Sampler(sample, token_logprobs)

@@ -16,7 +16,7 @@ from blink.engine.core.commit import StepOutput, commit, score_prompt
 from blink.engine.core.kv_cache import PagePool
 from blink.engine.core.policy import Policy
 from blink.engine.core.rotation import HostMirror
-from blink.engine.core.sampler import SamplerFeatures, SamplingRows, hash32, sample
+from blink.engine.core.sampler import TORCH_SAMPLER, SamplerFeatures, SamplingRows, hash32
 from blink.engine.core.scheduler import QUERY_BLOCK, PlanSizes, StepPlan, pack, plan
 from blink.engine.core.state import Slots
 from blink.engine.model.attention import AttentionBatch, build_row_group
@@ -55,6 +55,13 @@ class Step:
         self.cost = torch.zeros(3, dtype=torch.float64, device=device)  # see policy.StepCostModel
         self.eos_ids = torch.tensor(eos_ids or [-1], dtype=torch.int64, device=device)
         self.vocab_hash = hash32(torch.arange(model.cfg.vocab_size, dtype=torch.int64, device=device)).to(torch.int32)
+        # With the Triton kernels, the fused sampler: a row pays for the features its request asked for, whatever
+        # the step was built to serve (a captured step serves them all).
+        self.sampler = TORCH_SAMPLER
+        if model.kernels == "triton":
+            from blink.engine.kernels.sampler import FUSED_SAMPLER
+
+            self.sampler = FUSED_SAMPLER
         # The device modes capture a graph per token bucket: few, from 16. The host mode captures nothing, so its
         # forward runs on the next power of two of the live tokens: a lone decode is a matrix-vector product, not
         # 16 rows of padding (on a CPU, where the matmuls are compute-bound, that padding cost 16x the work).
@@ -109,9 +116,11 @@ class Step:
             rows.held = torch.where(young, torch.cat([eos, state.stop_ids[slot]], 1), -1)
         if features.logit_bias:
             rows.bias_ids, rows.bias = state.logit_bias_ids[slot], state.logit_bias[slot]
+        if features.logprobs:
+            rows.logprobs = state.logprobs[slot]
         penalties = _seen_tokens(state, slot) if features.penalties else (None, None)
-        out = sample(logits, rows, features, self.vocab_hash, *penalties)
-        scored = score_prompt(state, plan, prompt_tokens, prompt_logits) if shape.prompt_rows else None
+        out = self.sampler.sample(logits, rows, features, self.vocab_hash, *penalties)
+        scored = score_prompt(state, plan, prompt_tokens, prompt_logits, self.sampler) if shape.prompt_rows else None
         return commit(state, pool, mirror, plan, R, out, logits, self.eos_ids, count_outputs=features.penalties,
                       prompt=scored)
 

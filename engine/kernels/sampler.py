@@ -1,0 +1,255 @@
+"""The sampler as Triton kernels: a pass or two over each row's logits, whatever its filters, with no sort.
+
+`fused_sample` is `blink.engine.core.sampler.sample` (the reference, which the CPU runs) for the device: the same
+tokens for the same inputs. Each row is one program and pays for what its own request asked: a greedy row is one
+argmax pass; a row that samples is one pass of noise and argmax; min-p, top-k and top-p add a pass for the row's
+maximum and a threshold search, and logprobs a pass of their own. So a captured step that must serve every feature
+costs a batch of greedy requests one pass, not the sort and the [rows, vocab] temporaries of the reference.
+
+The filters keep values, not positions (as the reference does), so each is a threshold on the logits' order: top-k
+keeps what has fewer than k kept tokens above it, top-p what has less than top_p of the kept mass above it. The
+kernel finds a threshold by searching the 32-bit keys whose integer order is the floats' order: each pass counts
+(or weighs) the row against PIVOTS keys at once, so the search narrows 2**32 keys to one in about eight passes.
+The sparse edits (logit biases, penalties, held tokens) are the reference's own, done in place on the ids they
+name and undone after the draw, so the logits stay raw for the logprobs.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from blink.engine.core.sampler import (
+    GREEDY_BELOW,
+    SampleOutput,
+    Sampler,
+    SamplerFeatures,
+    SamplingRows,
+    edit_logits,
+    edits,
+    noise_key,
+)
+from blink.shared.request_schema import MAX_LOGPROBS
+
+BLOCK = 1024  # logits a program reads at a time
+PIVOTS = 16  # keys a threshold-search pass tests at once
+KEEP = 32  # top logprob candidates a row writes out (ties at the last place can make more than MAX_LOGPROBS)
+_MUL2 = 0x846CA68B - (1 << 32)  # lowbias32's second multiplier as an int32 (int32 products wrap as it wants)
+
+
+@triton.jit
+def _key(x):
+    """float32 → int32 in the floats' order (both zeros the same key)."""
+    bits = tl.where(x == 0.0, 0.0, x).to(tl.int32, bitcast=True)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit
+def _shr(x, k: tl.constexpr):
+    return (x >> k) & ((1 << (32 - k)) - 1)  # a logical shift of int32 words
+
+
+@triton.jit
+def _hash(x):
+    """lowbias32 on int32 words (blink.engine.core.sampler.hash32_words)."""
+    x = x ^ _shr(x, 16)
+    x = x * 0x7FEB352D
+    x = x ^ _shr(x, 15)
+    x = x * _MUL2
+    return x ^ _shr(x, 16)
+
+
+@triton.jit
+def _scaled(row, start, V, T, BLOCK: tl.constexpr):
+    """A block of the row divided by its temperature (-inf past the vocabulary), its ids, and which are real."""
+    ids = start + tl.arange(0, BLOCK)
+    real = ids < V
+    x = tl.load(row + ids, mask=real, other=float("-inf"))
+    return x / T, ids, real
+
+
+@triton.jit
+def _kept(s, top, log_min_p, key_floor):
+    """The filters' verdict on a block: min-p, then a threshold search's key floor."""
+    return (s - top >= log_min_p) & (_key(s) >= key_floor)
+
+
+@triton.jit
+def _search(row, V, T, top, log_min_p, k_floor, limit, MASS: tl.constexpr, BLOCK: tl.constexpr,
+            PIVOTS: tl.constexpr):
+    """The smallest key t at which fewer than `limit` kept tokens (MASS: less than `limit` of the kept mass) lie
+    above t: keys from t up are what the filter keeps. Returns it and the passes it took."""
+    lo = tl.full([], -(1 << 31) - 1, tl.int64)  # below every key: keeping everything is the answer lo + 1
+    hi = _key(top).to(tl.int64)  # nothing lies above the maximum
+    passes = tl.full([], 0, tl.int32)
+    while hi - lo > 1:
+        pivots = lo + 1 + ((hi - lo - 2) * tl.arange(0, PIVOTS)) // PIVOTS  # all strictly between lo and hi
+        above = tl.zeros([PIVOTS], dtype=tl.float32)
+        total = tl.full([], 0.0, tl.float32)
+        start = tl.full([], 0, tl.int32)
+        while start < V:  # not range(): Triton 3.6's interpreter cannot range over an argument
+            s, _, real = _scaled(row, start, V, T, BLOCK)
+            kept = _kept(s, top, log_min_p, k_floor) & real
+            weight = tl.where(kept, tl.exp(s - top), 0.0) if MASS else kept.to(tl.float32)
+            higher = _key(s).to(tl.int64)[:, None] > pivots[None, :]
+            above += tl.sum(tl.where(higher, weight[:, None], 0.0), 0)
+            total += tl.sum(weight, 0)
+            start += BLOCK
+        below = above < (limit * total if MASS else limit)  # less than the limit above a pivot: its key is kept
+        hi = tl.min(tl.where(below, pivots, hi), 0)
+        lo = tl.max(tl.where(below, lo, pivots), 0)
+        passes += 1
+    return hi.to(tl.int32), passes
+
+
+@triton.jit
+def _sample_kernel(logits, stride, V, temperature, log_min_p, top_k, top_p, noise_key, tokens, passes,
+                   GREEDY_BELOW: tl.constexpr, BLOCK: tl.constexpr, PIVOTS: tl.constexpr):
+    r = tl.program_id(0)
+    row = logits + r.to(tl.int64) * stride
+    T = tl.load(temperature + r)
+    random = T >= GREEDY_BELOW
+    T = tl.where(random, T, 1.0)
+    lmp = tl.load(log_min_p + r)
+    k = tl.load(top_k + r)
+    p = tl.load(top_p + r)
+    top = tl.full([], float("inf"), tl.float32)  # what min-p measures from: the row's maximum, if it filters
+    k_floor = tl.full([], -(1 << 31), tl.int32)
+    p_floor = tl.full([], -(1 << 31), tl.int32)
+    n = tl.full([], 1, tl.int32)
+    if random & ((lmp > float("-inf")) | (k > 0) | (p < 1.0)):
+        top = tl.full([], float("-inf"), tl.float32)
+        start = tl.full([], 0, tl.int32)
+        while start < V:  # not range(): Triton 3.6's interpreter cannot range over an argument
+            top = tl.maximum(top, tl.max(_scaled(row, start, V, T, BLOCK)[0], 0))
+            start += BLOCK
+        n += 1
+        if k > 0:
+            k_floor, searched = _search(row, V, T, top, lmp, k_floor, k.to(tl.float32), False, BLOCK, PIVOTS)
+            n += searched
+        if p < 1.0:
+            p_floor, searched = _search(row, V, T, top, lmp, k_floor, p, True, BLOCK, PIVOTS)
+            n += searched
+    key = tl.load(noise_key + r)
+    best = tl.full([], float("-inf"), tl.float32)
+    token = tl.full([], 0, tl.int32)
+    start = tl.full([], 0, tl.int32)
+    while start < V:  # not range(): Triton 3.6's interpreter cannot range over an argument
+        s, ids, _ = _scaled(row, start, V, T, BLOCK)
+        if random:  # Gumbel-max over what the filters kept, with the reference's noise
+            bits = _hash(key ^ _hash(ids))
+            u = (_shr(bits, 9).to(tl.float32) + 0.5) * (1.0 / (1 << 23))
+            kept = _kept(s, top, lmp, k_floor) & (_key(s) >= p_floor) & (s > float("-inf"))
+            s = tl.where(kept, s - tl.log(-tl.log(u)), float("-inf"))
+        block_best = tl.max(s, 0)
+        if block_best > best:  # strictly: the first of equal maxima wins, as torch's argmax
+            best = block_best
+            token = start + tl.argmax(s, 0)
+        start += BLOCK
+    tl.store(tokens + r, token.to(tl.int64))
+    tl.store(passes + r, n)
+
+
+@triton.jit
+def _logprobs_kernel(logits, stride, V, asked, tokens, logprob, lse_out, top_keys, passes, TOP: tl.constexpr,
+                     KEEP: tl.constexpr, BLOCK: tl.constexpr, PIVOTS: tl.constexpr):
+    r = tl.program_id(0)
+    if tl.load(asked + r) >= 0:
+        row = logits + r.to(tl.int64) * stride
+        m = tl.full([], float("-inf"), tl.float32)
+        total = tl.full([], 0.0, tl.float32)
+        start = tl.full([], 0, tl.int32)
+        while start < V:  # the log-sum-exp, online
+            x = _scaled(row, start, V, 1.0, BLOCK)[0]
+            new_m = tl.maximum(m, tl.max(x, 0))
+            total = total * tl.exp(m - new_m) + tl.sum(tl.exp(x - new_m), 0)
+            m = new_m
+            start += BLOCK
+        lse = m + tl.log(total)
+        # The top TOP are the keys above which fewer than TOP lie (ties included); the first KEEP of them in id
+        # order are packed with their ids and written out, for the host side to order.
+        floor, searched = _search(row, V, 1.0, m, float("-inf"), tl.full([], -(1 << 31), tl.int32), TOP, False,
+                                  BLOCK, PIVOTS)
+        written = tl.full([], 0, tl.int32)
+        start = tl.full([], 0, tl.int32)
+        while start < V:
+            x, ids, real = _scaled(row, start, V, 1.0, BLOCK)
+            key = _key(x)
+            take = real & (key >= floor)
+            at = written + tl.cumsum(take.to(tl.int32), 0) - 1
+            packed = (key.to(tl.int64) << 32) | (V - 1 - ids).to(tl.int64)  # equal logits: the lower id first
+            tl.store(top_keys + r * KEEP + at, packed, mask=take & (at < KEEP))
+            written += tl.sum(take.to(tl.int32), 0)
+            start += BLOCK
+        tl.store(lse_out + r, lse)
+        tl.store(logprob + r, tl.load(row + tl.load(tokens + r)) - lse)
+        tl.store(passes + r, 2 + searched)
+
+
+def fused_sample(
+    logits: torch.Tensor,
+    rows: SamplingRows,
+    features: SamplerFeatures,
+    vocab_hash: torch.Tensor,
+    seen: torch.Tensor | None = None,
+    counts: torch.Tensor | None = None,
+    block: int = BLOCK,
+) -> SampleOutput:
+    """`blink.engine.core.sampler.sample` as kernels (vocab_hash is recomputed in them, from the ids). logits:
+    float32 [R, V], rows contiguous; edited in place while the draw runs and given back raw. Rows whose request
+    asked for no logprobs (rows.logprobs -1) get none."""
+    assert logits.dtype == torch.float32 and logits.stride(1) == 1, "the kernels read float32 rows in place"
+    edited = edits(rows, features, seen)
+    raw = [logits.gather(1, ids.clamp(min=0)) for ids in edited]
+    edit_logits(logits, rows, features, seen, counts)
+    tokens, passes = _draw(logits, rows, block)
+    for ids, values in zip(edited, raw, strict=True):
+        logits.scatter_(1, ids.clamp(min=0), values)
+    if not features.logprobs:
+        return SampleOutput(tokens, None, None, None, passes)
+    asked = rows.logprobs if rows.logprobs is not None else torch.zeros_like(tokens)
+    *logprobs, scored = _logprobs(logits, asked, tokens, block)
+    return SampleOutput(tokens, *logprobs, passes + scored)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, asked: torch.Tensor | None = None,
+                   block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`blink.engine.core.sampler.token_logprobs` in one pass over each row that asked (asked >= 0; None: every
+    row); the others get logprob 0 and top ids -1."""
+    return _logprobs(logits, torch.zeros_like(tokens) if asked is None else asked, tokens, block)[:3]
+
+
+def _draw(logits: torch.Tensor, rows: SamplingRows, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's token, and the passes over its logits it took."""
+    R, V = logits.shape
+    tokens = torch.empty(R, dtype=torch.int64, device=logits.device)
+    passes = torch.empty(R, dtype=torch.int32, device=logits.device)
+    if R:
+        _sample_kernel[(R,)](logits, logits.stride(0), V, rows.temperature, rows.min_p.log(), rows.top_k,
+                             rows.top_p, noise_key(rows.seed, rows.step_index), tokens, passes,
+                             GREEDY_BELOW=GREEDY_BELOW, BLOCK=block, PIVOTS=PIVOTS, num_warps=4)
+    return tokens, passes
+
+
+def _logprobs(logits: torch.Tensor, asked: torch.Tensor, tokens: torch.Tensor,
+              block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The token's logprob and the top MAX_LOGPROBS of the rows that asked (asked >= 0), and the passes over its
+    logits each row took."""
+    R, V = logits.shape
+    logprob = torch.zeros(R, dtype=torch.float32, device=logits.device)
+    passes = torch.zeros(R, dtype=torch.int32, device=logits.device)
+    lse = torch.zeros(R, dtype=torch.float32, device=logits.device)
+    keys = torch.full((R, KEEP), -(1 << 63), dtype=torch.int64, device=logits.device)
+    if R:
+        _logprobs_kernel[(R,)](logits, logits.stride(0), V, asked, tokens, logprob, lse, keys, passes,
+                               TOP=min(MAX_LOGPROBS, V), KEEP=KEEP, BLOCK=block, PIVOTS=PIVOTS, num_warps=4)
+    keys = keys.topk(min(MAX_LOGPROBS, V), dim=-1).values
+    ordered = (keys >> 32).to(torch.int32)
+    values = (ordered ^ ((ordered >> 31) & 0x7FFFFFFF)).view(torch.float32)
+    wanted = (asked >= 0)[:, None]
+    return (logprob, torch.where(wanted, V - 1 - (keys & 0xFFFFFFFF), -1),
+            torch.where(wanted, values - lse[:, None], 0.0), passes)
+
+
+FUSED_SAMPLER = Sampler(fused_sample, token_logprobs)

@@ -1,0 +1,123 @@
+"""The fused sampler kernels against the torch sampler (in Triton's interpreter without a GPU): the same tokens
+for greedy and seeded rows in batches of mixed features, the same logprobs, and the passes each row paid for."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from blink.engine.core.sampler import SamplerFeatures, SamplingRows, hash32, sample
+from blink.engine.kernels.sampler import fused_sample
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+V = 700  # three blocks of BLOCK, the last one partial
+BLOCK = 256
+ALL = SamplerFeatures(**dict.fromkeys(SamplerFeatures.__dataclass_fields__, True))
+
+# One row each: (temperature, top_p, top_k, min_p); repeated with other seeds and logits.
+KINDS = [
+    (0.0, 1.0, 0, 0.0),  # greedy
+    (0.0, 0.5, 7, 0.2),  # greedy with filters set (they do not apply)
+    (1.0, 1.0, 0, 0.0),  # plain sampling
+    (0.7, 1.0, 0, 0.05),  # min-p
+    (1.3, 1.0, 40, 0.0),  # top-k
+    (1.0, 0.9, 0, 0.0),  # top-p
+    (0.8, 0.7, 100, 0.01),  # all three
+    (1.0, 1.0, 1, 0.0),  # top-k 1: greedy by another road
+    (2.0, 0.05, 0, 0.0),  # top-p that keeps one token
+    (1.0, 1.0, 5000, 0.0),  # top-k beyond the vocabulary
+]
+
+
+def _rows(n: int, gen: torch.Generator, logprobs: bool) -> SamplingRows:
+    kinds = [KINDS[i % len(KINDS)] for i in range(n)]
+    rows = SamplingRows(
+        temperature=torch.tensor([k[0] for k in kinds]), top_p=torch.tensor([k[1] for k in kinds]),
+        top_k=torch.tensor([k[2] for k in kinds]), min_p=torch.tensor([k[3] for k in kinds]),
+        repetition_penalty=1 + torch.rand(n, generator=gen), presence_penalty=torch.rand(n, generator=gen) - 0.5,
+        frequency_penalty=torch.rand(n, generator=gen) - 0.5,
+        seed=torch.randint(0, 2**62, (n,), generator=gen), step_index=torch.randint(0, 500, (n,), generator=gen),
+    )
+    rows.held = torch.where(torch.rand(n, 3, generator=gen) < 0.5, torch.randint(0, V, (n, 3), generator=gen), -1)
+    rows.bias_ids = torch.where(torch.rand(n, 4, generator=gen) < 0.5, torch.randperm(V, generator=gen)[:4], -1)
+    rows.bias = torch.randn(n, 4, generator=gen) * 5
+    if logprobs:
+        rows.logprobs = torch.where(torch.arange(n) % 4 == 1, torch.arange(n) % 21, -1)  # a few: interpreted, slow
+    return rows
+
+
+def _penalties(n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    seen = torch.randint(0, V, (n, 30), generator=gen)
+    seen[:, 20:] = -1
+    seen[-1] = -1  # a row with no tokens
+    return seen, torch.randint(0, 3, (n, 30), generator=gen, dtype=torch.int32)
+
+
+def _on(x):
+    return x.to(DEVICE) if isinstance(x, torch.Tensor) else x
+
+
+@pytest.mark.parametrize("features, seed", [(ALL, 0), (ALL, 1), (SamplerFeatures(random=True, filtering=True), 2),
+                                           (SamplerFeatures(), 3)], ids=["every-feature", "every-feature-again",
+                                                                         "filters", "greedy"])
+def test_fused_sampler_draws_the_references_tokens(features, seed):
+    gen = torch.Generator().manual_seed(seed)
+    n = 2 * len(KINDS)
+    logits = torch.randn(n, V, generator=gen) * 3
+    logits[:, 7] = logits[:, 8] = logits.amax(-1) + 1  # a tie at the top: the lower id wins either way
+    rows = _rows(n, gen, features.logprobs)
+    if not features.random:
+        rows.temperature.zero_()
+    seen, counts = _penalties(n, gen)
+    expected = sample(logits, rows, features, hash32(torch.arange(V)), seen, counts)
+
+    device_rows = SamplingRows(**{k: _on(v) for k, v in vars(rows).items()})
+    on_device = logits.to(DEVICE)
+    got = fused_sample(on_device, device_rows, features, None, seen.to(DEVICE), counts.to(DEVICE), block=BLOCK)
+    assert torch.equal(got.tokens.cpu(), expected.tokens)
+    assert torch.equal(on_device.cpu(), logits)  # the edits were undone
+    if features.logprobs:
+        asked = rows.logprobs >= 0
+        torch.testing.assert_close(got.logprob.cpu()[asked], expected.logprob[asked], atol=1e-5, rtol=1e-5)
+        # Equal logits may come in either order (torch's topk promises none).
+        assert torch.equal(got.top_ids.cpu()[asked].sort(-1).values, expected.top_ids[asked].sort(-1).values)
+        torch.testing.assert_close(got.top_logprobs.cpu()[asked], expected.top_logprobs[asked], atol=1e-5, rtol=1e-5)
+
+
+def test_each_row_pays_for_what_it_asked():
+    """A greedy or plain sampling row is one pass over its logits; a filtering row adds its maximum and a search
+    of at most nine passes per threshold (fewer when the threshold keeps everything); logprobs a pass for the
+    log-sum-exp, a search for the top's threshold and a pass to write the top out."""
+    gen = torch.Generator().manual_seed(3)
+    rows = _rows(len(KINDS), gen, logprobs=True)
+    rows.logprobs = torch.full((len(KINDS),), -1)
+    rows.logprobs[2] = 5
+    logits = torch.randn(len(KINDS), V, generator=gen)
+    device_rows = SamplingRows(**{k: _on(v) for k, v in vars(rows).items()})
+    passes = fused_sample(logits.to(DEVICE), device_rows, ALL, None, *(t.to(DEVICE) for t in _penalties(
+        len(KINDS), gen)), block=BLOCK).passes.cpu().tolist()
+    assert passes[0] == passes[1] == 1  # greedy (filters set or not)
+    assert 1 + 2 + 6 <= passes[2] <= 1 + 2 + 9  # plain sampling, and logprobs
+    assert passes[3] == 2  # min-p: the maximum, then the draw
+    for row, searches in {4: 1, 5: 1, 6: 2}.items():
+        assert 3 <= passes[row] <= 2 + 9 * searches, (row, passes[row])
+
+
+def test_equal_logits_stay_or_go_together():
+    """Filters keep values: tokens tied at top-k's or top-p's boundary are all kept, in both samplers."""
+    logits = torch.log(torch.tensor([[0.4, 0.2, 0.2, 0.2, 1e-3] + [1e-6] * 95]))
+    rows = SamplingRows(temperature=torch.ones(1), top_p=torch.ones(1), top_k=torch.tensor([2]),
+                        min_p=torch.zeros(1), repetition_penalty=torch.ones(1), presence_penalty=torch.zeros(1),
+                        frequency_penalty=torch.zeros(1), seed=torch.zeros(1, dtype=torch.int64),
+                        step_index=torch.zeros(1, dtype=torch.int64))
+    features = SamplerFeatures(random=True, filtering=True)
+    n = 60  # draws, through as many seeds
+    for top_k, top_p in ((2, 1.0), (0, 0.5)):
+        rows.top_k[0], rows.top_p[0] = top_k, top_p
+        draws = SamplingRows(**{k: v.expand(n).clone() for k, v in vars(rows).items() if v is not None})
+        draws.seed = torch.arange(n)
+        expected = sample(logits.expand(n, -1), draws, features, hash32(torch.arange(100))).tokens
+        on_device = SamplingRows(**{k: _on(v) for k, v in vars(draws).items()})
+        assert torch.equal(fused_sample(logits.expand(n, -1).contiguous().to(DEVICE), on_device, features,
+                                        None).tokens.cpu(), expected)
+        assert set(expected.tolist()) == {0, 1, 2, 3}, (top_k, top_p)
