@@ -79,7 +79,7 @@ def _scene(sequences, page_size, kv_heads, group, head_dim, dtype, padding=3, se
     return (*(t.to(DEVICE) for t in inputs), decode_rows, chunk_rows)
 
 
-def _check_attention(sequences, page_size, kv_heads, group, dtype, window=None, head_dim=16):
+def _check_attention(sequences, page_size, kv_heads, group, dtype, window=None, head_dim=16, splits=None):
     q, k, v, k_cache, v_cache, table, write_rows, decode_rows, chunk_rows = _scene(
         sequences, page_size, kv_heads, group, head_dim, dtype)
     B, scale = q.shape[0], head_dim ** -0.5
@@ -89,8 +89,8 @@ def _check_attention(sequences, page_size, kv_heads, group, dtype, window=None, 
     # The reference writes this step's K/V into the caches; the kernel then reads the same caches.
     expected = reference_attention(q, k, v, k_cache, v_cache, AttentionBatch(write_rows, groups), scale)
     out = torch.zeros_like(q)
-    for rows, queries in ((decode_rows, 1), (chunk_rows, QUERY_BLOCK)):
-        paged_attention(q, k_cache, v_cache, rows, queries, table, scale, window, out)
+    paged_attention(q, k_cache, v_cache, decode_rows, 1, table, scale, window, out, splits)
+    paged_attention(q, k_cache, v_cache, chunk_rows, QUERY_BLOCK, table, scale, window, out)
     torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
 
 
@@ -114,6 +114,15 @@ def test_attention_matches_the_reference_in_16_bits(dtype, page_size, group, win
 def test_attention_with_only_decodes_or_only_chunks():
     _check_attention([(9, 1), (30, 1), (0, 1)], 4, 2, 2, torch.float32)
     _check_attention([(0, 130), (50, 3)], 8, 2, 2, torch.float32)
+
+
+@pytest.mark.parametrize(("splits", "dtype", "group", "window"), [
+    (2, torch.float32, 2, None), (4, torch.float32, 3, 100), (16, torch.float32, 1, None),
+    (4, torch.bfloat16, 4, None)])
+def test_decode_rows_split_their_keys_and_match_the_reference(splits, dtype, group, window):
+    """Flash-decoding: long and short contexts, so some spans hold many key tiles and others none; beside chunks."""
+    _check_attention([(300, 1), (37, 1), (0, 1), (130, 1), (0, 70), (5, 1)], 8, 2, group, dtype, window,
+                     splits=splits)
 
 
 def test_attention_of_an_empty_batch_touches_nothing():
