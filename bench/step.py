@@ -12,9 +12,10 @@ are the vocabulary, the context, the slots and the token bucket; the model itsel
 the real vocabulary, so the counts hold for the 1B and 8B Llama 3 shapes alike, and are compared with their
 weight bytes.
 
-The sampler is counted as the device step runs it on a GPU (`--sampler kernels`, the fused Triton kernels,
-interpreted here): each kernel counts its own passes over the logits, and a pass is counted as reading a row of
-logits. `--sampler torch` counts the torch reference, as the CPU runs it. `--requests` picks what the resident
+The step is counted as a GPU runs it (`--kernels triton`: the model's Triton kernels, interpreted here and
+uncounted like the rest of the forward, so the step builds only their row lists; the fused sampler, whose kernels
+count their own passes over the logits, each pass counted as reading a row of logits). `--kernels torch` counts
+the step as the CPU runs it: the torch attention's gathers and the torch sampler. `--requests` picks what the resident
 requests ask for: `greedy`, or `mixed` (half greedy, half sampling with temperature, top-k, top-p, min-p,
 penalties, a logit bias and logprobs): the captured step is the same code for both; what it costs is not.
 """
@@ -43,8 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context", type=int, default=4096, help="max_model_len")
     p.add_argument("--bucket", type=int, default=16, help="the token bucket of the step counted (decodes)")
     p.add_argument("--vocab", type=int, help="override the shape's vocabulary (a quick run)")
-    p.add_argument("--sampler", choices=("kernels", "torch"), default="kernels",
-                   help="the fused Triton sampler (the device step's on a GPU) or the torch reference")
+    p.add_argument("--kernels", choices=("triton", "torch"), default="triton",
+                   help="the step as a GPU runs it (Triton kernels, the fused sampler) or as the CPU runs it")
     p.add_argument("--requests", nargs="+", choices=sorted(REQUESTS), default=["greedy", "mixed"])
     p.add_argument("--label", help="names the code measured in the saved result (e.g. the commit of a baseline)")
     p.add_argument("--result-dir", type=Path, default=Path("bench/results"))
@@ -60,16 +61,16 @@ def run(args: argparse.Namespace) -> None:
     for vocab in vocabs:
         with _stand_in(vocab, args.context) as model_dir:
             for slots, requests in ((s, r) for s in args.slots for r in args.requests):
-                counted = count_step(model_dir, slots, args.context, args.bucket, args.sampler, requests)
+                counted = count_step(model_dir, slots, args.context, args.bucket, args.kernels, requests)
                 for shape in args.shape:
                     if (args.vocab or SHAPES[shape]["vocab"]) != vocab:
                         continue
                     share = counted["bytes"] / SHAPES[shape]["weight_bytes"]
                     rows.append({"shape": shape, "vocab": vocab, "slots": slots, "context": args.context,
-                                 "bucket": args.bucket, "sampler": args.sampler, "requests": requests, **counted,
+                                 "bucket": args.bucket, "kernels": args.kernels, "requests": requests, **counted,
                                  "weight_bytes": SHAPES[shape]["weight_bytes"], "bytes_over_weights": share})
                     print(f"{shape:10s} vocab {vocab:6d} slots {slots:4d} context {args.context:6d} bucket "
-                          f"{args.bucket:3d} {requests:6s} ({args.sampler}): {counted['ops']:4d} ops, "
+                          f"{args.bucket:3d} {requests:6s} ({args.kernels}): {counted['ops']:4d} ops, "
                           f"{counted['bytes'] / 1e9:7.3f} GB outside the forward = {share:6.1%} of the weights "
                           f"({counted['seconds']:.2f} s on this CPU)")
                     for name, (ops, nbytes) in list(counted["top"].items())[:5]:
@@ -88,7 +89,7 @@ REQUESTS = {
 }
 
 
-def count_step(model_dir: Path, slots: int, context: int, bucket: int, sampler: str = "kernels",
+def count_step(model_dir: Path, slots: int, context: int, bucket: int, kernels: str = "triton",
                requests: str = "greedy") -> dict[str, object]:
     """Ops and bytes of one steady decode step of the device step (every slot resident, decoding), outside the
     model's forward and logits."""
@@ -101,9 +102,10 @@ def count_step(model_dir: Path, slots: int, context: int, bucket: int, sampler: 
     from blink.engine.kernels import sampler as sampler_kernels
     from blink.shared.slot_table import Request, SlotTable
 
-    engine = Engine(EngineConfig(model=str(model_dir), device="cpu", max_num_seqs=slots,
-                                 max_num_batched_tokens=max(bucket, slots), max_model_len=context, swap_space=0))
-    if sampler == "kernels":  # interpreted, a wide block runs faster; the passes counted do not depend on it
+    with _environment(BLINK_KERNELS=kernels):
+        engine = Engine(EngineConfig(model=str(model_dir), device="cpu", max_num_seqs=slots,
+                                     max_num_batched_tokens=max(bucket, slots), max_model_len=context, swap_space=0))
+    if kernels == "triton":  # interpreted, a wide block runs faster; the passes counted do not depend on it
         wide = dict(block=4096)
         engine.step.sampler = Sampler(partial(sampler_kernels.fused_sample, **wide),
                                       partial(sampler_kernels.token_logprobs, **wide))
@@ -212,6 +214,20 @@ def _uncounted(counter: _OpCounter, owner, names: tuple[str, ...]):
     finally:
         for name, fn in originals.items():
             setattr(owner, name, fn)
+
+
+@contextmanager
+def _environment(**values: str):
+    before = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name)
+            else:
+                os.environ[name] = value
 
 
 @contextmanager

@@ -25,7 +25,7 @@ from blink.engine.kernels.rotation import copy_pages
 from blink.shared.slot_table import SlotTable, slot_dtype
 
 # Every sampling feature is on: a captured step cannot branch on the requests it will meet (neutral parameters
-# leave tokens unchanged).
+# leave tokens unchanged). The fused sampler branches per row on the device, so a row still pays only for its own.
 ALL_FEATURES = SamplerFeatures(**dict.fromkeys(SamplerFeatures.__dataclass_fields__, True))
 
 # Prompt logprobs a captured step scores at most (a request that asks for them is prefilled this many tokens a
