@@ -13,6 +13,8 @@ unnormalised output, and a second kernel merges the spans of each (row, head).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -139,8 +141,12 @@ def key_splits(q: torch.Tensor, kv_heads: int, queries_per_row: int) -> int:
     merge of a few kilobytes per head). Prefill rows, and the CPU: none."""
     if queries_per_row != 1 or q.device.type != "cuda":
         return 1
-    wanted = 2 * torch.cuda.get_device_properties(q.device).multi_processor_count
-    return min(MAX_SPLITS, triton.next_power_of_2(-(-wanted // kv_heads)))
+    return min(MAX_SPLITS, triton.next_power_of_2(-(-2 * _multiprocessors(q.device.index) // kv_heads)))
+
+
+@functools.cache
+def _multiprocessors(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: QueryRows,
