@@ -3,6 +3,8 @@ tokens with the Triton kernels against those with torch's."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -123,6 +125,19 @@ def test_decode_rows_split_their_keys_and_match_the_reference(splits, dtype, gro
     """Flash-decoding: long and short contexts, so some spans hold many key tiles and others none; beside chunks."""
     _check_attention([(300, 1), (37, 1), (0, 1), (130, 1), (0, 70), (5, 1)], 8, 2, group, dtype, window,
                      splits=splits)
+
+
+def test_the_sampler_and_attention_kernels_compile_for_a_gpu(tmp_path):
+    """The interpreter runs kernels as Python; this compiles them for sm_90 (no GPU needed) so what only the
+    compiler refuses fails in CI too."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-m", "tests.compile_for_gpu"], env=env, capture_output=True, text=True,
+                          cwd=Path(__file__).parent.parent, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
 
 
 def test_attention_of_an_empty_batch_touches_nothing():

@@ -1,10 +1,11 @@
-"""The sampler as Triton kernels: a pass or two over each row's logits, whatever its filters, with no sort.
+"""The sampler as Triton kernels: each row's logits read as often as its own request needs, and no sort.
 
 `fused_sample` is `blink.engine.core.sampler.sample` (the reference, which the CPU runs) for the device: the same
 tokens for the same inputs. Each row is one program and pays for what its own request asked: a greedy row is one
 argmax pass; a row that samples is one pass of noise and argmax; min-p, top-k and top-p add a pass for the row's
-maximum and a threshold search, and logprobs a pass of their own. So a captured step that must serve every feature
-costs a batch of greedy requests one pass, not the sort and the [rows, vocab] temporaries of the reference.
+maximum and a threshold search each; logprobs a pass for the log-sum-exp, a search and a pass to write the top.
+So a captured step that must serve every feature costs a batch of greedy requests one pass, not the sort and the
+[rows, vocab] temporaries of the reference.
 
 The filters keep values, not positions (as the reference does), so each is a threshold on the logits' order: top-k
 keeps what has fewer than k kept tokens above it, top-p what has less than top_p of the kept mass above it. The
@@ -35,7 +36,7 @@ from blink.shared.request_schema import MAX_LOGPROBS
 BLOCK = 1024  # logits a program reads at a time
 PIVOTS = 16  # keys a threshold-search pass tests at once
 KEEP = 32  # top logprob candidates a row writes out (ties at the last place can make more than MAX_LOGPROBS)
-_MUL2 = 0x846CA68B - (1 << 32)  # lowbias32's second multiplier as an int32 (int32 products wrap as it wants)
+_MUL2 = tl.constexpr(0x846CA68B - (1 << 32))  # lowbias32's second multiplier as an int32 (products wrap as it wants)
 
 
 @triton.jit
@@ -122,7 +123,8 @@ def _sample_kernel(logits, stride, V, temperature, log_min_p, top_k, top_p, nois
         top = tl.full([], float("-inf"), tl.float32)
         start = tl.full([], 0, tl.int32)
         while start < V:  # not range(): Triton 3.6's interpreter cannot range over an argument
-            top = tl.maximum(top, tl.max(_scaled(row, start, V, T, BLOCK)[0], 0))
+            s, _, _ = _scaled(row, start, V, T, BLOCK)
+            top = tl.maximum(top, tl.max(s, 0))
             start += BLOCK
         n += 1
         if k > 0:
@@ -161,7 +163,7 @@ def _logprobs_kernel(logits, stride, V, asked, tokens, logprob, lse_out, top_key
         total = tl.full([], 0.0, tl.float32)
         start = tl.full([], 0, tl.int32)
         while start < V:  # the log-sum-exp, online
-            x = _scaled(row, start, V, 1.0, BLOCK)[0]
+            x, _, _ = _scaled(row, start, V, 1.0, BLOCK)
             new_m = tl.maximum(m, tl.max(x, 0))
             total = total * tl.exp(m - new_m) + tl.sum(tl.exp(x - new_m), 0)
             m = new_m
