@@ -1,5 +1,5 @@
-"""Compiles the sampler and attention kernels for an H100 (sm_90) without a GPU: Triton's front end, its passes
-and the ptxas its wheel ships, so code the interpreter accepts but the compiler would not fails here, in CI.
+"""Compiles the model's and the sampler's Triton kernels for an H100 (sm_90) without a GPU: Triton's front end, its
+passes and the ptxas its wheel ships, so code the interpreter accepts but the compiler would not fails here, in CI.
 Run as `python -m tests.compile_for_gpu` without TRITON_INTERPRET (tests/test_kernels.py does)."""
 
 import os
@@ -11,46 +11,55 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from blink.engine.kernels import attention as A  # noqa: E402
-from blink.engine.kernels import sampler as S  # noqa: E402
+from blink.engine.kernels import attention, moe, rms_norm, rope_kv, rotation, sampler  # noqa: E402
 
-target = GPUTarget("cuda", 90, 32)
-
-failed = []
+TARGET = GPUTarget("cuda", 90, 32)
 
 
-def build(fn, signature, constexprs, name):
+def build(kernel, name: str, constexprs: dict, types: dict[str, str]) -> bool:
+    """Compiles `kernel` with these constexprs; an argument not in `types` is an int32 (sizes and strides)."""
+    signature = {arg: "constexpr" if arg in constexprs else types.get(arg, "i32") for arg in kernel.arg_names}
     try:
-        k = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=target)
-        print("ok", name, len(k.asm["cubin"]), "bytes of cubin")
+        compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs), target=TARGET)
     except Exception as e:  # every kernel is tried; the exit status says whether one failed
-        print("FAIL", name, type(e).__name__, str(e)[:3000])
-        failed.append(name)
+        print(f"FAIL {name}: {type(e).__name__}: {str(e)[:3000]}")
+        return False
+    print(f"ok {name}: {len(compiled.asm['cubin'])} bytes of cubin")
+    return True
 
-sig = {"logits": "*fp32", "stride": "i32", "V": "i32", "temperature": "*fp32", "log_min_p": "*fp32",
-       "top_k": "*i64", "top_p": "*fp32", "noise_key": "*i32", "tokens": "*i64", "passes": "*i32",
-       "GREEDY_BELOW": "constexpr", "BLOCK": "constexpr", "PIVOTS": "constexpr"}
-build(S._sample_kernel, sig, {"GREEDY_BELOW": 1e-5, "BLOCK": 1024, "PIVOTS": 16}, "sample")
-sig = {"logits": "*fp32", "stride": "i32", "V": "i32", "asked": "*i64", "tokens": "*i64", "logprob": "*fp32",
-       "lse_out": "*fp32", "top_keys": "*i64", "passes": "*i32", "TOP": "constexpr", "KEEP": "constexpr",
-       "BLOCK": "constexpr", "PIVOTS": "constexpr"}
-build(S._logprobs_kernel, sig, {"TOP": 20, "KEEP": 32, "BLOCK": 1024, "PIVOTS": 16}, "logprobs")
-ptr = "*bf16"
-names = ["q_ptr", "out_ptr", "k_ptr", "v_ptr", "table_ptr", "start_ptr", "length_ptr", "first_pos_ptr", "slot_ptr",
-         "count_ptr", "stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_kp", "stride_ks", "stride_kh",
-         "stride_vp", "stride_vs", "stride_vh", "stride_table", "scale_log2", "window", "span_max", "span_sum",
-         "span_acc", "heads"]
-types = [ptr, ptr, ptr, ptr, "*i64", "*i64", "*i64", "*i64", "*i64", "*i64"] + ["i32"] * 11 + ["fp32", "i32",
-         "*fp32", "*fp32", "*fp32", "i32"]
-sig = dict(zip(names, types, strict=True))
-const = dict(GROUP=4, HEAD_DIM=64, PAGE_SIZE=16, HAS_WINDOW=False, BLOCK_H=4, BLOCK_M=16, BLOCK_N=64, BLOCK_D=64,
-             DOT_PRECISION="tf32", UPCAST=False, SPLITS=8)
-sig.update({k: "constexpr" for k in const})
-build(A._paged_attention_kernel, sig, const, "attention split 8")
-const["SPLITS"] = 1
-build(A._paged_attention_kernel, sig, const, "attention split 1")
-sig = {"out_ptr": ptr, "start_ptr": "*i64", "count_ptr": "*i64", "span_max": "*fp32", "span_sum": "*fp32",
-       "span_acc": "*fp32", "stride_ot": "i32", "stride_oh": "i32", "heads": "i32", "HEAD_DIM": "constexpr",
-       "SPLITS": "constexpr", "BLOCK_D": "constexpr"}
-build(A._merge_spans_kernel, sig, dict(HEAD_DIM=64, SPLITS=8, BLOCK_D=64), "merge spans")
-sys.exit(1 if failed else 0)
+
+def pointers(dtype: str, *names: str) -> dict[str, str]:
+    return dict.fromkeys(names, f"*{dtype}")
+
+
+attention_args = {**pointers("bf16", "q_ptr", "out_ptr", "k_ptr", "v_ptr"),
+                  **pointers("i64", "table_ptr", "start_ptr", "length_ptr", "first_pos_ptr", "slot_ptr", "count_ptr"),
+                  **pointers("fp32", "span_max", "span_sum", "span_acc"), "scale_log2": "fp32"}
+decode = dict(GROUP=4, HEAD_DIM=64, PAGE_SIZE=16, HAS_WINDOW=False, BLOCK_H=4, BLOCK_M=16, BLOCK_N=64, BLOCK_D=64,
+              DOT_PRECISION="tf32", UPCAST=False, SPLITS=8)
+chunk = decode | dict(HAS_WINDOW=True, BLOCK_M=64, SPLITS=1)
+logits = {"logits": "*fp32", "tokens": "*i64", "passes": "*i32"}
+results = [
+    build(sampler._sample_kernel, "sampler: draw", dict(GREEDY_BELOW=1e-5, BLOCK=1024, PIVOTS=16),
+          logits | pointers("fp32", "temperature", "log_min_p", "top_p") | {"top_k": "*i64", "noise_key": "*i32"}),
+    build(sampler._logprobs_kernel, "sampler: logprobs", dict(TOP=20, KEEP=32, BLOCK=1024, PIVOTS=16),
+          logits | pointers("fp32", "logprob", "lse_out") | pointers("i64", "asked", "top_keys")),
+    build(attention._paged_attention_kernel, "attention: decode rows, keys split", decode, attention_args),
+    build(attention._paged_attention_kernel, "attention: prefill chunks, a window", chunk, attention_args),
+    build(attention._merge_spans_kernel, "attention: merge spans", dict(HEAD_DIM=64, SPLITS=8, BLOCK_D=64),
+          attention_args),
+    build(rms_norm._rms_norm_kernel, "rms_norm with the residual add", dict(N=2048, BLOCK_R=2, BLOCK=2048, ADD=True),
+          pointers("bf16", "x_ptr", "delta_ptr", "sum_ptr", "w_ptr", "out_ptr") | {"eps": "fp32"}),
+    build(rope_kv._rope_and_cache_kernel, "rope and the cache write",
+          dict(Q_HEADS=32, KV_HEADS=8, HALF=32, BLOCK_T=4, BLOCK_HQ=32, BLOCK_HKV=8, BLOCK_HALF=32),
+          pointers("bf16", "q_ptr", "k_ptr", "v_ptr", "q_out_ptr", "k_cache_ptr", "v_cache_ptr", "cos_ptr", "sin_ptr")
+          | pointers("i64", "pos_ptr", "write_ptr")),
+    build(moe._expert_product_kernel, "experts: gated products",
+          dict(N=768, K=2048, GATHER=True, GATED=True, BLOCK_M=moe.BLOCK_M, BLOCK_N=moe.BLOCK_N, BLOCK_K=moe.BLOCK_K,
+               PRECISION="tf32", UPCAST=False),
+          pointers("bf16", "x_ptr", "w_ptr", "out_ptr") | pointers("i64", "row_ptr", "expert_ptr")),
+    build(rotation._copy_pages_kernel, "KV rotation: page copies",
+          dict(LAYERS=16, PAGE_ELEMENTS=16 * 8 * 64, PROGRAMS=rotation.PROGRAMS, BLOCK=rotation.BLOCK),
+          pointers("bf16", "src_ptr", "dst_ptr") | pointers("i64", "src_ids_ptr", "dst_ids_ptr", "count_ptr")),
+]
+sys.exit(0 if all(results) else 1)
