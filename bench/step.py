@@ -95,7 +95,7 @@ def count_step(model_dir: Path, slots: int, context: int, bucket: int, kernels: 
     model's forward and logits."""
     import torch
 
-    from blink.engine.core.sampler import Sampler
+    from blink.engine.core.sampler import TORCH_SAMPLER, Sampler
     from blink.engine.drive import device_step
     from blink.engine.drive.device_step import DeviceStep
     from blink.engine.engine import Engine, EngineConfig
@@ -105,10 +105,12 @@ def count_step(model_dir: Path, slots: int, context: int, bucket: int, kernels: 
     with _environment(BLINK_KERNELS=kernels):
         engine = Engine(EngineConfig(model=str(model_dir), device="cpu", max_num_seqs=slots,
                                      max_num_batched_tokens=max(bucket, slots), max_model_len=context, swap_space=0))
+    counted_sampler = engine.step.sampler
     if kernels == "triton":  # interpreted, a wide block runs faster; the passes counted do not depend on it
         wide = dict(block=4096)
-        engine.step.sampler = Sampler(partial(sampler_kernels.fused_sample, **wide),
-                                      partial(sampler_kernels.token_logprobs, **wide))
+        counted_sampler = Sampler(partial(sampler_kernels.fused_sample, **wide),
+                                  partial(sampler_kernels.token_logprobs, **wide))
+    engine.step.sampler = TORCH_SAMPLER  # the warm-up's tokens need not be the kernels' (interpreted, they are slow)
     table = SlotTable.create(f"bench-step-{uuid.uuid4().hex[:10]}", engine.geometry(window=1 << 16))
     try:
         device = DeviceStep(engine, table)
@@ -118,6 +120,7 @@ def count_step(model_dir: Path, slots: int, context: int, bucket: int, kernels: 
             for _ in range(3):  # admission and prefill, then decodes
                 device.clock[0] = time.monotonic()
                 device.run(device.buckets[-1])
+            engine.step.sampler = counted_sampler
             counter = _OpCounter()
             with counter, _uncounted(counter, engine.model, ("forward", "logits")), \
                     _uncounted(counter, device_step, ("take_requests", "emit", "report_demand")), \
