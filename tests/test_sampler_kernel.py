@@ -121,3 +121,20 @@ def test_equal_logits_stay_or_go_together():
         assert torch.equal(fused_sample(logits.expand(n, -1).contiguous().to(DEVICE), on_device, features,
                                         None).tokens.cpu(), expected)
         assert set(expected.tolist()) == {0, 1, 2, 3}, (top_k, top_p)
+
+
+def test_token_logprobs_score_the_rows_that_asked():
+    """The prompt's logprobs go through the same kernel: a given token per row, rows past the scored ones skipped."""
+    from blink.engine.core.sampler import token_logprobs
+    from blink.engine.kernels.sampler import token_logprobs as fused_token_logprobs
+
+    gen = torch.Generator().manual_seed(4)
+    logits, tokens = torch.randn(6, V, generator=gen) * 4, torch.randint(0, V, (6,), generator=gen)
+    asked = torch.tensor([0, 0, 0, 0, -1, -1])
+    logprob, top_ids, top_logprobs = fused_token_logprobs(logits.to(DEVICE), tokens.to(DEVICE), asked.to(DEVICE),
+                                                          block=BLOCK)
+    expected = token_logprobs(logits, tokens)
+    torch.testing.assert_close(logprob.cpu()[:4], expected[0][:4], atol=1e-5, rtol=1e-5)
+    assert torch.equal(top_ids.cpu()[:4], expected[1][:4])
+    torch.testing.assert_close(top_logprobs.cpu()[:4], expected[2][:4], atol=1e-5, rtol=1e-5)
+    assert bool((top_ids[4:] == -1).all()) and bool((logprob[4:] == 0).all())
