@@ -42,7 +42,7 @@ logits = {"logits": "*fp32", "tokens": "*i64", "passes": "*i32"}
 results = [
     build(sampler._sample_kernel, "sampler: draw", dict(GREEDY_BELOW=1e-5, BLOCK=1024, PIVOTS=16),
           logits | pointers("fp32", "temperature", "log_min_p", "top_p") | {"top_k": "*i64", "noise_key": "*i32"}),
-    build(sampler._logprobs_kernel, "sampler: logprobs", dict(TOP=20, KEEP=32, BLOCK=1024, PIVOTS=16),
+    build(sampler._logprobs_kernel, "sampler: logprobs", dict(TOP=20, BLOCK=1024, PIVOTS=16),
           logits | pointers("fp32", "logprob", "lse_out") | pointers("i64", "asked", "top_keys")),
     build(attention._paged_attention_kernel, "attention: decode rows, keys split", decode, attention_args),
     build(attention._paged_attention_kernel, "attention: prefill chunks, a window", chunk, attention_args),

@@ -138,3 +138,19 @@ def test_token_logprobs_score_the_rows_that_asked():
     assert torch.equal(top_ids.cpu()[:4], expected[1][:4])
     torch.testing.assert_close(top_logprobs.cpu()[:4], expected[2][:4], atol=1e-5, rtol=1e-5)
     assert bool((top_ids[4:] == -1).all()) and bool((logprob[4:] == 0).all())
+
+
+def test_the_top_logprobs_survive_many_ties_at_the_last_place():
+    """19 logits above 40 equal ones that the 20th place ties: every one above is kept whatever the ids' order, and
+    the lowest tied id takes the last place."""
+    from blink.engine.core.sampler import token_logprobs
+    from blink.engine.kernels.sampler import token_logprobs as fused_token_logprobs
+
+    logits = torch.zeros(1, V)
+    logits[0, 100:140] = 5.0  # the ties, at low ids
+    logits[0, V - 19:] = torch.arange(19) + 6.0  # above them, at the highest ids
+    tokens = torch.tensor([3])
+    _, top_ids, top_logprobs = fused_token_logprobs(logits.to(DEVICE), tokens.to(DEVICE), block=BLOCK)
+    expected = token_logprobs(logits, tokens)
+    torch.testing.assert_close(top_logprobs.cpu(), expected[2], atol=1e-5, rtol=1e-5)
+    assert top_ids[0, :19].tolist() == list(range(V - 1, V - 20, -1)) and top_ids[0, 19].item() == 100

@@ -35,7 +35,6 @@ from blink.shared.request_schema import MAX_LOGPROBS
 
 BLOCK = 1024  # logits a program reads at a time
 PIVOTS = 16  # keys a threshold-search pass tests at once
-KEEP = 32  # top logprob candidates a row writes out (ties at the last place can make more than MAX_LOGPROBS)
 _MUL2 = tl.constexpr(0x846CA68B - (1 << 32))  # lowbias32's second multiplier as an int32 (products wrap as it wants)
 
 
@@ -155,7 +154,7 @@ def _sample_kernel(logits, stride, V, temperature, log_min_p, top_k, top_p, nois
 
 @triton.jit
 def _logprobs_kernel(logits, stride, V, asked, tokens, logprob, lse_out, top_keys, passes, TOP: tl.constexpr,
-                     KEEP: tl.constexpr, BLOCK: tl.constexpr, PIVOTS: tl.constexpr):
+                     BLOCK: tl.constexpr, PIVOTS: tl.constexpr):
     r = tl.program_id(0)
     if tl.load(asked + r) >= 0:
         row = logits + r.to(tl.int64) * stride
@@ -169,20 +168,25 @@ def _logprobs_kernel(logits, stride, V, asked, tokens, logprob, lse_out, top_key
             m = new_m
             start += BLOCK
         lse = m + tl.log(total)
-        # The top TOP are the keys above which fewer than TOP lie (ties included); the first KEEP of them in id
-        # order are packed with their ids and written out, for the host side to order.
+        # The top TOP: the keys above `floor` (fewer than TOP), then the lowest ids of those at it (ties), each in
+        # a region of TOP cells, packed with their ids for the host side to order.
         floor, searched = _search(row, V, 1.0, m, float("-inf"), tl.full([], -(1 << 31), tl.int32), TOP, False,
                                   BLOCK, PIVOTS)
-        written = tl.full([], 0, tl.int32)
+        above = tl.full([], 0, tl.int32)
+        tied = tl.full([], 0, tl.int32)
         start = tl.full([], 0, tl.int32)
         while start < V:
             x, ids, real = _scaled(row, start, V, 1.0, BLOCK)
             key = _key(x)
-            take = real & (key >= floor)
-            at = written + tl.cumsum(take.to(tl.int32), 0) - 1
             packed = (key.to(tl.int64) << 32) | (V - 1 - ids).to(tl.int64)  # equal logits: the lower id first
-            tl.store(top_keys + r * KEEP + at, packed, mask=take & (at < KEEP))
-            written += tl.sum(take.to(tl.int32), 0)
+            higher = real & (key > floor)
+            at = above + tl.cumsum(higher.to(tl.int32), 0) - 1
+            tl.store(top_keys + r * 2 * TOP + at, packed, mask=higher)
+            equal = real & (key == floor)
+            at = tied + tl.cumsum(equal.to(tl.int32), 0) - 1
+            tl.store(top_keys + r * 2 * TOP + TOP + at, packed, mask=equal & (at < TOP))
+            above += tl.sum(higher.to(tl.int32), 0)
+            tied += tl.sum(equal.to(tl.int32), 0)
             start += BLOCK
         tl.store(lse_out + r, lse)
         tl.store(logprob + r, tl.load(row + tl.load(tokens + r)) - lse)
@@ -242,11 +246,12 @@ def _logprobs(logits: torch.Tensor, asked: torch.Tensor, tokens: torch.Tensor,
     logprob = torch.zeros(R, dtype=torch.float32, device=logits.device)
     passes = torch.zeros(R, dtype=torch.int32, device=logits.device)
     lse = torch.zeros(R, dtype=torch.float32, device=logits.device)
-    keys = torch.full((R, KEEP), -(1 << 63), dtype=torch.int64, device=logits.device)
+    top = min(MAX_LOGPROBS, V)
+    keys = torch.full((R, 2 * top), -(1 << 63), dtype=torch.int64, device=logits.device)
     if R:
         _logprobs_kernel[(R,)](logits, logits.stride(0), V, asked, tokens, logprob, lse, keys, passes,
-                               TOP=min(MAX_LOGPROBS, V), KEEP=KEEP, BLOCK=block, PIVOTS=PIVOTS, num_warps=4)
-    keys = keys.topk(min(MAX_LOGPROBS, V), dim=-1).values
+                               TOP=top, BLOCK=block, PIVOTS=PIVOTS, num_warps=4)
+    keys = keys.topk(top, dim=-1).values
     ordered = (keys >> 32).to(torch.int32)
     values = (ordered ^ ((ordered >> 31) & 0x7FFFFFFF)).view(torch.float32)
     wanted = (asked >= 0)[:, None]
