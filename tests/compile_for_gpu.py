@@ -1,24 +1,26 @@
-"""Compiles the model's and the sampler's Triton kernels for an H100 (sm_90) without a GPU: Triton's front end, its
-passes and the ptxas its wheel ships, so code the interpreter accepts but the compiler would not fails here, in CI.
-Run as `python -m tests.compile_for_gpu` without TRITON_INTERPRET (tests/test_kernels.py does)."""
+"""Compiles Blink's Triton kernels for an H100 (sm_90) without a GPU: Triton's front end, its passes and the ptxas
+its wheel ships, so code the interpreter accepts but the compiler would not fails here, in CI. The model's and the
+sampler's kernels with signatures written here; the exchange kernels with the arguments one device step (on the
+CPU, the kernels recorded rather than run) hands them. Run as `python -m tests.compile_for_gpu` without
+TRITON_INTERPRET (tests/test_kernels.py does)."""
 
 import os
 import sys
+import uuid
 
 assert os.environ.get("TRITON_INTERPRET") != "1", "the interpreter compiles nothing"
 
+import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from blink.engine.kernels import attention, moe, rms_norm, rope_kv, rotation, sampler  # noqa: E402
+from blink.engine.kernels import attention, exchange, moe, rms_norm, rope_kv, rotation, sampler  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 
 
-def build(kernel, name: str, constexprs: dict, types: dict[str, str]) -> bool:
-    """Compiles `kernel` with these constexprs; an argument not in `types` is an int32 (sizes and strides)."""
-    signature = {arg: "constexpr" if arg in constexprs else types.get(arg, "i32") for arg in kernel.arg_names}
+def compile_one(kernel, name: str, signature: dict[str, str], constexprs: dict) -> bool:
     try:
         compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs), target=TARGET)
     except Exception as e:  # every kernel is tried; the exit status says whether one failed
@@ -26,6 +28,12 @@ def build(kernel, name: str, constexprs: dict, types: dict[str, str]) -> bool:
         return False
     print(f"ok {name}: {len(compiled.asm['cubin'])} bytes of cubin")
     return True
+
+
+def build(kernel, name: str, constexprs: dict, types: dict[str, str]) -> bool:
+    """Compiles `kernel` with these constexprs; an argument not in `types` is an int32 (sizes and strides)."""
+    signature = {arg: "constexpr" if arg in constexprs else types.get(arg, "i32") for arg in kernel.arg_names}
+    return compile_one(kernel, name, signature, constexprs)
 
 
 def pointers(dtype: str, *names: str) -> dict[str, str]:
@@ -62,4 +70,65 @@ results = [
           dict(LAYERS=16, PAGE_ELEMENTS=16 * 8 * 64, PROGRAMS=rotation.PROGRAMS, BLOCK=rotation.BLOCK),
           pointers("bf16", "src_ptr", "dst_ptr") | pointers("i64", "src_ids_ptr", "dst_ids_ptr", "count_ptr")),
 ]
+
+
+TYPES = {torch.uint8: "u8", torch.bool: "i1", torch.int32: "i32", torch.int64: "i64", torch.float32: "fp32",
+         torch.float64: "fp64"}
+
+
+def recorded_launches(names: tuple[str, ...]) -> list[tuple[str, object, dict]]:
+    """One device step of the default model on the CPU, with these exchange kernels recorded instead of run:
+    (name, kernel, its arguments by parameter name) for each launch."""
+    from blink.engine.drive.device_step import DeviceStep
+    from blink.engine.engine import Engine, EngineConfig
+    from blink.engine.model.default_model import ensure_default_model
+    from blink.shared.slot_table import SlotTable
+
+    launches = []
+
+    class Recorder:
+        def __init__(self, name, kernel):
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, grid):
+            def record(*args, **kwargs):
+                names = [p.name for p in self.kernel.params]
+                launches.append((self.name, self.kernel, dict(zip(names, args, strict=False)) | kwargs))
+            return record
+
+    kernels = {name: getattr(exchange, name) for name in names}
+    engine = Engine(EngineConfig(model=str(ensure_default_model()), device="cpu", max_num_seqs=4, swap_space=0))
+    table = SlotTable.create(f"compile-{uuid.uuid4().hex[:10]}", engine.geometry(window=8))
+    try:
+        for name, kernel in kernels.items():
+            setattr(exchange, name, Recorder(name, kernel))
+        device = DeviceStep(engine, table)
+        device.run(device.buckets[0])
+        device.close()
+    finally:
+        for name, kernel in kernels.items():
+            setattr(exchange, name, kernel)
+        table.unlink()
+    return launches
+
+
+def signature_of(kernel, arguments: dict) -> tuple[dict, dict]:
+    constexprs = {p.name: arguments[p.name] for p in kernel.params if p.is_constexpr}
+    signature = {}
+    for name, value in arguments.items():
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif isinstance(value, torch.Tensor):
+            signature[name] = "*" + TYPES[value.dtype]
+        elif isinstance(value, bool):
+            signature[name] = "i1"
+        elif isinstance(value, int):
+            signature[name] = "i32" if -(1 << 31) <= value < (1 << 31) else "i64"
+        else:
+            signature[name] = "fp32"
+    return signature, constexprs
+
+
+for name, kernel, arguments in recorded_launches(("_select", "_admit", "_emit", "_demand")):
+    results.append(compile_one(kernel, f"exchange: {name}", *signature_of(kernel, arguments)))
 sys.exit(0 if all(results) else 1)
