@@ -4,6 +4,9 @@ tokens with the Triton kernels against those with torch's."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -130,10 +133,6 @@ def test_decode_rows_split_their_keys_and_match_the_reference(splits, dtype, gro
 def test_the_kernels_compile_for_a_gpu(tmp_path):
     """The interpreter runs kernels as Python; this compiles them for sm_90 (no GPU needed) so what only the
     compiler refuses fails in CI too."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(tmp_path)}
     done = subprocess.run([sys.executable, "-m", "tests.compile_for_gpu"], env=env, capture_output=True, text=True,
                           cwd=Path(__file__).parent.parent, timeout=300)
