@@ -49,7 +49,8 @@ chunk = decode | dict(HAS_WINDOW=True, BLOCK_M=64, SPLITS=1)
 logits = {"logits": "*fp32", "tokens": "*i64", "passes": "*i32"}
 results = [
     build(sampler._sample_kernel, "sampler: draw", dict(GREEDY_BELOW=1e-5, BLOCK=1024, PIVOTS=16),
-          logits | pointers("fp32", "temperature", "log_min_p", "top_p") | {"top_k": "*i64", "noise_key": "*i32"}),
+          logits | pointers("fp32", "temperature", "log_min_p", "top_p")
+          | pointers("i64", "top_k", "seed", "step_index")),
     build(sampler._logprobs_kernel, "sampler: logprobs", dict(TOP=20, BLOCK=1024, PIVOTS=16),
           logits | pointers("fp32", "logprob", "lse_out") | pointers("i64", "asked", "top_keys")),
     build(attention._paged_attention_kernel, "attention: decode rows, keys split", decode, attention_args),

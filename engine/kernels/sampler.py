@@ -29,13 +29,13 @@ from blink.engine.core.sampler import (
     SamplingRows,
     edit_logits,
     edits,
-    noise_key,
 )
 from blink.shared.request_schema import MAX_LOGPROBS
 
 BLOCK = 1024  # logits a program reads at a time
 PIVOTS = 16  # keys a threshold-search pass tests at once
 _MUL2 = tl.constexpr(0x846CA68B - (1 << 32))  # lowbias32's second multiplier as an int32 (products wrap as it wants)
+_GOLDEN = tl.constexpr(0x9E3779B9 - (1 << 32))  # what noise_key mixes into the seed's high word, as an int32
 
 
 @triton.jit
@@ -58,6 +58,13 @@ def _hash(x):
     x = x ^ _shr(x, 15)
     x = x * _MUL2
     return x ^ _shr(x, 16)
+
+
+@triton.jit
+def _noise_key(seed, step_index):
+    """blink.engine.core.sampler.noise_key for one row: its seed's two words and its token's index, hashed."""
+    key = _hash(seed.to(tl.int32)) ^ _hash((seed >> 32).to(tl.int32) ^ _GOLDEN)
+    return _hash(_hash(key) ^ step_index.to(tl.int32))
 
 
 @triton.jit
@@ -104,7 +111,7 @@ def _search(row, V, T, top, log_min_p, k_floor, limit, MASS: tl.constexpr, BLOCK
 
 
 @triton.jit
-def _sample_kernel(logits, stride, V, temperature, log_min_p, top_k, top_p, noise_key, tokens, passes,
+def _sample_kernel(logits, stride, V, temperature, log_min_p, top_k, top_p, seed, step_index, tokens, passes,
                    GREEDY_BELOW: tl.constexpr, BLOCK: tl.constexpr, PIVOTS: tl.constexpr):
     r = tl.program_id(0)
     row = logits + r.to(tl.int64) * stride
@@ -132,7 +139,7 @@ def _sample_kernel(logits, stride, V, temperature, log_min_p, top_k, top_p, nois
         if p < 1.0:
             p_floor, searched = _search(row, V, T, top, lmp, k_floor, p, True, BLOCK, PIVOTS)
             n += searched
-    key = tl.load(noise_key + r)
+    key = _noise_key(tl.load(seed + r), tl.load(step_index + r))
     best = tl.full([], float("-inf"), tl.float32)
     token = tl.full([], 0, tl.int32)
     start = tl.full([], 0, tl.int32)
@@ -233,7 +240,7 @@ def _draw(logits: torch.Tensor, rows: SamplingRows, block: int) -> tuple[torch.T
     passes = torch.empty(R, dtype=torch.int32, device=logits.device)
     if R:
         _sample_kernel[(R,)](logits, logits.stride(0), V, rows.temperature, rows.min_p.log(), rows.top_k,
-                             rows.top_p, noise_key(rows.seed, rows.step_index), tokens, passes,
+                             rows.top_p, rows.seed, rows.step_index, tokens, passes,
                              GREEDY_BELOW=GREEDY_BELOW, BLOCK=block, PIVOTS=PIVOTS, num_warps=4)
     return tokens, passes
 
