@@ -16,6 +16,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from blink.engine.kernels import attention, exchange, moe, rms_norm, rope_kv, rotation, sampler  # noqa: E402
+from tests.launches import Launch, Launches  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -77,32 +78,20 @@ TYPES = {torch.uint8: "u8", torch.bool: "i1", torch.int32: "i32", torch.int64: "
          torch.float64: "fp64"}
 
 
-def recorded_launches(names: tuple[str, ...]) -> list[tuple[str, object, dict]]:
-    """One device step of the default model on the CPU, with these exchange kernels recorded instead of run:
-    (name, kernel, its arguments by parameter name) for each launch."""
+def recorded_launches(names: tuple[str, ...]) -> list[Launch]:
+    """One device step of the default model on the CPU, with these exchange kernels recorded instead of run."""
     from blink.engine.drive.device_step import DeviceStep
     from blink.engine.engine import Engine, EngineConfig
     from blink.engine.model.default_model import ensure_default_model
     from blink.shared.slot_table import SlotTable
 
-    launches = []
-
-    class Recorder:
-        def __init__(self, name, kernel):
-            self.name, self.kernel = name, kernel
-
-        def __getitem__(self, grid):
-            def record(*args, **kwargs):
-                names = [p.name for p in self.kernel.params]
-                launches.append((self.name, self.kernel, dict(zip(names, args, strict=False)) | kwargs))
-            return record
-
+    launches: list[Launch] = []
     kernels = {name: getattr(exchange, name) for name in names}
     engine = Engine(EngineConfig(model=str(ensure_default_model()), device="cpu", max_num_seqs=4, swap_space=0))
     table = SlotTable.create(f"compile-{uuid.uuid4().hex[:10]}", engine.geometry(window=8))
     try:
         for name, kernel in kernels.items():
-            setattr(exchange, name, Recorder(name, kernel))
+            setattr(exchange, name, Launches(name, kernel, launches))
         device = DeviceStep(engine, table)
         device.run(device.buckets[0])
         device.close()
@@ -130,6 +119,7 @@ def signature_of(kernel, arguments: dict) -> tuple[dict, dict]:
     return signature, constexprs
 
 
-for name, kernel, arguments in recorded_launches(("_select", "_admit", "_emit", "_demand")):
-    results.append(compile_one(kernel, f"exchange: {name}", *signature_of(kernel, arguments)))
+for launch in recorded_launches(("_select", "_admit", "_emit", "_demand")):
+    kernel = getattr(exchange, launch.name)
+    results.append(compile_one(kernel, f"exchange: {launch.name}", *signature_of(kernel, launch.arguments)))
 sys.exit(0 if all(results) else 1)

@@ -24,6 +24,7 @@ from blink.engine.model.attention import AttentionBatch, build_row_group
 from blink.engine.model.attention import paged_attention as reference_attention
 from blink.engine.model.model import rms_norm as reference_rms_norm
 from blink.engine.model.rope import apply_rope, rotate, step_rope
+from tests.launches import Launches
 from tests.test_step import host_reads_forbidden
 
 # The kernels run compiled on a GPU and in Triton's interpreter without one (conftest): inputs are drawn on the CPU
@@ -290,16 +291,6 @@ def test_greedy_tokens_are_the_same_with_triton_kernels(kind, checkpoint, monkey
                 assert got[token] == pytest.approx(logprob, abs=1e-4)
 
 
-class _Launches:
-    """Stands in for a kernel: records each launch's grid instead of running it (the interpreter reads tensors)."""
-
-    def __init__(self, name: str, log: list):
-        self.name, self.log = name, log
-
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.log.append((self.name, grid))
-
-
 @pytest.mark.parametrize("kind", ["mistral", "qwen3-moe"])
 def test_the_triton_path_reads_nothing_on_the_host(kind, checkpoint, monkeypatch):
     from blink.engine.kernels import moe as moe_kernel
@@ -310,7 +301,7 @@ def test_the_triton_path_reads_nothing_on_the_host(kind, checkpoint, monkeypatch
     log: list = []
     for module, name in ((attention_kernel, "_paged_attention_kernel"), (rope_kernel, "_rope_and_cache_kernel"),
                          (norm_kernel, "_rms_norm_kernel"), (moe_kernel, "_expert_product_kernel")):
-        monkeypatch.setattr(module, name, _Launches(name, log))
+        monkeypatch.setattr(module, name, Launches(name, getattr(module, name), log))
     driver = llm._driver
     for i, n in enumerate((3, 50)):
         driver.add_request(str(i), list(range(1, n + 1)), SamplingParams(temperature=0, max_tokens=4), 4)
@@ -323,5 +314,5 @@ def test_the_triton_path_reads_nothing_on_the_host(kind, checkpoint, monkeypatch
         with host_reads_forbidden():
             llm.engine.step.run(plan, shape, features, llm.engine.mirror)
     expected = {"_paged_attention_kernel", "_rope_and_cache_kernel", "_rms_norm_kernel"}
-    assert {name for name, _ in log} == expected | ({"_expert_product_kernel"} if "moe" in kind else set())
-    assert all(isinstance(n, int) for _, grid in log for n in grid)
+    assert {launch.name for launch in log} == expected | ({"_expert_product_kernel"} if "moe" in kind else set())
+    assert all(isinstance(n, int) for launch in log for n in launch.grid)
