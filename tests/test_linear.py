@@ -1,5 +1,5 @@
-"""The model's projections on the CPU: the split float32 product and packed bfloat16 weights give F.linear's
-result, for decode and prefill row counts, with and without a bias."""
+"""The model's projections on the CPU: the split float32 product and packed float32 and bfloat16 weights give
+F.linear's result, for decode and prefill row counts, with and without a bias."""
 
 from __future__ import annotations
 
@@ -26,14 +26,17 @@ def test_float32_split_product(rows, out_features):
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs torch built with oneDNN")
 @pytest.mark.parametrize("rows", [1, 5, 64])
-def test_packed_bfloat16_weights(rows):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_weights(rows, dtype):
     torch.manual_seed(rows)
-    x, w, b = (torch.randn(*shape, dtype=torch.bfloat16) for shape in ((rows, 64), (96, 64), (96,)))
-    assert can_pack(w) and not can_pack(w.float())
+    x, w, b = (torch.randn(*shape, dtype=dtype) for shape in ((rows, 64), (96, 64), (96,)))
+    assert can_pack(w) and not can_pack(w.double()) and not can_pack(w.half())
     packed = pack(w)
+    assert packed.is_mkldnn
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     for bias in (None, b):
-        expected = F.linear(x.float(), w.float(), None if bias is None else bias.float())
-        torch.testing.assert_close(linear(x, packed, bias).float(), expected, rtol=2e-2, atol=2e-2)
+        expected = F.linear(x.double(), w.double(), None if bias is None else bias.double())
+        torch.testing.assert_close(linear(x, packed, bias).double(), expected, rtol=tolerance, atol=tolerance)
 
 
 def test_a_torch_without_the_packing_ops_runs_plain_products(monkeypatch):
@@ -46,5 +49,6 @@ def test_a_torch_without_the_packing_ops_runs_plain_products(monkeypatch):
     monkeypatch.setattr(module, "pack", missing)
     try:
         assert not module.can_pack(torch.ones(4, 4, dtype=torch.bfloat16))
+        assert not module.can_pack(torch.ones(4, 4))
     finally:
         module._packed_products_work.cache_clear()
