@@ -1,5 +1,7 @@
 """The device step (admission from the slot table, the step, publication into it: the `graph` and `persistent` modes'
-work) run eagerly on the CPU, its kernels in Triton's interpreter, against the `host` mode's table driver."""
+work) run eagerly on the CPU, its kernels in Triton's interpreter, against the `host` mode's table driver; and with
+its plan and commit traced whole by torch.compile (`Step.compile_bookkeeping`, through the aot_eager backend: the
+traced graphs, run by torch's own ops), which must decide the same."""
 
 from __future__ import annotations
 
@@ -57,9 +59,11 @@ def devices():
         device.close()
 
 
-def _device(engine: Engine, table: SlotTable, opened: list) -> tuple[DeviceStep, callable]:
+def _device(engine: Engine, table: SlotTable, opened: list, compiled: bool = False) -> tuple[DeviceStep, callable]:
     device = DeviceStep(engine, table)
     opened.append(device)
+    if compiled:  # traced with fullgraph: a graph break fails the test
+        device.step.compile_bookkeeping(backend="aot_eager")
 
     def step():
         device.clock[0] = time.monotonic()
@@ -75,9 +79,12 @@ def test_device_step_serves_the_table_as_the_host_driver_does(tiny_engine, table
     expected = _serve(table, host.step, REQUESTS)
     for slot in REQUESTS:
         table.free(slot)
-    device, step = _device(tiny_engine(), table, devices)
-    got = _serve(table, step, REQUESTS)
-    assert got == expected
+    for compiled in (False, True):
+        device, step = _device(tiny_engine(), table, devices, compiled)
+        assert _serve(table, step, REQUESTS) == expected, f"compiled: {compiled}"
+        for slot in REQUESTS:
+            table.free(slot)
+    got = expected
     assert [len(got[s][0]) for s in (0, 1, 2)] == [6, 34 + 5, 7]
     assert got[1][0][:34] == list(range(11, 45))  # the prompt's tokens after the first, scored
     # Top logprobs only where asked (slot 1 asked for its prompt's).
@@ -141,7 +148,7 @@ def test_the_device_step_makes_the_host_modes_policy_decisions(checkpoint, table
         raise AssertionError(f"not finished: {got}")
 
     served, moved = {}, {}
-    for mode in ("host", "device"):
+    for mode in ("host", "device", "compiled"):
         engine = Engine(EngineConfig(model=str(checkpoint("qwen3")), max_num_seqs=4, max_num_batched_tokens=32,
                                      num_pages=15, page_size=8, max_model_len=96))
         if mode == "host":
@@ -150,7 +157,7 @@ def test_the_device_step_makes_the_host_modes_policy_decisions(checkpoint, table
             def step(now, driver=driver):
                 driver.step()
         else:
-            device, _ = _device(engine, table, devices)
+            device, _ = _device(engine, table, devices, compiled=mode == "compiled")
 
             def step(now, device=device):  # on the whole budget, as the host plans (a smaller bucket computes
                 device.clock[0] = now  # fewer tokens in that step, and the cancel would find another count)
@@ -166,9 +173,10 @@ def test_the_device_step_makes_the_host_modes_policy_decisions(checkpoint, table
                 in got.items()}
 
     host = served["host"]
-    assert decisions(served["device"]) == decisions(host)
+    assert decisions(served["device"]) == decisions(host) == decisions(served["compiled"])
     assert host[0][1] == Finish.ABORT and host[0][2].pages_out > 0  # cancelled after it was rotated out
-    assert sum(stats.pages_out for _, _, stats in host.values()) > 0 and moved["device"] == moved["host"]
+    assert sum(stats.pages_out for _, _, stats in host.values()) > 0
+    assert moved["device"] == moved["host"] == moved["compiled"]
 
 
 def test_the_device_step_reuses_cached_prefixes_as_the_host_driver_does(checkpoint, table, devices):

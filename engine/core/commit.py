@@ -80,10 +80,10 @@ def commit(state: Slots, pool: PagePool, mirror: HostMirror | None, plan: StepPl
     too_long = (seq_len - state.prompt_len[slot] >= state.max_tokens[slot]) | (seq_len >= state.max_len)
     row_reason = torch.where(stopped & valid, Finish.STOP, torch.where(too_long, Finish.LENGTH, 0))
     reason = _per_slot(S, torch.where(sampled, slot, S), row_reason, 0)
-    running = state.status == SlotStatus.RUNNING
+    running = state.status_is(SlotStatus.RUNNING)
     reason = torch.where(running & state.cancel & (reason == 0), Finish.ABORT, reason)
 
-    finished = reason != Finish.NONE
+    finished = reason.ne(Finish.NONE)  # ne, eq: see Slots.status_is
     state.finish_reason.copy_(torch.where(finished, reason, state.finish_reason))
     state.status.masked_fill_(finished, SlotStatus.FINISHED)
     pool.release(finished, state.block_table, state.pages_held)
@@ -95,7 +95,7 @@ def commit(state: Slots, pool: PagePool, mirror: HostMirror | None, plan: StepPl
         return None if x is None else _per_slot(S, target, x, fill)
 
     return StepOutput(
-        token=torch.where(reason == Finish.ABORT, -1, _per_slot(S, target, tok, -1)),  # aborts emit nothing
+        token=torch.where(reason.eq(Finish.ABORT), -1, _per_slot(S, target, tok, -1)),  # aborts emit nothing
         finish_reason=reason,
         logprob=per_slot(out.logprob, 0.0),
         top_ids=per_slot(out.top_ids, -1),

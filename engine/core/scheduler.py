@@ -78,9 +78,9 @@ def plan(state: Slots, pool: PagePool, token_budget: int, policy: Policy, mirror
     page = pool.page_size
 
     # Admit.
-    admitted = state.status == SlotStatus.ADMITTED
+    admitted = state.status_is(SlotStatus.ADMITTED)
     state.status.masked_fill_(admitted, SlotStatus.RUNNING)
-    running = state.status == SlotStatus.RUNNING
+    running = state.status_is(SlotStatus.RUNNING)
     resident = running & ~state.rotated
 
     # Hand out the token budget in the policy's order, up to its cap.
@@ -276,7 +276,7 @@ def _hold_new(state: Slots, pool: PagePool, policy: Policy, mirror: HostMirror |
     first pages would eat into what the first of them needs to come back."""
     if mirror is None:
         return torch.zeros_like(state.rotated)
-    waiting = state.rotated & (state.status == SlotStatus.RUNNING) & ~state.cancel
+    waiting = state.rotated & state.status_is(SlotStatus.RUNNING) & ~state.cancel
     comeback = torch.where(waiting, _comeback_pages(state, pool.page_size, token_budget), pool.num_pages).amin()
     first_pages = ((state.seq_len - state.num_computed).clamp(max=token_budget) + pool.page_size - 1) // pool.page_size
     crowds = waiting.any() & (first_pages > pool.num_free - comeback)

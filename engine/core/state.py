@@ -78,6 +78,11 @@ class Slots:
         self.num_preemptions = zeros()  # rotations out and recomputes, as vLLM counts swaps and recomputes
         self.num_recomputes = zeros()
 
+    def status_is(self, status: SlotStatus) -> torch.Tensor:
+        """[S] whether each slot is in `status`. torch.eq, not ==: torch.compile traces `tensor == IntEnum` as a
+        Python bool, and the step's bookkeeping must stay traceable (tests/test_traceable.py)."""
+        return self.status.eq(status)
+
     def release_slot(self, slot: int) -> None:
         """Host side: the slot's outputs have been read; it may take a new request."""
         self.status[slot] = SlotStatus.FREE

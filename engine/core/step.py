@@ -62,6 +62,7 @@ class Step:
             from blink.engine.kernels.sampler import FUSED_SAMPLER
 
             self.sampler = FUSED_SAMPLER
+        self.planner, self.committer = plan, commit  # compile_bookkeeping may swap in compiled ones
         # The device modes capture a graph per token bucket: few, from 16. The host mode captures nothing, so its
         # forward runs on the next power of two of the live tokens: a lone decode is a matrix-vector product, not
         # 16 rows of padding (on a CPU, where the matmuls are compute-bound, that padding cost 16x the work).
@@ -74,12 +75,23 @@ class Step:
         step = max(page, 64)
         self.context_buckets = [*range(step, top, step), top]
 
+    def compile_bookkeeping(self, backend: str = "inductor") -> None:
+        """The plan and the commit through torch.compile, whole (fullgraph: a graph break fails rather than falling
+        back): their hundreds of small tensor ops fused into tens of kernels, for a GPU, where each op of a captured
+        step is a kernel of its own (docs/design.md, "The step's kernel count"). One compilation per bucket."""
+        # A graph per bucket: a large budget's ladder has more buckets than dynamo's default limit, which fullgraph
+        # turns into a hard failure.
+        config = torch._dynamo.config
+        config.recompile_limit = max(config.recompile_limit, 2 * len(self.token_buckets))
+        self.planner, self.committer = (torch.compile(f, fullgraph=True, dynamic=False, backend=backend)
+                                        for f in (plan, commit))
+
     def plan(self, features: SamplerFeatures, mirror: HostMirror | None) -> StepPlan:
         """mirror: where KV pages rotate (the host drive mode's); None: preempted requests are recomputed."""
         prompt_rows = self.token_budget if features.prompt_logprobs else 0
         if self.shard is not None:  # the host-timed inputs: every rank must make rank 0's decisions
             self.shard.from_first(self.cost)
-        return plan(self.state, self.pool, self.token_budget, self.policy, mirror, self.cost, prompt_rows)
+        return self.planner(self.state, self.pool, self.token_budget, self.policy, mirror, self.cost, prompt_rows)
 
     def shape_for(self, sizes: PlanSizes) -> StepShape:
         tokens = _bucket(self.host_buckets, sizes.tokens)
@@ -121,8 +133,8 @@ class Step:
         penalties = _seen_tokens(state, slot) if features.penalties else (None, None)
         out = self.sampler.sample(logits, rows, features, self.vocab_hash, *penalties)
         scored = score_prompt(state, plan, prompt_tokens, prompt_logits, self.sampler) if shape.prompt_rows else None
-        return commit(state, pool, mirror, plan, R, out, logits, self.eos_ids, count_outputs=features.penalties,
-                      prompt=scored)
+        return self.committer(state, pool, mirror, plan, R, out, logits, self.eos_ids,
+                              count_outputs=features.penalties, prompt=scored)
 
     def _attention_batch(self, plan: StepPlan, shape: StepShape) -> AttentionBatch:
         B, page = shape.tokens, self.pool.page_size

@@ -10,13 +10,15 @@ when it likes, to pick the next bucket.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from blink.engine.core.admission import admit, field_views
 from blink.engine.core.kv_cache import PagePool
 from blink.engine.core.policy import StepCostModel
 from blink.engine.core.sampler import SamplerFeatures
-from blink.engine.core.scheduler import max_chunk_rows, plan
+from blink.engine.core.scheduler import max_chunk_rows
 from blink.engine.core.step import StepShape
 from blink.engine.drive.table_memory import TableMemory, device_alias
 from blink.engine.engine import Engine
@@ -45,6 +47,8 @@ class DeviceStep:
             raise RuntimeError("a mixture of experts runs in the device step with the Triton kernels only (the torch "
                                "path reads on the host which experts run): unset BLINK_KERNELS")
         self.engine, self.state, self.step = engine, engine.state, engine.step
+        if os.environ.get("BLINK_COMPILE_BOOKKEEPING") == "1":  # not yet timed on a GPU: docs/design.md
+            self.step.compile_bookkeeping()
         device = engine.device
         pinned = device.type == "cuda"
         self.memory = TableMemory(table, device)
@@ -79,8 +83,8 @@ class DeviceStep:
         state, engine, inbox = self.state, self.engine, self.inbox
         self._time_previous_step()
         self.take()
-        planned = plan(state, engine.pool, bucket, self.step.policy, self.mirror, self.step.cost,
-                       self.prompt_rows(bucket))
+        planned = self.step.planner(state, engine.pool, bucket, self.step.policy, self.mirror, self.step.cost,
+                                    self.prompt_rows(bucket))
         self._last_tokens.copy_(planned.sizes[0])
         if self.mirror is not None:  # the pages leaving, before this step's forward may reuse them
             self._rotate(planned.moves.out_src, planned.moves.out_dst, planned.sizes[4], to_mirror=True)
