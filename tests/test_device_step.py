@@ -84,11 +84,10 @@ def test_device_step_serves_the_table_as_the_host_driver_does(tiny_engine, table
         assert _serve(table, step, REQUESTS) == expected, f"compiled: {compiled}"
         for slot in REQUESTS:
             table.free(slot)
-    got = expected
-    assert [len(got[s][0]) for s in (0, 1, 2)] == [6, 34 + 5, 7]
-    assert got[1][0][:34] == list(range(11, 45))  # the prompt's tokens after the first, scored
+    assert [len(expected[s][0]) for s in (0, 1, 2)] == [6, 34 + 5, 7]
+    assert expected[1][0][:34] == list(range(11, 45))  # the prompt's tokens after the first, scored
     # Top logprobs only where asked (slot 1 asked for its prompt's).
-    assert got[0][1][0] != [0, 0] and got[1][1][0] != [0, 0] and all(ids == [0, 0] for ids in got[2][1])
+    assert expected[0][1][0] != [0, 0] and expected[1][1][0] != [0, 0] and all(ids == [0, 0] for ids in expected[2][1])
     assert int(device.demand[1]) == 0  # nothing resident: every slot was handed back
 
 
