@@ -39,6 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=16, help="the batched measurement's sequences")
     p.add_argument("--rounds", type=int, default=3, help="alternated rounds; figures are their medians")
     p.add_argument("--no-llama-cpp", action="store_true", help="leave llama.cpp out (no build)")
+    p.add_argument("--compile-bookkeeping", action="store_true", help="also Blink with --compile-bookkeeping "
+                   "(blink-compiled: one more system in the rotation)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--result-dir", type=Path, default=Path("."))
 
@@ -55,12 +57,12 @@ def read_bandwidth() -> float:
 
 
 class BlinkDecoder:
-    name = "blink"
-
-    def __init__(self, model_dir: Path, dtype: str, batch: int):
+    def __init__(self, model_dir: Path, dtype: str, batch: int, compile_bookkeeping: bool = False):
         from blink.engine import LLM, SamplingParams
 
-        self.llm = LLM(str(model_dir), max_num_seqs=batch, max_num_batched_tokens=512, device="cpu", dtype=dtype)
+        self.name = "blink-compiled" if compile_bookkeeping else "blink"
+        self.llm = LLM(str(model_dir), max_num_seqs=batch, max_num_batched_tokens=512, device="cpu", dtype=dtype,
+                       compile_bookkeeping=compile_bookkeeping)
         self.params = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
 
     def generate(self, prompts: list[list[int]], n: int) -> None:
@@ -107,11 +109,15 @@ def benchmark(args: argparse.Namespace, model_dir: Path) -> None:
     prompts = torch.randint(0, PROMPT_VOCAB, (args.batch, args.context), generator=gen).tolist()
     systems = {d: [BlinkDecoder(model_dir, d, args.batch), TransformersDecoder(model_dir, d, args.batch)]
                for d in dtypes}
+    if args.compile_bookkeeping:
+        for d in dtypes:
+            systems[d].append(BlinkDecoder(model_dir, d, args.batch, compile_bookkeeping=True))
     weight_bytes = {d: sum(p.numel() for p in systems[d][1].model.parameters()) * getattr(torch, d).itemsize
                     for d in dtypes}
-    for d in dtypes:  # warm-up: weights in memory, first-call costs paid
+    for d in dtypes:  # warm-up: weights in memory, first-call costs paid (compiling: every bucket measured)
         for system in systems[d]:
             system.generate(prompts[:1], 2)
+            system.generate(prompts, 2)
 
     samples: dict[str, dict[str, dict[str, list[float]]]] = {d: {} for d in dtypes}  # dtype -> figure -> system
 
@@ -153,15 +159,15 @@ def report(medians: dict, samples: dict, batch: int) -> None:
             for system, value in by.items():
                 spread = samples[d][fig][system]
                 print(f"    {system:<13} {value:9.2f}  [{min(spread):.2f}, {max(spread):.2f}]")
-        one = figs["batch1_ms_per_token"]
-        for other in ("transformers", "llama.cpp", "memory"):
-            base = one.get(other) or figs["floor_ms_per_token"].get(other)
-            if base:
-                print(f"  Blink batch 1 / {other}: {one['blink'] / base:.2f}x the time")
-        many = figs[f"batch{batch}_tokens_per_s"]
-        for other in ("transformers", "llama.cpp"):
-            if other in many:
-                print(f"  Blink batch {batch} / {other}: {many['blink'] / many[other]:.2f}x the tokens/s")
+        one, many = figs["batch1_ms_per_token"], figs[f"batch{batch}_tokens_per_s"]
+        for blink in (name for name in ("blink", "blink-compiled") if name in one):
+            for other in ("transformers", "llama.cpp", "memory"):
+                base = one.get(other) or figs["floor_ms_per_token"].get(other)
+                if base:
+                    print(f"  {blink} batch 1 / {other}: {one[blink] / base:.2f}x the time")
+            for other in ("transformers", "llama.cpp"):
+                if other in many:
+                    print(f"  {blink} batch {batch} / {other}: {many[blink] / many[other]:.2f}x the tokens/s")
 
 
 def run(args: argparse.Namespace) -> None:

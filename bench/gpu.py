@@ -32,6 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dry-run", action="store_true", help="on the CPU, the tiny model, host mode only")
     p.add_argument("--result-dir", type=Path, default=Path("bench/results"))
     p.add_argument("--no-save", action="store_true")
+    p.add_argument("--compile-bookkeeping", action="store_true", help="every engine and server the phases start "
+                   "compiles its step's bookkeeping (BLINK_COMPILE_BOOKKEEPING=1 in their environment)")
 
 
 def run(args: argparse.Namespace) -> None:
@@ -45,21 +47,22 @@ def run(args: argparse.Namespace) -> None:
             if left < 20:
                 phases[name] = {"status": "not run: the budget was spent"}
                 continue
-            phases[name] = _phase(name, Path(work), min(PHASES[name], left), args.dry_run)
+            phases[name] = _phase(name, Path(work), min(PHASES[name], left), args.dry_run, args.compile_bookkeeping)
             print(f"{name}: {phases[name]['status']} ({phases[name].get('seconds', 0):.0f} s)", flush=True)
-    result = {"benchmark": "gpu", "dry_run": args.dry_run, "machine": machine(), "blink": blink_source(),
-              "phases": phases}
+    result = {"benchmark": "gpu", "dry_run": args.dry_run, "compile_bookkeeping": args.compile_bookkeeping,
+              "machine": machine(), "blink": blink_source(), "phases": phases}
     if not args.no_save:
         print(f"saved {save('gpu', result, args.result_dir)}")
     print(summary(phases))
 
 
-def _phase(name: str, work: Path, timeout_s: float, dry_run: bool) -> dict:
+def _phase(name: str, work: Path, timeout_s: float, dry_run: bool, compile_bookkeeping: bool = False) -> dict:
     cmd = [sys.executable, "-m", "blink.bench.gpu_phases", name, str(work), *(["--dry-run"] if dry_run else [])]
+    env = {**os.environ, "BLINK_COMPILE_BOOKKEEPING": "1"} if compile_bookkeeping else None
     started = time.monotonic()
     # Its own session, so a timeout kills what it started too (a server, interference workers).
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+                            start_new_session=True, env=env)
     try:
         output, _ = proc.communicate(timeout=timeout_s)
         status = "ok" if proc.returncode == 0 else f"failed (exit {proc.returncode})"

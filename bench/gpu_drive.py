@@ -5,6 +5,7 @@ mode and batch, and greedy tokens per mode."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import statistics
 import tempfile
@@ -70,11 +71,13 @@ def model_dir(shape: str, dry_run: bool) -> Path:
 
 
 def engine_options(dry_run: bool) -> dict:
+    # The variable `blink serve` reads too (shared.settings), for the phases that start servers.
+    compiled = {"compile_bookkeeping": os.environ.get("BLINK_COMPILE_BOOKKEEPING") == "1"}
     if dry_run:
         return {"dtype": "float32", "max_num_seqs": 8, "max_num_batched_tokens": 64, "max_model_len": 256,
-                "swap_space": 0}
+                "swap_space": 0, **compiled}
     return {"load_format": "dummy", "dtype": "bfloat16", "max_num_seqs": 256, "max_num_batched_tokens": 512,
-            "max_model_len": 1024, "swap_space": 0}
+            "max_model_len": 1024, "swap_space": 0, **compiled}
 
 
 def engine_for(directory: Path, dry_run: bool) -> Engine:

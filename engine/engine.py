@@ -45,6 +45,7 @@ class EngineConfig:
     scheduling_policy: str = "slo"  # fcfs | priority | slo (blink.engine.core.policy)
     swap_space: float = 4.0  # GiB of host memory for KV rotation; 0: recompute preempted requests instead
     enable_prefix_caching: bool = True  # requests share the KV pages of equal prompt prefixes (vLLM's default)
+    compile_bookkeeping: bool = False  # the step's plan and commit through torch.compile (Step.compile_bookkeeping)
     tensor_parallel_size: int = 1  # ranks the model is split over (blink.engine.model.parallel)
     tensor_parallel_rank: int = 0  # this engine's (the LLM API starts the others)
     distributed_init_method: str | None = None  # where the ranks meet: tcp://HOST:PORT
@@ -122,11 +123,13 @@ class Engine:
         self._mirror_pages = mirror_pages if config.swap_space > 0 and mirror_pages > 1 else 0
         self.step = Step(self.model, self.pool, self.state, list(self.generation.eos_token_ids), budget,
                          Policy(config.scheduling_policy), self.shard)
+        if config.compile_bookkeeping:
+            self.step.compile_bookkeeping()
         log.info("engine ready: %s on %s in %s (dtype %s), %d slots, %d-token budget, %d KV pages of %d, context %d, "
-                 "%s scheduling, %d host pages for KV rotation, prefix caching %s", cfg.architecture, self.device,
-                 str(cfg.dtype).removeprefix("torch."), config.dtype, num_slots, budget, num_pages, page, max_len,
-                 config.scheduling_policy, max(0, self._mirror_pages - 1),
-                 "on" if config.enable_prefix_caching else "off")
+                 "%s scheduling, %d host pages for KV rotation, prefix caching %s, bookkeeping %s",
+                 cfg.architecture, self.device, str(cfg.dtype).removeprefix("torch."), config.dtype, num_slots, budget,
+                 num_pages, page, max_len, config.scheduling_policy, max(0, self._mirror_pages - 1),
+                 "on" if config.enable_prefix_caching else "off", "compiled" if config.compile_bookkeeping else "eager")
 
     def geometry(self, window: int, max_prompt_tokens: int | None = None) -> Geometry:
         """The slot table this engine reads: its slots, prompts up to its context limit (or fewer), its page size

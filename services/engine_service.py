@@ -59,7 +59,7 @@ class EngineService:
             max_num_batched_tokens=settings.max_num_batched_tokens, max_model_len=settings.max_model_len,
             num_pages=settings.num_pages, scheduling_policy=settings.scheduling_policy, swap_space=settings.swap_space,
             load_format=settings.load_format, enable_prefix_caching=settings.enable_prefix_caching,
-            tensor_parallel_size=settings.tensor_parallel_size,
+            compile_bookkeeping=settings.compile_bookkeeping, tensor_parallel_size=settings.tensor_parallel_size,
         )
         self.ranks = None  # with tensor parallelism, the other ranks: this process is rank 0
         if settings.tensor_parallel_size > 1:

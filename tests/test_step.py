@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from blink.engine import LLM, SamplingParams
+from blink.engine.core import scheduler
 from blink.engine.core.kv_cache import PagePool
 from blink.engine.core.sampler import SamplerFeatures
 from blink.engine.drive.host import _events
@@ -98,3 +99,20 @@ def test_cuda_greedy_matches_cpu(checkpoint):
     on_cpu = LLM(model_dir, device="cpu", num_pages=64).generate(prompts, params)
     on_gpu = LLM(model_dir, device=device, num_pages=64).generate(prompts, params)
     assert [o.token_ids for o in on_gpu] == [o.token_ids for o in on_cpu]
+
+
+def test_compiled_bookkeeping_gives_the_eager_steps_tokens(checkpoint):
+    """`compile_bookkeeping` (Inductor, as users run it): prompts of different lengths, more than the slots, greedy
+    and seeded with penalties, so the plan and the commit meet several buckets (a static compile, then a symbolic
+    one); the same tokens and logprobs as the eager step."""
+    prompts = [list(range(3, 3 + n)) for n in (5, 40, 9, 17, 2, 30)]
+    params = [SamplingParams(temperature=0, max_tokens=7, ignore_eos=True, logprobs=1),
+              SamplingParams(temperature=0.8, seed=5, top_k=8, repetition_penalty=1.2, max_tokens=9,
+                             ignore_eos=True)]
+    shape = dict(max_num_seqs=4, max_num_batched_tokens=32, num_pages=40, page_size=8, max_model_len=64)
+    outputs = []
+    for compiled in (False, True):
+        llm = LLM(str(checkpoint("qwen3")), compile_bookkeeping=compiled, **shape)
+        assert (llm.engine.step.planner is not scheduler.plan) == compiled
+        outputs.append([(o.token_ids, o.logprobs) for p in params for o in llm.generate(prompts, p)])
+    assert outputs[0] == outputs[1]

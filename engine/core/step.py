@@ -78,13 +78,13 @@ class Step:
     def compile_bookkeeping(self, backend: str = "inductor") -> None:
         """The plan and the commit through torch.compile, whole (fullgraph: a graph break fails rather than falling
         back): their hundreds of small tensor ops fused into tens of kernels, for a GPU, where each op of a captured
-        step is a kernel of its own (docs/design.md, "The step's kernel count"). One compilation per bucket."""
-        # A graph per bucket: a large budget's ladder has more buckets than dynamo's default limit, which fullgraph
-        # turns into a hard failure.
+        step is a kernel of its own, and for the CPU's per-op overhead (docs/design.md, "The step's kernel count").
+        Compiled for the first bucket a step meets, then once more with the bucket's sizes left symbolic."""
+        # Recompiles past dynamo's limit are a hard failure with fullgraph: room for one per bucket, should the
+        # sizes not go symbolic.
         config = torch._dynamo.config
-        config.recompile_limit = max(config.recompile_limit, 2 * len(self.token_buckets))
-        self.planner, self.committer = (torch.compile(f, fullgraph=True, dynamic=False, backend=backend)
-                                        for f in (plan, commit))
+        config.recompile_limit = max(config.recompile_limit, 2 * len(self.host_buckets))
+        self.planner, self.committer = (torch.compile(f, fullgraph=True, backend=backend) for f in (plan, commit))
 
     def plan(self, features: SamplerFeatures, mirror: HostMirror | None) -> StepPlan:
         """mirror: where KV pages rotate (the host drive mode's); None: preempted requests are recomputed."""

@@ -10,8 +10,6 @@ when it likes, to pick the next bucket.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from blink.engine.core.admission import admit, field_views
@@ -47,8 +45,6 @@ class DeviceStep:
             raise RuntimeError("a mixture of experts runs in the device step with the Triton kernels only (the torch "
                                "path reads on the host which experts run): unset BLINK_KERNELS")
         self.engine, self.state, self.step = engine, engine.state, engine.step
-        if os.environ.get("BLINK_COMPILE_BOOKKEEPING") == "1":  # not yet timed on a GPU: docs/design.md
-            self.step.compile_bookkeeping()
         device = engine.device
         pinned = device.type == "cuda"
         self.memory = TableMemory(table, device)
