@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, partial
 from pathlib import Path
 
 import torch
@@ -22,6 +23,7 @@ from blink.engine.model.config import DTYPES, ModelConfig
 from blink.engine.model.default_model import ensure_default_model
 from blink.engine.model.model import LOAD_FORMATS, Transformer
 from blink.engine.model.parallel import Shard
+from blink.engine.ranks import meet
 from blink.shared.prefix_hash import prefix_seed
 from blink.shared.slot_table import Geometry
 from blink.shared.tokenizer import Tokenizer
@@ -72,7 +74,9 @@ class EngineConfig:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, lost_rank: Callable[[], str | None] | None = None):
+        """lost_rank: with tensor parallelism, rank 0's way to learn why another rank is gone (Ranks.lost), so that
+        it does not wait for a rank that died before joining."""
         config.validate()
         self.config = config
         configure_threads(config.tensor_parallel_size)
@@ -81,7 +85,7 @@ class Engine:
         if on_cuda and config.tensor_parallel_size > 1 and config.device == "auto":  # a GPU per rank
             self.device = torch.device("cuda", config.tensor_parallel_rank)
             torch.cuda.set_device(self.device)
-        self.shard = _join_ranks(config, self.device)
+        self.shard = _join_ranks(config, self.device, lost_rank)
         self.model_dir = Path(config.model) if config.model else ensure_default_model()
 
         cfg = load_config(self.model_dir)
@@ -158,7 +162,7 @@ class Engine:
         return max(2, min(useful, int(available_memory(self.device) * fraction) // per_page))
 
 
-def _join_ranks(config: EngineConfig, device: torch.device) -> Shard | None:
+def _join_ranks(config: EngineConfig, device: torch.device, lost_rank: Callable[[], str | None] | None) -> Shard | None:
     """With tensor parallelism, this engine's rank joins the others (gloo on the CPU, NCCL on GPUs)."""
     if config.tensor_parallel_size == 1:
         return None
@@ -167,7 +171,7 @@ def _join_ranks(config: EngineConfig, device: torch.device) -> Shard | None:
     if not dist.is_initialized():
         if config.distributed_init_method is None:
             raise ValueError("tensor parallelism needs distributed_init_method (tcp://HOST:PORT), where ranks meet")
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                init_method=config.distributed_init_method, rank=config.tensor_parallel_rank,
-                                world_size=config.tensor_parallel_size)
+        meet(partial(dist.init_process_group, "nccl" if device.type == "cuda" else "gloo",
+                     init_method=config.distributed_init_method, rank=config.tensor_parallel_rank,
+                     world_size=config.tensor_parallel_size), lost_rank)
     return Shard(config.tensor_parallel_rank, config.tensor_parallel_size)

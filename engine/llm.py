@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from blink.engine.drive.offline import OfflineDriver
 from blink.engine.engine import Engine, EngineConfig
 from blink.engine.errors import RequestError
-from blink.engine.ranks import Ranks, agreed, free_init_method, replay_generate
+from blink.engine.ranks import RankLost, Ranks, agreed, free_init_method, replay_generate
 from blink.engine.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -36,7 +36,8 @@ class LLM:
         if engine_options.get("tensor_parallel_size", 1) > 1 and "tensor_parallel_rank" not in engine_options:
             engine_options = agreed(model, {"distributed_init_method": free_init_method(), **engine_options})
             self._ranks = Ranks(model, engine_options, replay_generate)
-        self.engine = Engine(EngineConfig(model=model, **engine_options))
+        self.engine = Engine(EngineConfig(model=model, **engine_options),
+                             lost_rank=self._ranks.lost if self._ranks else None)
         self.tokenizer = self.engine.tokenizer
         self._driver = OfflineDriver(self.engine)
         self._next_id = 0
@@ -57,6 +58,8 @@ class LLM:
         # Validate every request before any is queued, so one bad prompt loses nothing.
         requests = [self._prepare(p, sp) for p, sp in zip(prompts, sampling_params, strict=True)]
         if self._ranks is not None:  # the other ranks run the same call, in lock-step with this one
+            if why := self._ranks.lost():
+                raise RankLost(why)
             self._ranks.send((prompts, sampling_params))
         self._driver.abort_all()  # what an interrupted call left behind
         outputs: dict[str, RequestOutput] = {}

@@ -15,6 +15,7 @@ import multiprocessing
 import os
 import signal
 import socket
+import threading
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 
@@ -23,6 +24,36 @@ from blink.shared.stopping import die_with_parent
 # A rank's work: (model, its engine options, the pipe rank 0's messages arrive on; None ends it). A module-level
 # function: it reaches the rank's fresh interpreter by name.
 RankMain = Callable[[str | None, dict, Connection], None]
+
+
+class RankLost(RuntimeError):
+    """Another rank of a tensor-parallel engine is gone: the ranks step together or not at all."""
+
+
+def meet(init: Callable[[], None], lost_rank: Callable[[], str | None] | None) -> None:
+    """Runs `init`, which waits until every rank has joined (torch.distributed's rendezvous), but gives up as soon as
+    `lost_rank` says a rank is gone: one that died before joining would keep it waiting for torch's default half
+    hour. The rendezvous runs on a thread of its own (a blocked wait cannot be polled); given up on, it stays
+    blocked there until that timeout, on a daemon thread."""
+    if lost_rank is None:
+        init()
+        return
+    failure: list[BaseException] = []
+
+    def rendezvous() -> None:
+        try:
+            init()
+        except BaseException as e:  # handed to the caller's thread
+            failure.append(e)
+
+    thread = threading.Thread(target=rendezvous, name="blink-rank-rendezvous", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.1)
+        if thread.is_alive() and (why := lost_rank()):
+            raise RankLost(f"{why} before the ranks met")
+    if failure:
+        raise failure[0]
 
 
 def free_init_method() -> str:

@@ -13,7 +13,7 @@ from blink.engine.drive import modes as drive_modes
 from blink.engine.drive.driver import Driver, Fenced
 from blink.engine.drive.follower import follow
 from blink.engine.engine import Engine, EngineConfig
-from blink.engine.ranks import Ranks, agreed, free_init_method
+from blink.engine.ranks import RankLost, Ranks, agreed, free_init_method
 from blink.services.relay import Relay
 from blink.shared import control, sockets
 from blink.shared.rdma import RdmaUnavailable, TableTarget
@@ -25,10 +25,6 @@ from blink.shared.stopping import StopFlag
 log = structlog.get_logger()
 
 STALE_AFTER_S = 5.0  # a table whose engine has not stepped for this long belongs to a dead engine
-
-
-class RankLost(RuntimeError):
-    """A tensor-parallel rank died: rank 0 cannot step without it."""
 
 
 def open_table(name: str, geometry: Geometry) -> SlotTable:
@@ -65,7 +61,8 @@ class EngineService:
         if settings.tensor_parallel_size > 1:
             options = agreed(settings.model, {**options, "distributed_init_method": free_init_method()})
             self.ranks = Ranks(settings.model, options, follow)
-        self.engine = Engine(EngineConfig(model=settings.model, **options))
+        self.engine = Engine(EngineConfig(model=settings.model, **options),
+                             lost_rank=self.ranks.lost if self.ranks else None)
         geometry = self.engine.geometry(settings.window)
         self.keys = sockets.load_keys(settings, create=True)
         self.table = open_table(settings.deployment, geometry)

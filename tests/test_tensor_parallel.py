@@ -16,6 +16,8 @@ import torch
 
 from blink.bench.server import running_server
 from blink.engine import LLM, SamplingParams
+from blink.engine.engine import Engine, EngineConfig
+from blink.engine.ranks import RankLost, Ranks, free_init_method
 from blink.shared import control
 from blink.shared.slot_table import SlotTable
 from tests.test_watchdog import DEADLINE_S, MODEL, SLACK_S, decoding, gone, stream, wait_ready_and_serving, wait_until
@@ -119,3 +121,23 @@ def test_blink_serve_over_two_ranks(kind, checkpoint, tmp_path):
         assert again.pid != info.pid and len(again.rank_pids) == 1 and again.rank_pids != info.rank_pids
         wait_until(lambda: gone(info.pid), 10, "the failed rank 0 to exit")
         assert texts() == expected
+
+
+def exit_at_once(model, engine_options, inbox) -> None:
+    """A rank's life (blink.engine.ranks.RankMain) that ends before it joins the others."""
+    os._exit(3)
+
+
+def test_a_rank_that_dies_before_joining_fails_rank_0_at_once(checkpoint):
+    """Rank 0 would wait for torch's half-hour rendezvous timeout; it gives up as soon as the rank is gone, saying
+    which. (Last in this file: the abandoned rendezvous stays blocked on a daemon thread.)"""
+    model = str(checkpoint("qwen3"))
+    options = {**OPTIONS, "tensor_parallel_size": 2, "distributed_init_method": free_init_method()}
+    ranks = Ranks(model, options, exit_at_once)
+    started = time.monotonic()
+    try:
+        with pytest.raises(RankLost, match=r"rank 1 \(pid \d+\) exited with code 3 before the ranks met"):
+            Engine(EngineConfig(model=model, **options), ranks.lost)
+    finally:
+        ranks.close()
+    assert time.monotonic() - started < 60
