@@ -109,6 +109,10 @@ class Engine:
             torch.cuda.empty_cache()
         pages_per_seq = -(-max_len // page)
         num_pages = config.num_pages or self._pages_that_fit(self.model.cfg, page, num_slots * pages_per_seq + 1)
+        if self.shard is not None and not config.num_pages:
+            # Each rank sized its pool from its own free memory; ranks whose pools differed would schedule
+            # differently and stop meeting in the collectives. All take the smallest.
+            num_pages = self.shard.smallest(num_pages, self.device)
         if (num_pages - 1) * page < max_len:
             if config.max_model_len:
                 raise ValueError(f"max_model_len {max_len} needs {pages_per_seq} KV pages of {page} tokens, "

@@ -123,6 +123,21 @@ def test_blink_serve_over_two_ranks(kind, checkpoint, tmp_path):
         assert texts() == expected
 
 
+def test_the_ranks_take_the_smallest_pool_any_of_them_fits(checkpoint, monkeypatch):
+    """Each rank sizes its KV pool from its own free memory: here rank 0 believes it has a terabyte, rank 1 sees
+    this machine's memory at a millionth of it (two pages), and rank 0 takes rank 1's pool, as every rank must."""
+    from blink.engine import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "available_memory", lambda device: 1 << 40)  # rank 0's only: this process
+    options = {k: v for k, v in OPTIONS.items() if k not in ("num_pages", "max_model_len")}
+    alone = LLM(str(checkpoint("qwen3")), kv_memory_fraction=1e-6, **options)
+    llm = LLM(str(checkpoint("qwen3")), tensor_parallel_size=2, kv_memory_fraction=1e-6, **options)
+    try:
+        assert alone.engine.pool.num_pages > 100 and llm.engine.pool.num_pages < 10
+        assert llm.generate([[3, 4, 5]], SamplingParams(max_tokens=2, ignore_eos=True))[0].token_ids
+    finally:
+        llm.close()
+
 def exit_at_once(model, engine_options, inbox) -> None:
     """A rank's life (blink.engine.ranks.RankMain) that ends before it joins the others."""
     os._exit(3)

@@ -99,6 +99,12 @@ class Shard:
         dist.all_gather(parts, logits.contiguous())
         return torch.cat(parts, dim=1)[:, :vocab]
 
+    def smallest(self, n: int, device: torch.device) -> int:
+        """The smallest of every rank's `n`."""
+        t = torch.tensor([n], dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return int(t[0])
+
     def from_first(self, x: torch.Tensor) -> torch.Tensor:
         """Rank 0's `x` on every rank, in place: the host inputs every rank must agree on."""
         dist.broadcast(x, src=0)
