@@ -48,7 +48,7 @@ def test_plan_and_run_never_read_tensors_on_the_host(checkpoint):
         if steps == 4:  # a prompt starting with pages the others computed: the prefix cache's lookup, in the step
             driver.add_request("3", list(range(1, 41)), params, 6)
         driver._fill_slots()
-        resident = dict(driver._asked)
+        resident = dict(driver.rank.asked)
         with host_reads_forbidden():
             plan = step.plan(features, llm.engine.mirror)
         shape = step.shape_for(plan.read_sizes())  # the one read the host loop is allowed
@@ -57,7 +57,7 @@ def test_plan_and_run_never_read_tensors_on_the_host(checkpoint):
         for slot, event in _events(out, resident, features, llm.engine.state, page_bytes=0).items():
             if event.finish_reason:
                 cached += event.stats.cached_tokens
-                del driver._resident[slot], driver._asked[slot]
+                del driver._resident[slot], driver.rank.asked[slot]
                 driver.state.release_slot(slot)
                 driver._free_slots.append(slot)
         steps += 1

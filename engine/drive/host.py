@@ -186,13 +186,15 @@ class HostRank:
         self._arrivals += len(slots) - len(invalid)
         return invalid
 
-    def step(self, windows: Windows) -> dict[int, SlotEvent]:
-        """One step over the resident requests, their windows as given; returns each slot's event."""
+    def step(self, windows: Windows | None) -> dict[int, SlotEvent]:
+        """One step over the resident requests, their windows as given (None: no reader's window limits them, as
+        in the offline API); returns each slot's event."""
         state = self.engine.state
-        index = torch.from_numpy(windows.slots).to(state.cancel.device)
-        state.cancel[index] = torch.from_numpy(windows.cancel).to(state.cancel.device)
-        state.paused[index] = torch.from_numpy(windows.room <= 0).to(state.paused.device)
-        state.room[index] = torch.from_numpy(windows.room).to(state.room.device)
+        if windows is not None:
+            index = torch.from_numpy(windows.slots).to(state.cancel.device)
+            state.cancel[index] = torch.from_numpy(windows.cancel).to(state.cancel.device)
+            state.paused[index] = torch.from_numpy(windows.room <= 0).to(state.paused.device)
+            state.room[index] = torch.from_numpy(windows.room).to(state.room.device)
         events = self.loop.step(self.asked)
         for slot, event in events.items():
             if event.finish_reason:

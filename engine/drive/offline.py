@@ -1,5 +1,6 @@
-"""The offline API's driver: requests wait in an in-process queue until a slot is free, then the host loop steps
-them (blink.engine.llm runs it until every request has finished)."""
+"""The offline API's driver: requests wait in an in-process queue until a slot is free, then the host step steps
+them (the host mode's `HostRank`, without output windows; blink.engine.llm runs it until every request has
+finished)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from blink.engine.core.admission import admit_records
 from blink.engine.core.commit import StepOutput
-from blink.engine.drive.host import Asked, HostLoop, SlotEvent
+from blink.engine.drive.host import HostRank, SlotEvent
 from blink.engine.engine import Engine
 from blink.engine.sampling_params import SamplingParams
 from blink.shared.request_schema import Request, knobs_of, logit_bias_pairs
@@ -41,21 +41,19 @@ class OfflineDriver:
     def __init__(self, engine: Engine):
         self.engine = engine
         self.state = engine.state
-        self.loop = HostLoop(engine)
+        self.rank = HostRank(engine)
         self._queue: deque[_Pending] = deque()
         self._resident: dict[int, _Pending] = {}  # slot -> request
-        self._asked: dict[int, Asked] = {}  # slot -> what it asked of the sampler
         self._free_slots = list(range(self.state.num_slots - 1, -1, -1))
         # The slot records requests are written into, as the ingress writes them into the slot table: admission
         # reads them as it reads the table's.
         self.geometry = engine.geometry(window=1)
         self.records = np.zeros(self.state.num_slots, dtype=slot_dtype(self.geometry))
-        self._arrivals = 0
         self._seeds = random.Random(engine.config.seed)
 
     @property
     def last_output(self) -> StepOutput | None:
-        return self.loop.last_output
+        return self.rank.loop.last_output
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     max_tokens: int) -> None:
@@ -81,13 +79,11 @@ class OfflineDriver:
 
     def step(self) -> list[TokenEvent]:
         self._fill_slots()
-        slot_events = self.loop.step(self._asked)
         events = []
-        for slot, e in slot_events.items():
+        for slot, e in self.rank.step(None).items():
             request_id = self._resident[slot].request_id
-            if e.finish_reason:
-                del self._resident[slot], self._asked[slot]
-                self.state.release_slot(slot)
+            if e.finish_reason:  # the rank let the slot go
+                del self._resident[slot]
                 self._free_slots.append(slot)
             events.append(TokenEvent(e.token, e.logprob, e.top, e.finish_reason, e.stats, e.prompt,
                                      request_id=request_id))
@@ -107,12 +103,9 @@ class OfflineDriver:
         if engine.shard is not None:  # rank 0's records and clock: its deadlines, on every rank
             engine.shard.from_first(torch.from_numpy(self.records.view(np.uint8)))
             now = float(engine.shard.from_first(torch.tensor([now], dtype=torch.float64))[0])
-        invalid = admit_records(self.state, self.records, sorted(slots), now, self._arrivals,
-                                engine.model_config.vocab_size, engine.max_model_len)
+        invalid = self.rank.admit(self.records, sorted(slots), now)
         if invalid:  # LLM checked every prompt before queueing it
             raise RuntimeError(f"invalid requests reached slots {invalid}")
-        self._asked.update((slot, Asked.of(self.records[slot])) for slot in slots)
-        self._arrivals += len(slots)
 
     def _request(self, pending: _Pending, now: float) -> Request:
         params = pending.params
