@@ -87,7 +87,8 @@ class EngineService:
         """The best drive mode that starts here, falling back with the reason logged; or the one asked for, which
         starts or stops the engine with the reason."""
         requested = self.settings.drive
-        modes, passed_over = drive_modes.candidates(requested, self.engine.device, self.settings.tensor_parallel_size)
+        modes, passed_over = drive_modes.candidates(requested, self.engine.device, self.settings.tensor_parallel_size,
+                                                    self.settings.compile_bookkeeping)
         for reason in passed_over:
             log.info("drive mode unavailable", reason=reason)
         if not modes:

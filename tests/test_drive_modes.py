@@ -26,6 +26,16 @@ def test_the_cpu_runs_the_host_mode_and_says_why_not_the_others():
     assert candidates("host", torch.device("cpu")) == (["host"], [])
 
 
+def test_compiled_bookkeeping_is_served_by_the_device_modes_only():
+    """The host mode would compile inside a served step (half a minute without a heartbeat): it is passed over,
+    saying why, and a CPU has no mode left for it."""
+    modes, reasons = candidates("auto", torch.device("cpu"), compile_bookkeeping=True)
+    assert modes == [] and [r.split(":")[0] for r in reasons] == ["persistent", "graph", "host"]
+    assert "watchdog takes for a stall" in reasons[-1]
+    modes, reasons = candidates("auto", torch.device("cuda"), compile_bookkeeping=True)
+    assert "host" not in modes and reasons[-1].startswith("host: --compile-bookkeeping")
+
+
 def test_tensor_parallelism_runs_the_host_mode_and_says_why_not_the_device_modes():
     modes, reasons = candidates("auto", torch.device("cuda"), tensor_parallel_size=2)
     assert modes == ["host"]

@@ -15,10 +15,15 @@ from blink.shared.slot_table import SlotTable
 BEST_FIRST = ("persistent", "graph", "host")
 
 
-def unavailable(mode: str, device: torch.device, tensor_parallel_size: int = 1) -> str | None:
-    """None when `mode` can run on `device` (over that many ranks), else why not."""
+def unavailable(mode: str, device: torch.device, tensor_parallel_size: int = 1,
+                compile_bookkeeping: bool = False) -> str | None:
+    """None when `mode` can run on `device` (over that many ranks, compiling the step's bookkeeping or not), else why
+    not."""
     if mode == "host":
-        return None
+        # The device modes compile in their warm-up steps, before serving; the host mode would compile inside a
+        # served step, half a minute without a heartbeat, and the watchdog would restart the engine.
+        return ("--compile-bookkeeping compiles in the device modes' warm-up only (the host mode would compile "
+                "inside a served step, which the watchdog takes for a stall)") if compile_bookkeeping else None
     if tensor_parallel_size > 1:
         return ("tensor parallelism runs in the host mode: the device step does not run collectives yet (NCCL "
                 "captured in its graphs, built and checked on several GPUs)")
@@ -33,14 +38,15 @@ def unavailable(mode: str, device: torch.device, tensor_parallel_size: int = 1) 
     return None
 
 
-def candidates(requested: str, device: torch.device, tensor_parallel_size: int = 1) -> tuple[list[str], list[str]]:
+def candidates(requested: str, device: torch.device, tensor_parallel_size: int = 1,
+               compile_bookkeeping: bool = False) -> tuple[list[str], list[str]]:
     """The modes to try, best first, and why the modes passed over cannot run here. `auto` tries every mode, each
     falling back to the next when it fails to start; a mode asked for by name is the only candidate, so a result
     or a deployment is never labelled with a mode that did not run."""
     wanted = BEST_FIRST if requested == "auto" else (requested,)
     modes, reasons = [], []
     for mode in wanted:
-        why = unavailable(mode, device, tensor_parallel_size)
+        why = unavailable(mode, device, tensor_parallel_size, compile_bookkeeping)
         if why is None:
             modes.append(mode)
         else:
