@@ -33,7 +33,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--result-dir", type=Path, default=Path("bench/results"))
     p.add_argument("--no-save", action="store_true")
     p.add_argument("--compile-bookkeeping", action="store_true", help="every engine and server the phases start "
-                   "compiles its step's bookkeeping (BLINK_COMPILE_BOOKKEEPING=1 in their environment)")
+                   "compiles its step's bookkeeping (BLINK_COMPILE_BOOKKEEPING=1 in their environment; a server "
+                   "asked for the host mode refuses it)")
 
 
 def run(args: argparse.Namespace) -> None:
