@@ -116,3 +116,12 @@ def test_compiled_bookkeeping_gives_the_eager_steps_tokens(checkpoint):
         assert (llm.engine.step.planner is not scheduler.plan) == compiled
         outputs.append([(o.token_ids, o.logprobs) for p in params for o in llm.generate(prompts, p)])
     assert outputs[0] == outputs[1]
+
+
+def test_compiled_bookkeeping_without_a_cpp_compiler_is_refused_at_start(checkpoint, monkeypatch):
+    from torch._inductor import config
+
+    monkeypatch.setattr(config.cpp, "cxx", ("no-such-c++-compiler",))
+    with pytest.raises(ValueError, match="compile_bookkeeping on the CPU needs a C\\+\\+ compiler"):
+        LLM(str(checkpoint("qwen3")), compile_bookkeeping=True, max_num_seqs=4, max_num_batched_tokens=32,
+            num_pages=40, page_size=8, max_model_len=64)

@@ -80,6 +80,8 @@ class Step:
         back): their hundreds of small tensor ops fused into tens of kernels, for a GPU, where each op of a captured
         step is a kernel of its own, and for the CPU's per-op overhead (docs/design.md, "The step's kernel count").
         Compiled for the first bucket a step meets, then once more with the bucket's sizes left symbolic."""
+        if backend == "inductor" and self.state.status.device.type == "cpu":
+            _check_cpp_compiler()
         # Recompiles past dynamo's limit are a hard failure with fullgraph: room for one per bucket, should the
         # sizes not go symbolic.
         config = torch._dynamo.config
@@ -170,6 +172,20 @@ def _prompt_tokens(state: Slots, plan: StepPlan, tokens: int, prompt_rows: int) 
     start = torch.maximum(state.num_computed, state.scored)[slot]  # num_computed: before this step's commit
     scores = plan.token_valid[:tokens] & (pos >= start) & (pos < start + plan.prompt_entries[slot])
     return pack(scores)[0][:prompt_rows]
+
+
+def _check_cpp_compiler() -> None:
+    """Inductor builds its CPU kernels with a C++ compiler: a machine without one is told now, not in the first
+    step."""
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+    except ImportError:  # a torch that moved it: its own error comes with the first step
+        return
+    try:
+        get_cpp_compiler()
+    except Exception as e:
+        raise ValueError(f"compile_bookkeeping on the CPU needs a C++ compiler, which torch.compile builds its "
+                         f"kernels with ({e}); install one (g++) or leave compile_bookkeeping off") from e
 
 
 def _bucket(ladder: list[int], size: int) -> int:
