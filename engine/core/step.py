@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from blink.engine.core.admission import admit
 from blink.engine.core.commit import StepOutput, commit, score_prompt
 from blink.engine.core.kv_cache import PagePool
 from blink.engine.core.policy import Policy
@@ -62,7 +63,9 @@ class Step:
             from blink.engine.kernels.sampler import FUSED_SAMPLER
 
             self.sampler = FUSED_SAMPLER
-        self.planner, self.committer = plan, commit  # compile_bookkeeping may swap in compiled ones
+        # The bookkeeping's tensor functions (admit: the device modes' admission, in every step they run);
+        # compile_bookkeeping may swap in compiled ones.
+        self.admitter, self.planner, self.committer = admit, plan, commit
         # The device modes capture a graph per token bucket: few, from 16. The host mode captures nothing, so its
         # forward runs on the next power of two of the live tokens: a lone decode is a matrix-vector product, not
         # 16 rows of padding (on a CPU, where the matmuls are compute-bound, that padding cost 16x the work).
@@ -76,17 +79,19 @@ class Step:
         self.context_buckets = [*range(step, top, step), top]
 
     def compile_bookkeeping(self, backend: str = "inductor") -> None:
-        """The plan and the commit through torch.compile, whole (fullgraph: a graph break fails rather than falling
-        back): their hundreds of small tensor ops fused into tens of kernels, for a GPU, where each op of a captured
-        step is a kernel of its own, and for the CPU's per-op overhead (docs/design.md, "The step's kernel count").
-        Compiled for the first bucket a step meets, then once more with the bucket's sizes left symbolic."""
+        """The plan, the commit and the device modes' admission through torch.compile, whole (fullgraph: a graph
+        break fails rather than falling back): their hundreds of small tensor ops fused into tens of kernels, for a
+        GPU, where each op of a captured step is a kernel of its own, and for the CPU's per-op overhead
+        (docs/design.md, "The step's kernel count"). Compiled for the first bucket a step meets, then once more
+        with the bucket's sizes left symbolic."""
         if backend == "inductor" and self.state.status.device.type == "cpu":
             _check_cpp_compiler()
         # Recompiles past dynamo's limit are a hard failure with fullgraph: room for one per bucket, should the
         # sizes not go symbolic.
         config = torch._dynamo.config
         config.recompile_limit = max(config.recompile_limit, 2 * len(self.host_buckets))
-        self.planner, self.committer = (torch.compile(f, fullgraph=True, backend=backend) for f in (plan, commit))
+        self.admitter, self.planner, self.committer = (torch.compile(f, fullgraph=True, backend=backend)
+                                                       for f in (admit, plan, commit))
 
     def plan(self, features: SamplerFeatures, mirror: HostMirror | None) -> StepPlan:
         """mirror: where KV pages rotate (the host drive mode's); None: preempted requests are recomputed."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from blink.engine.core.admission import admit, field_views
+from blink.engine.core.admission import field_views
 from blink.engine.core.kv_cache import PagePool
 from blink.engine.core.policy import StepCostModel
 from blink.engine.core.sampler import SamplerFeatures
@@ -112,8 +112,8 @@ class DeviceStep:
         with the request fields the exchange kernel copied out of the table."""
         engine, inbox = self.engine, self.inbox
         take_requests(self.table, inbox, self.state, engine.model_config.vocab_size, engine.max_model_len)
-        admit(self.state, inbox.admit, field_views(inbox.requests, self._record), inbox.now, inbox.arrival,
-              engine.max_model_len)
+        self.step.admitter(self.state, inbox.admit, field_views(inbox.requests, self._record), inbox.now,
+                           inbox.arrival, engine.max_model_len)
 
     def shape(self, bucket: int) -> StepShape:
         S = self.state.num_slots
