@@ -80,9 +80,9 @@ class Settings(BaseSettings):
                                       "the CPU); more than one runs the host drive mode")
     enable_prefix_caching: bool = Field(True, description="requests share the KV of equal prompt prefixes (cached "
                                         "pages kept until the pool needs them); --no-enable-prefix-caching: off")
-    compile_bookkeeping: bool = Field(False, description="the step's planning and commit compiled by torch.compile "
-                                      "(fused into tens of kernels from hundreds of ops), in the graph and "
-                                      "persistent drive modes (compiled before serving); the offline API's "
+    compile_bookkeeping: bool = Field(False, description="the step's admission, planning and commit compiled by "
+                                      "torch.compile (fused into tens of kernels from hundreds of ops), in the graph "
+                                      "and persistent drive modes (compiled before serving); the offline API's "
                                       "LLM(compile_bookkeeping=True) runs it on the CPU too")
     enable_auto_tool_choice: bool = Field(False, description="find tool calls in chat output (tool_choice auto), "
                                           "with --tool-call-parser (vLLM's flags)")
