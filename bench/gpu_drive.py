@@ -14,6 +14,7 @@ import uuid
 from pathlib import Path
 
 import torch
+from pydantic import TypeAdapter
 
 from blink.engine.drive.driver import Driver
 from blink.engine.drive.modes import build, candidates
@@ -71,8 +72,10 @@ def model_dir(shape: str, dry_run: bool) -> Path:
 
 
 def engine_options(dry_run: bool) -> dict:
-    # The variable `blink serve` reads too (shared.settings), for the phases that start servers.
-    compiled = {"compile_bookkeeping": os.environ.get("BLINK_COMPILE_BOOKKEEPING") == "1"}
+    # The variable `blink serve` reads too (shared.settings), read as its settings read it, so the phases that
+    # start engines here and those that start servers agree.
+    compiled = {"compile_bookkeeping": TypeAdapter(bool).validate_python(
+        os.environ.get("BLINK_COMPILE_BOOKKEEPING") or "false")}
     if dry_run:
         return {"dtype": "float32", "max_num_seqs": 8, "max_num_batched_tokens": 64, "max_model_len": 256,
                 "swap_space": 0, **compiled}
