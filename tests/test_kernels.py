@@ -22,7 +22,7 @@ from blink.engine.kernels.rms_norm import add_rms_norm, rms_norm
 from blink.engine.kernels.rope_kv import rope_and_cache
 from blink.engine.model.attention import AttentionBatch, build_row_group
 from blink.engine.model.attention import paged_attention as reference_attention
-from blink.engine.model.model import rms_norm as reference_rms_norm
+from blink.engine.model.kernel_sets import rms_norm as reference_rms_norm
 from blink.engine.model.rope import apply_rope, rotate, step_rope
 from tests.launches import Launches
 from tests.test_step import host_reads_forbidden
@@ -281,7 +281,7 @@ def test_greedy_tokens_are_the_same_with_triton_kernels(kind, checkpoint, monkey
         # the others decode; 8-token pages make every row cross pages.
         llm = LLM(str(checkpoint(kind)), max_num_seqs=4, max_num_batched_tokens=96, num_pages=80, page_size=8,
                   max_model_len=128, dtype="float32")  # the tolerances below are float32's
-        assert llm.engine.model.kernels == kernels
+        assert llm.engine.model.kernels.name == kernels
         results[kernels] = llm.generate(prompts, params)
     for torch_out, triton_out in zip(results["torch"], results["triton"], strict=True):
         assert triton_out.token_ids == torch_out.token_ids

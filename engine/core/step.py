@@ -17,10 +17,10 @@ from blink.engine.core.commit import StepOutput, commit, score_prompt
 from blink.engine.core.kv_cache import PagePool
 from blink.engine.core.policy import Policy
 from blink.engine.core.rotation import HostMirror
-from blink.engine.core.sampler import TORCH_SAMPLER, SamplerFeatures, SamplingRows, hash32
-from blink.engine.core.scheduler import QUERY_BLOCK, PlanSizes, StepPlan, pack, plan
+from blink.engine.core.sampler import SamplerFeatures, SamplingRows, hash32
+from blink.engine.core.scheduler import PlanSizes, StepPlan, pack, plan
 from blink.engine.core.state import Slots
-from blink.engine.model.attention import AttentionBatch, build_row_group
+from blink.engine.model.attention import AttentionBatch
 from blink.engine.model.model import Transformer
 from blink.engine.model.parallel import Shard
 
@@ -56,13 +56,7 @@ class Step:
         self.cost = torch.zeros(3, dtype=torch.float64, device=device)  # see policy.StepCostModel
         self.eos_ids = torch.tensor(eos_ids or [-1], dtype=torch.int64, device=device)
         self.vocab_hash = hash32(torch.arange(model.cfg.vocab_size, dtype=torch.int64, device=device)).to(torch.int32)
-        # With the Triton kernels, the fused sampler: a row pays for the features its request asked for, whatever
-        # the step was built to serve (a captured step serves them all).
-        self.sampler = TORCH_SAMPLER
-        if model.kernels == "triton":
-            from blink.engine.kernels.sampler import FUSED_SAMPLER
-
-            self.sampler = FUSED_SAMPLER
+        self.sampler = model.kernels.sampler
         # The bookkeeping's tensor functions (admit: the device modes' admission, in every step they run);
         # compile_bookkeeping may swap in compiled ones.
         self.admitter, self.planner, self.committer = admit, plan, commit
@@ -148,18 +142,7 @@ class Step:
         table = self.state.block_table
         pages = table[plan.token_slot[:B]].gather(1, (plan.token_pos[:B] // page)[:, None])[:, 0]
         write_rows = torch.where(plan.token_valid[:B], pages * page + plan.token_pos[:B] % page, 0)
-        if self.model.kernels == "triton":
-            # The kernels read each group's count on the device; a row holds at least one token, so B rows (or
-            # the group's capacity) cover every real one whatever the counts are.
-            kernel_rows = [(plan.decode_rows.head(B), 1), (plan.chunk_rows.head(B), QUERY_BLOCK)]
-            return AttentionBatch(write_rows, [], kernel_rows, table)
-        groups = []
-        for rows, n, queries in ((plan.decode_rows, shape.decode_rows, 1),
-                                 (plan.chunk_rows, shape.chunk_rows, QUERY_BLOCK)):
-            if n:
-                groups.append(build_row_group(rows.head(n), table, page, queries, shape.context,
-                                              self.model.cfg.sliding_window, B))
-        return AttentionBatch(write_rows, groups)
+        return self.model.kernels.attention_batch(plan, shape, table, page, write_rows)
 
 
 def _seen_tokens(state: Slots, slot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -3,7 +3,6 @@ Qwen3-MoE: blink.engine.model.moe), over a ragged batch of tokens."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,15 +10,16 @@ import torch
 import torch.nn.functional as F
 
 from blink.engine.errors import CheckpointError
-from blink.engine.model import moe
-from blink.engine.model.attention import AttentionBatch, paged_attention
+from blink.engine.model import kernel_sets, moe
+from blink.engine.model.attention import AttentionBatch
 from blink.engine.model.checkpoint import load_tensors
 from blink.engine.model.config import ModelConfig
 from blink.engine.model.dummy import dummy_tensors
+from blink.engine.model.kernel_sets import Tokens
 from blink.engine.model.linear import can_pack, linear, pack
 from blink.engine.model.moe import MoeWeights
 from blink.engine.model.parallel import Shard
-from blink.engine.model.rope import rope_tables, rotate, step_rope
+from blink.engine.model.rope import rope_tables
 
 
 @dataclass
@@ -60,23 +60,7 @@ def checkpoint_tensor_names(cfg: ModelConfig) -> list[str]:
     return names
 
 
-KERNELS = ("torch", "triton")
 LOAD_FORMATS = ("auto", "dummy")  # the safetensors; random weights of their shapes (blink.engine.model.dummy)
-
-
-def choose_kernels(device: torch.device) -> str:
-    """Triton on CUDA, torch elsewhere, unless BLINK_KERNELS says which."""
-    kernels = os.environ.get("BLINK_KERNELS") or ("triton" if device.type == "cuda" else "torch")
-    if kernels not in KERNELS:
-        raise ValueError(f"BLINK_KERNELS must be one of {', '.join(KERNELS)}, got {kernels!r}")
-    return kernels
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # As transformers does it: normalise in float32, cast back, then scale.
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
 
 
 class Transformer:
@@ -124,19 +108,7 @@ class Transformer:
             self.lm_head = pack(self.lm_head)
         self.cos, self.sin = rope_tables(cfg, max_len, device)
         self.scale = cfg.head_dim ** -0.5
-        self.kernels = choose_kernels(device)
-        if self.kernels == "triton":
-            # Imported only when chosen: Triton is a Linux-only dependency, and without CUDA its interpreter must
-            # be picked before a kernel is defined.
-            if device.type != "cuda":
-                os.environ.setdefault("TRITON_INTERPRET", "1")
-            from blink.engine.kernels import attention as attention_kernel
-            from blink.engine.kernels import moe as moe_kernel
-            from blink.engine.kernels import rms_norm as norm_kernel
-            from blink.engine.kernels import rope_kv as rope_kernel
-
-            self._attention_kernel, self._norm_kernel, self._rope_kernel = attention_kernel, norm_kernel, rope_kernel
-            self._moe_kernel = moe_kernel
+        self.kernels = kernel_sets.choose(cfg, device)
 
     @classmethod
     def from_checkpoint(cls, model_dir: Path, cfg: ModelConfig, max_len: int, device: torch.device,
@@ -162,79 +134,31 @@ class Transformer:
         v_cache: torch.Tensor,
     ) -> torch.Tensor:
         """input_ids, positions: [B]; caches: [layers, pages, page_size, kv_heads, head_dim]. Returns [B, hidden]."""
-        cfg = self.cfg
+        cfg, kernels = self.cfg, self.kernels
+        tokens = Tokens(positions, batch, kernels.rope(self.cos, self.sin, positions))
         x = F.embedding(input_ids, self.embed)
-        if self.kernels == "torch":
-            rope = step_rope(self.cos, self.sin, positions)
         delta = None  # each sublayer's output, added to x by the next norm
         for i, w in enumerate(self.layers):
             x, h = self._add_norm(x, delta, w.input_norm)
-            qkv = linear(h, w.qkv, w.qkv_bias)
-            if self.kernels == "triton":
-                q, k, v = self._heads(qkv, w)
-                attn = self._triton_attention(q, k, v, positions, batch, k_cache[i], v_cache[i])
-            else:
-                # Queries and keys rotate together: they lie side by side in the projection's output.
-                q_and_k = qkv[:, :cfg.q_size + cfg.kv_size].unflatten(-1, (-1, cfg.head_dim))
-                if w.q_norm is not None:
-                    q_and_k = torch.cat(self._qk_norm(q_and_k[:, :cfg.num_heads], q_and_k[:, cfg.num_heads:], w), 1)
-                q_and_k = rotate(q_and_k, *rope)
-                v = qkv[:, cfg.q_size + cfg.kv_size:].unflatten(-1, (-1, cfg.head_dim))
-                attn = paged_attention(q_and_k[:, :cfg.num_heads], q_and_k[:, cfg.num_heads:], v, k_cache[i],
-                                       v_cache[i], batch, self.scale)
+            attn = kernels.attention(linear(h, w.qkv, w.qkv_bias), w, cfg, tokens, k_cache[i], v_cache[i], self.scale)
             x, h = self._add_norm(x, self._sum(linear(attn.reshape(-1, cfg.q_size), w.o_proj, w.o_proj_bias)),
                                   w.post_norm)
-            if w.moe is not None and self.kernels == "triton":
-                delta = self._sum(moe.grouped_moe_mlp(h, w.moe, cfg.moe, self._moe_kernel))
-            elif w.moe is not None:
-                delta = self._sum(moe.moe_mlp(h, w.moe, cfg.moe))
+            if w.moe is not None:
+                delta = self._sum(kernels.moe_mlp(h, w.moe, cfg))
             else:
                 gate, up = linear(h, w.gate_up).chunk(2, dim=-1)
                 delta = self._sum(linear(F.silu(gate) * up, w.down))
         return x if delta is None else x + delta
 
-    def _heads(self, qkv: torch.Tensor, w: LayerWeights) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The projection's output as [tokens, heads, head_dim] queries (normed, with q/k norms), keys and values."""
-        cfg = self.cfg
-        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        q = q.view(-1, cfg.num_heads, cfg.head_dim)
-        k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
-        v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
-        if w.q_norm is not None:
-            q, k = self._qk_norm(q, k, w)
-        return q, k, v
-
-    def _qk_norm(self, q: torch.Tensor, k: torch.Tensor, w: LayerWeights) -> tuple[torch.Tensor, torch.Tensor]:
-        return rms_norm(q, w.q_norm, self.cfg.rms_norm_eps), rms_norm(k, w.k_norm, self.cfg.rms_norm_eps)
-
     def _add_norm(self, x: torch.Tensor, delta: torch.Tensor | None,
                   weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual stream x + delta and its RMSNorm."""
-        if delta is None:
-            return x, self._norm(x, weight)
-        if self.kernels == "triton":
-            return self._norm_kernel.add_rms_norm(x, delta, weight, self.cfg.rms_norm_eps)
-        x = x + delta
-        return x, rms_norm(x, weight, self.cfg.rms_norm_eps)
-
-    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if self.kernels == "triton":
-            return self._norm_kernel.rms_norm(x, weight, self.cfg.rms_norm_eps)
-        return rms_norm(x, weight, self.cfg.rms_norm_eps)
-
-    def _triton_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                          batch: AttentionBatch, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        q = self._rope_kernel.rope_and_cache(q, k, v, self.cos, self.sin, positions, batch.write_rows, k_cache,
-                                             v_cache)
-        out = torch.zeros_like(q)  # padding tokens belong to no row: they keep zeros, as in the reference
-        for rows, queries in batch.rows:
-            self._attention_kernel.paged_attention(q, k_cache, v_cache, rows, queries, batch.block_table, self.scale,
-                                                   self.cfg.sliding_window, out)
-        return out
+        eps = self.cfg.rms_norm_eps
+        return (x, self.kernels.norm(x, weight, eps)) if delta is None else self.kernels.add_norm(x, delta, weight, eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [R, hidden] rows that sample. Returns float32 logits [R, vocab]."""
-        logits = linear(self._norm(hidden, self.norm), self.lm_head).float()
+        logits = linear(self.kernels.norm(hidden, self.norm, self.cfg.rms_norm_eps), self.lm_head).float()
         return logits if self.shard is None else self.shard.gather_vocab(logits, self.cfg.vocab_size)
 
     def _sum(self, partial: torch.Tensor) -> torch.Tensor:

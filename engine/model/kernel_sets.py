@@ -1,0 +1,178 @@
+"""What runs the forward's work besides the projections, and samples: torch ops or Triton kernels.
+
+`TorchKernels` is the reference: plain torch ops on any device, the CPU's choice, with the torch sampler. It reads
+the step's row counts on the host to size its gathers, so it cannot be captured with a mixture of experts.
+`TritonKernels` is CUDA's: fused norms, RoPE written into the cache, paged attention over row lists the kernels
+read on the device, grouped experts and the fused sampler; without CUDA it runs in Triton's interpreter (the
+tests check it against the reference that way). A new backend is a class with these methods, named in `KERNEL_SETS`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from blink.engine.core.sampler import TORCH_SAMPLER, Sampler
+from blink.engine.core.scheduler import QUERY_BLOCK, StepPlan
+from blink.engine.model import moe
+from blink.engine.model.attention import AttentionBatch, build_row_group, paged_attention
+from blink.engine.model.config import ModelConfig
+from blink.engine.model.rope import rotate, step_rope
+
+if TYPE_CHECKING:
+    from blink.engine.core.step import StepShape
+    from blink.engine.model.model import LayerWeights
+    from blink.engine.model.moe import MoeWeights
+
+
+@dataclass
+class Tokens:
+    """One forward's tokens as every layer's attention reads them."""
+
+    positions: torch.Tensor  # [B]
+    batch: AttentionBatch
+    rope: tuple[torch.Tensor, ...]  # what the backend's attention rotates with (its `rope` makes it)
+
+
+class KernelSet(Protocol):
+    name: str
+    sampler: Sampler
+    # A mixture-of-experts layer with no host read, so the device modes can capture it.
+    moe_captures: bool
+
+    def attention_batch(self, plan: StepPlan, shape: StepShape, block_table: torch.Tensor, page_size: int,
+                        write_rows: torch.Tensor) -> AttentionBatch: ...
+
+    def rope(self, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]: ...
+
+    def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
+
+    def add_norm(self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def attention(self, qkv: torch.Tensor, w: LayerWeights, cfg: ModelConfig, tokens: Tokens, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, scale: float) -> torch.Tensor: ...
+
+    def moe_mlp(self, h: torch.Tensor, w: MoeWeights, cfg: ModelConfig) -> torch.Tensor: ...
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # As transformers does it: normalise in float32, cast back, then scale.
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+class TorchKernels:
+    name = "torch"
+    sampler = TORCH_SAMPLER
+    moe_captures = False  # moe.moe_mlp reads on the host which experts run
+
+    def __init__(self, sliding_window: int | None):
+        self.sliding_window = sliding_window
+
+    def attention_batch(self, plan: StepPlan, shape: StepShape, block_table: torch.Tensor, page_size: int,
+                        write_rows: torch.Tensor) -> AttentionBatch:
+        """Each row group gathered to the step's context bucket, at its exact row count (the host mode's)."""
+        groups = [build_row_group(rows.head(n), block_table, page_size, queries, shape.context,
+                                  self.sliding_window, shape.tokens)
+                  for rows, n, queries in ((plan.decode_rows, shape.decode_rows, 1),
+                                           (plan.chunk_rows, shape.chunk_rows, QUERY_BLOCK)) if n]
+        return AttentionBatch(write_rows, groups)
+
+    def rope(self, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return step_rope(cos, sin, positions)
+
+    def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return rms_norm(x, weight, eps)
+
+    def add_norm(self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        x = x + delta
+        return x, rms_norm(x, weight, eps)
+
+    def attention(self, qkv: torch.Tensor, w: LayerWeights, cfg: ModelConfig, tokens: Tokens, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        # Queries and keys rotate together: they lie side by side in the projection's output.
+        q_and_k = qkv[:, :cfg.q_size + cfg.kv_size].unflatten(-1, (-1, cfg.head_dim))
+        if w.q_norm is not None:
+            q_and_k = torch.cat([rms_norm(q_and_k[:, :cfg.num_heads], w.q_norm, cfg.rms_norm_eps),
+                                 rms_norm(q_and_k[:, cfg.num_heads:], w.k_norm, cfg.rms_norm_eps)], 1)
+        q_and_k = rotate(q_and_k, *tokens.rope)
+        v = qkv[:, cfg.q_size + cfg.kv_size:].unflatten(-1, (-1, cfg.head_dim))
+        return paged_attention(q_and_k[:, :cfg.num_heads], q_and_k[:, cfg.num_heads:], v, k_cache, v_cache,
+                               tokens.batch, scale)
+
+    def moe_mlp(self, h: torch.Tensor, w: MoeWeights, cfg: ModelConfig) -> torch.Tensor:
+        return moe.moe_mlp(h, w, cfg.moe)
+
+
+class TritonKernels:
+    name = "triton"
+    moe_captures = True
+
+    def __init__(self, sliding_window: int | None, device: torch.device):
+        # Imported only when chosen: Triton is a Linux-only dependency, and without CUDA its interpreter must be
+        # picked before a kernel is defined.
+        if device.type != "cuda":
+            os.environ.setdefault("TRITON_INTERPRET", "1")
+        from blink.engine.kernels import attention, rms_norm, rope_kv
+        from blink.engine.kernels import moe as experts
+        from blink.engine.kernels.sampler import FUSED_SAMPLER
+
+        self._attention, self._norm, self._rope, self._experts = attention, rms_norm, rope_kv, experts
+        # A row pays for the features its request asked for, whatever the step was built to serve (a captured step
+        # serves them all).
+        self.sampler = FUSED_SAMPLER
+        self.sliding_window = sliding_window
+
+    def attention_batch(self, plan: StepPlan, shape: StepShape, block_table: torch.Tensor, page_size: int,
+                        write_rows: torch.Tensor) -> AttentionBatch:
+        """The plan's row lists at the bucket's capacity: the kernels read each group's count on the device, and a
+        row holds at least one token, so B rows cover every real one whatever the counts are."""
+        B = shape.tokens
+        rows = [(plan.decode_rows.head(B), 1), (plan.chunk_rows.head(B), QUERY_BLOCK)]
+        return AttentionBatch(write_rows, [], rows, block_table)
+
+    def rope(self, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return cos, sin  # the kernel reads each token's row itself
+
+    def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return self._norm.rms_norm(x, weight, eps)
+
+    def add_norm(self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._norm.add_rms_norm(x, delta, weight, eps)
+
+    def attention(self, qkv: torch.Tensor, w: LayerWeights, cfg: ModelConfig, tokens: Tokens, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        q = q.view(-1, cfg.num_heads, cfg.head_dim)
+        k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        if w.q_norm is not None:
+            q, k = self.norm(q, w.q_norm, cfg.rms_norm_eps), self.norm(k, w.k_norm, cfg.rms_norm_eps)
+        batch = tokens.batch
+        q = self._rope.rope_and_cache(q, k, v, *tokens.rope, tokens.positions, batch.write_rows, k_cache, v_cache)
+        out = torch.zeros_like(q)  # padding tokens belong to no row: they keep zeros, as in the reference
+        for rows, queries in batch.rows:
+            self._attention.paged_attention(q, k_cache, v_cache, rows, queries, batch.block_table, scale,
+                                            self.sliding_window, out)
+        return out
+
+    def moe_mlp(self, h: torch.Tensor, w: MoeWeights, cfg: ModelConfig) -> torch.Tensor:
+        return moe.grouped_moe_mlp(h, w, cfg.moe, self._experts)
+
+
+KERNEL_SETS = ("torch", "triton")
+
+
+def choose(cfg: ModelConfig, device: torch.device) -> KernelSet:
+    """Triton on CUDA, torch elsewhere, unless BLINK_KERNELS says which."""
+    name = os.environ.get("BLINK_KERNELS") or ("triton" if device.type == "cuda" else "torch")
+    if name not in KERNEL_SETS:
+        raise ValueError(f"BLINK_KERNELS must be one of {', '.join(KERNEL_SETS)}, got {name!r}")
+    return TritonKernels(cfg.sliding_window, device) if name == "triton" else TorchKernels(cfg.sliding_window)
