@@ -10,6 +10,8 @@ when it likes, to pick the next bucket.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from blink.engine.core.admission import field_views
@@ -41,7 +43,7 @@ NAP_OVER_PREDICTION = 4.0
 class DeviceStep:
     def __init__(self, engine: Engine, table: SlotTable):
         engine.check_geometry(table.geometry)
-        if engine.model_config.moe is not None and engine.model.kernels != "triton":
+        if engine.model_config.moe is not None and not engine.model.kernels.moe_captures:
             raise RuntimeError("a mixture of experts runs in the device step with the Triton kernels only (the torch "
                                "path reads on the host which experts run): unset BLINK_KERNELS")
         self.engine, self.state, self.step = engine, engine.state, engine.step
@@ -65,6 +67,7 @@ class DeviceStep:
         if self.mirror is not None:
             data = device_alias(self.mirror.data, device)  # [pages, K/V, layers, page, heads, dim]
             self._mirror_kv = (data[:, 0].transpose(0, 1), data[:, 1].transpose(0, 1))
+        self._in_stream = torch.cuda.Stream(device) if self.mirror is not None and pinned else None
         self._last_now = torch.zeros(1, dtype=torch.float64, device=device)
         self._last_tokens = torch.zeros((), dtype=torch.int64, device=device)  # what the previous step computed
         self.cost_model = StepCostModel(self.step.cost)  # fed from the clock the steps read: the TPOT cap's fit
@@ -82,11 +85,14 @@ class DeviceStep:
         planned = self.step.planner(state, engine.pool, bucket, self.step.policy, self.mirror, self.step.cost,
                                     self.prompt_rows(bucket))
         self._last_tokens.copy_(planned.sizes[0])
-        if self.mirror is not None:  # the pages leaving, before this step's forward may reuse them
-            self._rotate(planned.moves.out_src, planned.moves.out_dst, planned.sizes[4], to_mirror=True)
+        if self.mirror is not None:
+            moves, sizes = planned.moves, planned.sizes
+            self._rotate(moves.out_src, moves.out_dst, sizes[4], to_mirror=True)  # this forward may reuse them
+            with self._beside_the_forward():  # those coming back take no tokens before the next step
+                self._rotate(moves.in_src, moves.in_dst, sizes[5], to_mirror=False)
         out = self.step.run(planned, self.shape(bucket), ALL_FEATURES, self.mirror)
-        if self.mirror is not None:  # the pages coming back, for the next step (they run from then on)
-            self._rotate(planned.moves.in_src, planned.moves.in_dst, planned.sizes[5], to_mirror=False)
+        if self._in_stream is not None:  # the next step's moves may reuse the mirror pages this one read
+            torch.cuda.current_stream(self.engine.device).wait_stream(self._in_stream)
         emit(self.table, inbox, state, out, self.page_bytes)
         report_demand(state, self._demand)
 
@@ -101,6 +107,18 @@ class DeviceStep:
         nap = (self.cost_model.sums[0] >= 3) & (took > NAP_OVER_PREDICTION * (cost[0] + cost[1] * last))
         self.cost_model.observe(last, took, (last > 0) & (took > 0) & ~nap)
         self._last_now.copy_(self.inbox.now)
+
+    @contextlib.contextmanager
+    def _beside_the_forward(self):
+        """On CUDA, work on a stream of its own that runs beside the rest of the step (SuperInfer's duplex KV:
+        pages come in while the forward computes), ordered after what was enqueued before it; `run` joins it
+        before the step ends. Captured, the two streams are two branches of the step's graph."""
+        if self._in_stream is None:
+            yield
+            return
+        self._in_stream.wait_stream(torch.cuda.current_stream(self.engine.device))
+        with torch.cuda.stream(self._in_stream):
+            yield
 
     def _rotate(self, src: torch.Tensor, dst: torch.Tensor, count: torch.Tensor, to_mirror: bool) -> None:
         pool = self.engine.pool
