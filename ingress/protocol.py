@@ -6,14 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 
-from blink.shared.request_schema import (
-    INT32_MAX,
-    MAX_LOGIT_BIAS,
-    MAX_LOGPROBS,
-    MAX_STOP_IDS,
-    SamplingKnobs,
-    logit_bias_pairs,
-)
+from blink.shared.request_schema import MAX_LOGIT_BIAS, MAX_LOGPROBS, EdgeFields, logit_bias_pairs
 from blink.shared.service_class import ClassName
 
 MAX_STOP_STRINGS = 8
@@ -24,9 +17,10 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
-class SamplingFields(SamplingKnobs):
+class SamplingFields(EdgeFields):
     """Fields both endpoints share: the knobs (temperature, top_p, top_k, min_p, the penalties, ignore_eos,
-    priority: blink.shared.request_schema), and these."""
+    priority) and what the offline API takes too (stop_token_ids, seed, prompt_logprobs, the SLOs:
+    blink.shared.request_schema), and these."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -36,22 +30,16 @@ class SamplingFields(SamplingKnobs):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = Field(None, validate_default=True)
-    seed: StrictInt | None = Field(None, ge=0, lt=2**63)
     user: str | None = None
     # vLLM's extensions.
-    stop_token_ids: list[StrictInt] = Field(default_factory=list, max_length=MAX_STOP_IDS)
     include_stop_str_in_output: StrictBool = False
     skip_special_tokens: StrictBool = True
-    prompt_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS,
-                                              description="each prompt token's logprob and the top ones (vLLM's)")
     logit_bias: dict[str, float] | None = Field(
         None, max_length=MAX_LOGIT_BIAS, description="token id -> a bias in [-100, 100] added to its logit")
     cache_salt: str | None = Field(None, min_length=1, max_length=1024, description="requests share cached KV "
                                    "pages only with requests of the same salt (vLLM's; prefix caching)")
-    # Blink's: the service class (else the x-blink-class header, else the default) and SLOs (else the class's).
+    # Blink's: the service class (else the x-blink-class header, else the default); SLOs not given are its.
     service_class: ClassName | None = None
-    ttft_slo_ms: float | None = Field(None, gt=0, allow_inf_nan=False)
-    tpot_slo_ms: float | None = Field(None, gt=0, allow_inf_nan=False)
 
     @model_validator(mode="after")
     def _stream_options_need_a_stream(self) -> SamplingFields:
@@ -73,13 +61,6 @@ class SamplingFields(SamplingKnobs):
     @classmethod
     def _logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         logit_bias_pairs(v)
-        return v
-
-    @field_validator("stop_token_ids")
-    @classmethod
-    def _stop_ids(cls, v: list[int]) -> list[int]:
-        if any(not 0 <= t <= INT32_MAX for t in v):
-            raise ValueError("stop_token_ids must be token ids (non-negative, below 2**31)")
         return v
 
 

@@ -14,9 +14,14 @@ a class name, SLOs in ms that become a deadline) and their own line in the admis
 
 from __future__ import annotations
 
+import functools
+import itertools
+import operator
 from dataclasses import dataclass, field, make_dataclass
+from typing import Annotated
 
-from pydantic import ConfigDict, StrictBool, StrictInt, create_model
+import numpy as np
+from pydantic import AfterValidator, ConfigDict, StrictBool, StrictFloat, StrictInt, create_model, field_validator
 from pydantic import Field as PydanticField
 
 MAX_STOP_IDS = 16  # stop token ids a request may give
@@ -115,15 +120,48 @@ with requests of the same salt; it goes into the page hashes, not the record).""
 
 
 def _pydantic_knob(f: RequestField) -> tuple:
-    kind = {bool: StrictBool, int: StrictInt, float: float}[f.python_type]
+    kind = {bool: StrictBool, int: StrictInt, float: StrictFloat}[f.python_type]
     extra = {"allow_inf_nan": False} if f.python_type is float else {}
+    if f.python_type is float:
+        kind = Annotated[StrictFloat, AfterValidator(functools.partial(_as_stored, f))]
     return kind, PydanticField(f.default, **f.limits(), **extra, description=f.doc or None)
+
+
+def _as_stored(f: RequestField, value: float) -> float:
+    """A float knob within its limits as the record stores it (a 32-bit float), not only as sent: a top_p of 1e-46
+    is above 0 but is 0 in the record, which no sampler can serve."""
+    stored = float(np.array(value, dtype=f.wire))
+    if not all(op(stored, bound) for op, bound in ((operator.ge, f.ge), (operator.gt, f.gt), (operator.le, f.le),
+                                                   (operator.lt, f.lt)) if bound is not None):
+        raise ValueError(f"{value!r} is {stored!r} as the 32-bit float the engine computes with, outside "
+                         f"{f.name}'s limits {f.limits()}")
+    return value
 
 
 # The knobs as a pydantic model, the base of the request bodies at the edges (the OpenAI API's fields, the offline
 # API's SamplingParams): their names, defaults and limits, and so the OpenAPI schema, come from FIELDS.
 SamplingKnobs = create_model("SamplingKnobs", __config__=ConfigDict(extra="forbid"), __module__=__name__,
                              **{f.name: _pydantic_knob(f) for f in KNOBS})
+
+
+class EdgeFields(SamplingKnobs):
+    """What both edges take besides the knobs, with the same names and limits: the OpenAI bodies
+    (blink.ingress.protocol) and the offline API's SamplingParams."""
+
+    stop_token_ids: list[StrictInt] = PydanticField(default_factory=list, max_length=MAX_STOP_IDS)
+    seed: StrictInt | None = PydanticField(None, ge=0, lt=2**63)
+    prompt_logprobs: StrictInt | None = PydanticField(None, ge=0, le=MAX_LOGPROBS,
+                                                      description="each prompt token's logprob and the top ones "
+                                                                  "(vLLM's)")
+    ttft_slo_ms: float | None = PydanticField(None, gt=0, allow_inf_nan=False)
+    tpot_slo_ms: float | None = PydanticField(None, gt=0, allow_inf_nan=False)
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_ids(cls, v: list[int]) -> list[int]:
+        if any(not 0 <= t <= INT32_MAX for t in v):  # the record's stop ids are int32
+            raise ValueError("stop_token_ids must be token ids (non-negative, below 2**31)")
+        return v
 
 
 def logit_bias_pairs(bias: dict | None) -> tuple[tuple[int, float], ...]:
@@ -145,7 +183,10 @@ def logit_bias_pairs(bias: dict | None) -> tuple[tuple[int, float], ...]:
         if token > INT32_MAX:
             raise ValueError("logit_bias keys must be token ids (below 2**31)")
         pairs.append((token, float(value)))
-    return tuple(sorted(pairs))
+    pairs.sort()
+    if twice := next((a for (a, _), (b, _) in itertools.pairwise(pairs) if a == b), None):
+        raise ValueError(f"logit_bias names token {twice} more than once")
+    return tuple(pairs)
 
 
 def knobs_of(source: object) -> dict[str, object]:

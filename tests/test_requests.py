@@ -18,6 +18,9 @@ def llm(checkpoint):
     ("max_tokens", -1), ("max_tokens", 0), ("top_p", 0.0), ("top_p", 1.5), ("top_k", 2.0), ("top_k", -2),
     ("temperature", -0.1), ("min_p", 1.5), ("logprobs", 21), ("repetition_penalty", 0.0),
     ("presence_penalty", 3.0), ("seed", -1), ("stop_token_ids", [-5]), ("temperature", float("nan")),
+    ("temperature", True), ("top_p", "0.5"),
+    # Above 0, but 0 in the record's 32-bit float.
+    ("top_p", 1e-46), ("repetition_penalty", 1e-46),
 ])
 def test_invalid_sampling_values_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):

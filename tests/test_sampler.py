@@ -192,6 +192,12 @@ def test_top_p_of_one_keeps_every_token_when_others_filter():
     assert kept[0].all() and kept[1].sum() == 5
 
 
+def test_a_top_p_of_zero_in_a_record_keeps_the_top_token():
+    """The edges refuse it (tests/test_requests.py), but a record the engine reads must never crash its step."""
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    assert set(_draws(logits, 200, top_p=0.0).tolist()) == {0}
+
+
 def test_tiny_temperatures_are_greedy():
     logits = torch.tensor([[0.0, 1.0, 0.5]])
     rows = _rows(1, temperature=1e-39)

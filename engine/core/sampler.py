@@ -168,7 +168,8 @@ def filtered(scaled: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
     e = (ordered - m).exp().masked_fill(ordered < kth, 0.0)
     # top_p = 1 keeps everything (the float sum can reach the total before the tail).
     beyond = (e.cumsum(-1) - e >= rows.top_p[:, None] * e.sum(-1, keepdim=True)) & (rows.top_p < 1)[:, None]
-    last = (~beyond).sum(-1, keepdim=True) - 1  # the smallest value kept (beyond is a suffix of the order)
+    # The smallest value kept (beyond is a suffix of the order); the largest stays whatever top_p came in a record.
+    last = ((~beyond).sum(-1, keepdim=True) - 1).clamp(min=0)
     return (s > float("-inf")) & (s >= ordered.gather(1, last))
 
 
