@@ -31,7 +31,6 @@ from blink.ingress.protocol import (
     TokenizeRequest,
 )
 from blink.ingress.responses import Shape, collect, sse
-from blink.ingress.slots import Overloaded
 from blink.ingress.state import IngressState
 from blink.ingress.tools import ToolParser
 from blink.ingress.validation import (
@@ -41,6 +40,7 @@ from blink.ingress.validation import (
     check_token_ids,
     completion_prompts,
     context_room,
+    encode,
 )
 from blink.shared.service_class import CLASS_NAMES
 
@@ -100,7 +100,7 @@ def create_app(state: IngressState) -> FastAPI:
             ids = state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
             return json.dumps({"tokens": ids, "count": len(ids), "max_model_len": state.info.max_model_len}).encode()
 
-        return Response(await state.off_loop(encoded), media_type="application/json")
+        return Response(await encode(state, encoded, "prompt"), media_type="application/json")
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:
@@ -192,10 +192,9 @@ async def _respond(state: IngressState, request: Request, body: SamplingFields, 
     except _ClientGone:
         await deltas.aclose()
         return Response(status_code=499)
-    except Overloaded:
+    except APIError:  # a 429 (generate.choice_deltas), before any byte is sent
         await deltas.aclose()
-        raise APIError(429, "the server is at capacity; retry shortly", "rate_limit_error",
-                       code="overloaded", headers={"Retry-After": "1"}) from None
+        raise
     if body.stream:
         usage = body.stream_options.include_usage if body.stream_options else False
         return StreamingResponse(sse(shape, first, deltas, prompt_tokens, usage),

@@ -18,6 +18,11 @@ class APIError(Exception):
         self.headers = headers
 
 
+def overloaded() -> APIError:
+    return APIError(429, "the server is at capacity; retry shortly", "rate_limit_error", code="overloaded",
+                    headers={"Retry-After": "1"})
+
+
 def engine_unreachable() -> APIError:
     return APIError(503, "the engine is unreachable; retry shortly", "service_unavailable", code="engine_unreachable",
                     headers={"Retry-After": "1"})

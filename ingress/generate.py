@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 import structlog
 
 from blink.ingress.detokenize import Detokenizer
-from blink.ingress.errors import APIError
+from blink.ingress.errors import APIError, overloaded
 from blink.ingress.metrics import ChoiceRecord, Metrics
 from blink.ingress.protocol import SamplingFields
-from blink.ingress.slots import SlotClient
+from blink.ingress.slots import Overloaded, SlotClient
 from blink.shared.request_schema import knobs_of, logit_bias_pairs
 from blink.shared.service_class import ClassDefaults, ServiceClass
 from blink.shared.slot_table import FINISH_NAMES, Finish, Request, RequestStats, TokenLogprob
@@ -63,7 +63,10 @@ async def choice_deltas(client: SlotClient, tokenizer: Tokenizer, request: Reque
                         fields.min_tokens)
     silent_stops = set() if fields.include_stop_str_in_output else set(request.stop_token_ids) | (
         set() if request.ignore_eos else set(eos_token_ids))
-    stream = await client.submit(request)
+    try:
+        stream = await client.submit(request)
+    except Overloaded:  # a 429 before the first byte; after it (a later choice), a stream's error event
+        raise overloaded() from None
     k = max(request.logprobs, 0)
     # The engine publishes the prompt's tokens after the first, scored, ahead of the generated ones.
     prompt: list[TokenLogprob] = []

@@ -217,9 +217,12 @@ class SlotClient:
             return self._free.popleft()
         if self.waiting >= self.max_waiting:
             best_effort = self._waiters[ServiceClass.BEST_EFFORT]
-            if service_class != ServiceClass.LATENCY_SENSITIVE or not best_effort:
+            # The newest best-effort waiter gives way; one cancelled but not yet gone from the line cannot.
+            newest = next((w for w in reversed(best_effort) if not w.done()), None)
+            if service_class != ServiceClass.LATENCY_SENSITIVE or newest is None:
                 raise Overloaded
-            best_effort.pop().set_exception(Overloaded())  # the newest best-effort waiter gives way
+            best_effort.remove(newest)
+            newest.set_exception(Overloaded())
         waiter = asyncio.get_running_loop().create_future()
         self._waiters[service_class].append(waiter)
         try:
@@ -227,7 +230,7 @@ class SlotClient:
         except asyncio.CancelledError:
             if waiter.done() and not waiter.cancelled():
                 self._release(waiter.result())
-            else:
+            elif waiter in self._waiters[service_class]:
                 self._waiters[service_class].remove(waiter)
             raise
 

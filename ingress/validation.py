@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
 from blink.ingress.chat import render_chat
 from blink.ingress.errors import APIError
 from blink.ingress.protocol import ChatRequest, CompletionRequest, NamedToolChoice
 from blink.ingress.state import IngressState
 from blink.ingress.tools import ToolParser
+from blink.shared.tokenizer import TokenizerError
+
+T = TypeVar("T")
 
 
 def check_model(state: IngressState, model: str) -> None:
@@ -40,7 +46,7 @@ async def completion_prompts(state: IngressState, body: CompletionRequest) -> li
         texts = [p] if isinstance(p, str) else list(p)
         for text in texts:
             check_text_fits(state, text, "prompt")
-        prompts = await state.off_loop(lambda: [state.tokenizer.encode(text) for text in texts])
+        prompts = await encode(state, lambda: [state.tokenizer.encode(text) for text in texts], "prompt")
     elif p and isinstance(p[0], list):
         prompts = [list(x) for x in p]
     else:
@@ -63,7 +69,15 @@ async def chat_prompt(state: IngressState, body: ChatRequest) -> list[int]:
         text = render_chat(state.tokenizer, body.messages, body.add_generation_prompt, tools)
         return state.tokenizer.encode(text, add_special_tokens=False)
 
-    return await state.off_loop(render)
+    return await encode(state, render, "messages")
+
+
+async def encode(state: IngressState, tokenize: Callable[[], T], param: str) -> T:
+    """Runs `tokenize` off the event loop; text the tokenizer refuses (not valid Unicode) is a 400 on `param`."""
+    try:
+        return await state.off_loop(tokenize)
+    except TokenizerError as e:
+        raise APIError(400, str(e), param=param) from None
 
 
 def chat_tool_parser(state: IngressState, body: ChatRequest) -> ToolParser | None:

@@ -21,7 +21,6 @@ from pydantic import ValidationError
 from blink.ingress.errors import APIError
 from blink.ingress.generate import choice_deltas, slot_request
 from blink.ingress.protocol import CompletionRequest
-from blink.ingress.slots import Overloaded
 from blink.ingress.state import IngressState
 from blink.ingress.validation import check_model, completion_prompts, context_room
 from blink.shared.sockets import unlink_ipc
@@ -74,9 +73,6 @@ class ZmqApi:
             first = e.errors()[0]
             param = ".".join(str(p) for p in first["loc"]) or None
             await self._error(identity, request_id, APIError(400, f"{param}: {first['msg']}", param=param))
-        except Overloaded:
-            await self._error(identity, request_id, APIError(429, "the server is at capacity", "rate_limit_error",
-                                                             code="overloaded"))
         except APIError as e:
             await self._error(identity, request_id, e)
         except zmq.ZMQError:
@@ -104,7 +100,8 @@ class ZmqApi:
         prompt = (await completion_prompts(state, body))[0]
         room = context_room(state, prompt, body.max_tokens, "prompt")
         seed = body.seed if body.seed is not None else state.seeds.getrandbits(63)
-        request = slot_request(prompt, body, body.max_tokens or room, body.logprobs, seed, state.classes)
+        request = slot_request(prompt, body, room if body.max_tokens is None else body.max_tokens, body.logprobs, seed,
+                               state.classes)
         async for delta in choice_deltas(state.client, state.tokenizer, request, body, 0, state.metrics,
                                          state.info.eos_token_ids):
             await self._send(identity, {"id": request_id, "text": delta.text, "token_ids": delta.token_ids,

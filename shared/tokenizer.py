@@ -52,7 +52,16 @@ class Tokenizer:
     # The batch calls release the GIL while they work (the single ones hold it: seconds for a few MB), so a
     # thread tokenizing a large prompt leaves the ingress's event loop running.
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        """A TokenizerError for text that is not valid Unicode (a lone surrogate, which JSON's \\ud800 escapes can
+        carry)."""
+        try:
+            return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        except TypeError:
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise TokenizerError(f"the text is not valid Unicode: {e.reason} at character {e.start}") from None
+            raise
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -166,6 +167,8 @@ def test_admission_limit_over_the_control_plane(server):
     ({"model": MODEL, "prompt": "x", "max_tokens": -1}, 400, "max_tokens", "invalid_value"),
     ({"model": MODEL, "prompt": "x", "temperature": "hot"}, 400, "temperature", "invalid_value"),
     ({"model": MODEL, "prompt": "x", "top_p": 1.5}, 400, "top_p", "invalid_value"),
+    ({"model": MODEL, "prompt": "x", "top_p": 1e-46}, 400, "top_p", "invalid_value"),  # 0 as a 32-bit float
+    ({"model": MODEL, "prompt": "x", "temperature": True}, 400, "temperature", "invalid_value"),
     ({"model": MODEL, "prompt": "x", "n": 0}, 400, "n", "invalid_value"),
     ({"model": MODEL}, 400, "prompt", "invalid_value"),
     ({"model": MODEL, "prompt": [1, 2, 10**9]}, 400, "prompt", None),
@@ -196,6 +199,22 @@ def test_malformed_json_and_bad_chat(server):
                                                                                          "content": "hi"}]})
     assert r.status_code == 400 and r.json()["error"]["param"].startswith("messages")
     assert httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"] == MODEL
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", {"model": MODEL, "prompt": "\ud800", "max_tokens": 2}, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": ["a", "\udfff"]}, "prompt"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "\ud800"}]}, "messages"),
+    ("/tokenize", {"prompt": "\udc00x"}, "prompt"),
+])
+def test_text_that_is_not_unicode_is_a_400(server, path, body, param):
+    """JSON's escapes can spell a lone surrogate, which no tokenizer takes: a 400 on the field, and the server
+    serves on."""
+    content = json.dumps(body).encode()  # ASCII: the surrogate as JSON's \\ud800 escape
+    r = httpx.post(f"{server.url}{path}", content=content, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param and "Unicode" in r.json()["error"]["message"]
+    assert httpx.get(f"{server.url}/health").status_code == 200
 
 
 def test_the_openapi_schema_describes_what_is_served(server):
@@ -243,6 +262,39 @@ def test_overload_answers_429_and_api_key_401(tmp_path):
                 break
             time.sleep(0.05)
         assert ok.status_code == 200
+
+
+def test_a_choice_displaced_after_the_first_token_is_a_429_or_an_error_event(tmp_path):
+    """n=2 best-effort on one slot: the first choice runs, the second waits and gives way to a latency-sensitive
+    arrival. Non-streamed, the whole request is a 429 (was a 500); streamed, the headers are out, so an error event
+    and [DONE]. The latency-sensitive request is served either way."""
+    ensure_default_model()
+    body = {"model": MODEL, "prompt": "Once", "max_tokens": 300, "ignore_eos": True, "n": 2,
+            "service_class": "best_effort"}
+    urgent = {"model": MODEL, "prompt": "x", "max_tokens": 2, "service_class": "latency_sensitive"}
+    with running_server(tmp_path, "--max-num-seqs", "1", "--max-waiting", "1") as server:
+        url = f"{server.url}/v1/completions"
+
+        def streamed() -> list[str]:
+            with httpx.stream("POST", url, json={**body, "stream": True}, timeout=60) as r:
+                return [line for line in r.iter_lines() if line]
+
+        for stream in (False, True):
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                answer = pool.submit(streamed) if stream else pool.submit(httpx.post, url, json=body, timeout=60)
+                deadline = time.monotonic() + 30  # the first choice runs, the second waits
+                while (_metric(server, "blink:num_requests_running"), _metric(server, "blink:num_requests_waiting")) \
+                        != (1, 1):
+                    assert time.monotonic() < deadline and not answer.done()
+                    time.sleep(0.05)
+                assert httpx.post(url, json=urgent, timeout=60).status_code == 200
+                if stream:
+                    lines = answer.result()
+                    error = json.loads(lines[-2].removeprefix("data: "))["error"]
+                    assert error["code"] == "overloaded" and lines[-1] == "data: [DONE]", lines[-3:]
+                else:
+                    r = answer.result()
+                    assert r.status_code == 429 and r.json()["error"]["code"] == "overloaded", r.text
 
 
 def test_the_ingress_never_imports_torch():
