@@ -186,8 +186,11 @@ class EngineService:
                 continue
             try:
                 reply = self._handle(control.decode(sock.recv()))
-            except ValueError as e:
+            except ValueError as e:  # a message that does not decode, or an order refused
                 reply = control.Failure(message=str(e)[:200])
+            except Exception as e:  # anything else must not end the thread: nothing would answer again
+                log.exception("control_message_failed")
+                reply = control.Failure(message=f"{type(e).__name__}: {e}"[:200])
             sock.send(control.encode(reply))
         sock.close()
         sockets.unlink_ipc(endpoint)

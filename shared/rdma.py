@@ -137,6 +137,9 @@ class QueuePair:
         self.cq.close()
 
 
+MAX_PAIRS = 64  # queue pairs a table keeps for its ingresses (each ingress reads over one)
+
+
 class TableTarget:
     """The engine host's side: the slot table's pages registered for remote access, a queue pair per ingress."""
 
@@ -147,7 +150,14 @@ class TableTarget:
         self.pairs: list[QueuePair] = []
 
     def accept(self, remote: RdmaPeer) -> tuple[RdmaPeer, int, int]:
-        """A queue pair connected to `remote`; returns our end, the table's address and its remote key."""
+        """A queue pair connected to `remote`; returns our end, the table's address and its remote key. An ingress
+        whose path broke handshakes again with a new pair, leaving its old one: pairs in the error state are closed
+        here, and past MAX_PAIRS the oldest."""
+        for old in [p for p in self.pairs if p.in_error()]:
+            old.close()
+            self.pairs.remove(old)
+        while len(self.pairs) >= MAX_PAIRS:
+            self.pairs.pop(0).close()
         pair = QueuePair(self.port)
         pair.connect(remote)
         self.pairs.append(pair)

@@ -299,3 +299,39 @@ def test_restoring_the_path_hands_free_slots_to_waiters_and_keeps_the_reserve(ta
             await client.stop()
 
     asyncio.run(asyncio.wait_for(run(), 20))
+
+
+def test_the_engine_closes_queue_pairs_ingresses_left_behind(monkeypatch):
+    """An ingress whose path broke handshakes again with a new queue pair: the engine's side closes the pairs in
+    the error state and, past MAX_PAIRS, the oldest, rather than keeping one per handshake. (The bookkeeping, with
+    the verbs calls stood in for; the pairs themselves run where a device is.)"""
+    from blink.shared import rdma
+
+    class Pair:
+        def __init__(self, port):
+            self.broken = self.closed = False
+
+        def connect(self, remote):
+            pass
+
+        def peer(self):
+            return None
+
+        def in_error(self):
+            return self.broken
+
+        def close(self):
+            self.closed = True
+
+    monkeypatch.setattr(rdma, "QueuePair", Pair)
+    target = object.__new__(rdma.TableTarget)
+    target.port, target.pairs, target.mr = None, [], type("MR", (), {"buf": 0, "rkey": 0})()
+    for _ in range(3):
+        target.accept(None)
+    first, second, third = target.pairs
+    second.broken = True
+    target.accept(None)
+    assert second.closed and not first.closed and target.pairs[:2] == [first, third] and len(target.pairs) == 3
+    for _ in range(2 * rdma.MAX_PAIRS):
+        target.accept(None)
+    assert len(target.pairs) == rdma.MAX_PAIRS and first.closed and third.closed
