@@ -57,6 +57,10 @@ class RemoteSlotClient:
     def waiting(self) -> int:
         return len(self._accepted)
 
+    def replaced(self) -> bool:
+        """Never: the relay lives in the engine, so a new engine's relay serves its own table (SlotClient.replaced)."""
+        return False
+
     def health(self) -> EngineHealth:
         if time.monotonic() - self._heard_at > self.deadline_s:
             return EngineHealth("unreachable", math.inf, self._health.epoch, self._health.failovers)

@@ -52,6 +52,13 @@ class Transport(Protocol):
     async def abandon(self, stream: Stream) -> None: ...
 
 
+class _Unreachable:
+    """Where a client whose table no engine serves sends what is submitted to it: a 503."""
+
+    async def submit(self, request: Request) -> Stream:
+        raise engine_unreachable()
+
+
 class Rerouted(Exception):
     """The transport was switched while this request waited for a slot: submit it to `to`."""
 
@@ -329,13 +336,33 @@ class SlotClient:
             if self.table.slots[slot]["state"] == SlotState.SUBMITTED:
                 self.table.resubmit(slot)
                 continue
-            out = self.table.read(slot)
-            stream.queue.put_nowait(Output(out.tokens, out.logprobs, out.top_ids, out.top_logprobs, Finish.FAILED))
-            del self._busy[slot]
+            self._fail(slot, stream)
             self.table.reclaim(slot)
             self._release(slot)
-            self.failed_over += 1
-            log.warning("request failed with its engine", slot=slot, epoch=int(self.table.header["epoch"]))
+
+    def _fail(self, slot: int, stream: Stream) -> None:
+        """Ends a request with Finish.FAILED after the tokens it did produce."""
+        out = self.table.read(slot)
+        stream.queue.put_nowait(Output(out.tokens, out.logprobs, out.top_ids, out.top_logprobs, Finish.FAILED))
+        del self._busy[slot]
+        self.failed_over += 1
+        log.warning("request failed with its engine", slot=slot, epoch=int(self.table.header["epoch"]))
+
+    def replaced(self) -> bool:
+        """Whether the engine now serves another table than this client's (blink.shared.slot_table.replaced)."""
+        return self.table.replaced()
+
+    def end_all(self) -> None:
+        """Ends every request with its engine, for a client whose table no engine serves any more (replaced): the
+        ones in slots fail after what they produced, the waiting ones and any later one get a 503."""
+        self._handed_to = _Unreachable()
+        for slot, stream in list(self._busy.items()):
+            self._fail(slot, stream)
+        for waiters in self._waiters.values():
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.set_exception(engine_unreachable())
+            waiters.clear()
 
     def _reclaim_orphans(self) -> None:
         for slot in list(self._orphans):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import signal
 import time
 
 import structlog
@@ -30,6 +31,7 @@ from blink.shared.slot_table import SlotTable
 from blink.shared.tokenizer import Tokenizer
 
 log = structlog.get_logger()
+TABLE_CHECK_S = 0.5  # how often the ingress looks whether a restarted engine made a new slot table
 
 
 def handshake(settings: Settings, keys: sockets.Keys, timeout_s: float, alive=lambda: True) -> control.EngineInfo:
@@ -127,15 +129,30 @@ async def serve(settings: Settings, keys: sockets.Keys, info: control.EngineInfo
     server = DrainingServer(config, state, settings.shutdown_timeout)
     zmq_api = asyncio.create_task(ZmqApi(state, settings.zmq_endpoint).serve())
     orders = asyncio.create_task(IngressControl(state, settings, keys).serve())
+    follower = asyncio.create_task(restart_when_replaced(state))
     try:
         await server.serve()
     finally:
         zmq_api.cancel()
         orders.cancel()
+        follower.cancel()
         await state.client.stop()
         state.close()
         if isinstance(state.client, SlotClient):
             state.client.table.remove_if_abandoned()  # when the engine stopped first
+
+
+async def restart_when_replaced(state: IngressState) -> None:
+    """An engine that restarted with another table geometry (its context limit fitted to the memory it found free)
+    made a new table; the requests this ingress published into the old one reach no engine. They end with the
+    engine's failure (as those a dead engine held do), and the ingress drains and exits, to be started again by its
+    supervisor (`blink serve`'s watchdog, or the orchestrator) and handshake with the new engine."""
+    while not state.client.replaced():
+        await asyncio.sleep(TABLE_CHECK_S)
+    log.warning("slot table replaced by a restarted engine: ending what was in flight and restarting",
+                running=state.client.running, waiting=state.client.waiting)
+    state.client.end_all()
+    signal.raise_signal(signal.SIGTERM)  # DrainingServer: a 503 for new requests, the ended ones answered, exit
 
 
 class IngressControl:

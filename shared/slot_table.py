@@ -171,8 +171,9 @@ def write_request(record: np.void, request: Request, g: Geometry) -> None:
 class SlotTable:
     """A mapped slot table. `create` makes the segment (mode 0600); `attach` maps an existing one."""
 
-    def __init__(self, path: Path, mapping: mmap.mmap, geometry: Geometry):
-        self.path, self.geometry, self._map = path, geometry, mapping
+    def __init__(self, path: Path, mapping: mmap.mmap, geometry: Geometry, inode: int | None = None):
+        """inode: the file's, mapped from `path` (None: memory of another kind, a replica)."""
+        self.path, self.geometry, self._map, self._inode = path, geometry, mapping, inode
         self.header = np.ndarray((), dtype=HEADER, buffer=mapping, offset=0)
         self.slots = np.ndarray((geometry.num_slots,), dtype=slot_dtype(geometry), buffer=mapping,
                                 offset=HEADER_BYTES)
@@ -194,7 +195,7 @@ class SlotTable:
         try:
             size = cls.size_for(geometry)
             os.ftruncate(fd, size)
-            table = cls(path, mmap.mmap(fd, size), geometry)
+            table = cls(path, mmap.mmap(fd, size), geometry, os.fstat(fd).st_ino)
         finally:
             os.close(fd)
         h = table.header
@@ -213,7 +214,7 @@ class SlotTable:
         path = cls.path_for(name)
         fd = os.open(path, os.O_RDWR)
         try:
-            size = os.fstat(fd).st_size
+            size, inode = os.fstat(fd).st_size, os.fstat(fd).st_ino
             mapping = mmap.mmap(fd, size)
         finally:
             os.close(fd)
@@ -224,7 +225,7 @@ class SlotTable:
                             int(h["top_logprobs"]), int(h["max_stop_ids"]), int(h["page_size"]), int(h["prefix_seed"]))
         if size != cls.size_for(geometry):
             raise ValueError(f"{path} is {size} bytes, its header describes {cls.size_for(geometry)}")
-        return cls(path, mapping, geometry)
+        return cls(path, mapping, geometry, inode)
 
     transport = "shm"  # how the ingress reaches this table: it maps the engine's memory
 
@@ -238,7 +239,19 @@ class SlotTable:
         self._map.close()
 
     def unlink(self) -> None:
-        self.path.unlink(missing_ok=True)
+        if not self.replaced():  # never another engine's table
+            self.path.unlink(missing_ok=True)
+
+    def replaced(self) -> bool:
+        """Whether another table is at this one's path now: an engine that restarted with another geometry (a
+        context limit fitted to the memory it found free) made a new one, which whoever maps this one must attach
+        to reach it."""
+        if self._inode is None:
+            return False
+        try:
+            return self.path.stat().st_ino != self._inode
+        except FileNotFoundError:
+            return False
 
     # -- the ingress's side ------------------------------------------------------------------------------
 

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 import uuid
+from types import SimpleNamespace
 
 import httpx
 import openai
@@ -430,6 +431,48 @@ async def _table_client(num_slots: int, **options):
         await client.stop()
         table.close()
         table.unlink()
+
+
+def test_a_table_replaced_by_a_restarted_engine_ends_what_was_in_flight_and_restarts_the_ingress(monkeypatch):
+    """An engine that restarted with another geometry made a new table at the same path: the request published
+    into the old one fails after what it produced, the waiting one and later ones get 503s, the ingress drains (a
+    SIGTERM to itself) to be started again, and cleaning up the old table leaves the new one alone."""
+    from blink.ingress.errors import APIError
+    from blink.services import ingress_service
+
+    signals = []
+    monkeypatch.setattr(ingress_service.signal, "raise_signal", signals.append)
+    monkeypatch.setattr(ingress_service, "TABLE_CHECK_S", 0.01)
+
+    async def run():
+        async with _table_client(1, max_waiting=4) as (table, client):
+            follower = asyncio.create_task(ingress_service.restart_when_replaced(SimpleNamespace(client=client)))
+            running = await client.submit(Request([1], 4))
+            outputs = client.outputs(running)
+            table.admit(0)
+            table.emit(0, 5)
+            waiting = asyncio.ensure_future(client.submit(Request([2], 4)))
+            await asyncio.sleep(0.05)
+            assert not follower.done() and not client.replaced()
+            table.unlink()
+            new = SlotTable.create(table.path.name.removeprefix("blink-"), Geometry(1, 16, 4))
+            try:
+                await asyncio.wait_for(follower, 5)
+                assert signals == [signal.SIGTERM]
+                got = [out async for out in outputs]
+                assert got[-1].finish == Finish.FAILED and [t for out in got for t in out.tokens] == [5]
+                for submitted in (waiting, client.submit(Request([3], 4))):
+                    with pytest.raises(APIError) as refused:
+                        await submitted
+                    assert refused.value.status == 503
+                table.remove_if_abandoned()
+                table.unlink()
+                assert SlotTable.attach(new.path.name.removeprefix("blink-")).geometry == new.geometry
+            finally:
+                new.close()
+                new.path.unlink()
+
+    asyncio.run(run())
 
 
 def test_a_late_cancel_never_touches_the_slot_s_next_owner():
