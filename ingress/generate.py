@@ -94,7 +94,9 @@ async def choice_deltas(client: SlotClient, tokenizer: Tokenizer, request: Reque
                 if request.logprobs >= 0:
                     top = list(zip(out.top_ids[i][:k], out.top_logprobs[i][:k], strict=True))
                     delta.logprobs.append(TokenLogprob(token, out.logprobs[i], top))
-                if out.finish == Finish.STOP and i == len(out.tokens) - 1 and token in silent_stops:
+                # The engine ends a request on the token that stops it, so it is the last one, even when its
+                # finish comes in a later read (the engine publishes the token, then the finish).
+                if token in silent_stops:
                     break
                 piece = detok.push(token)
                 delta.text += piece.text

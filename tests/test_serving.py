@@ -475,6 +475,40 @@ def test_a_table_replaced_by_a_restarted_engine_ends_what_was_in_flight_and_rest
     asyncio.run(run())
 
 
+def test_a_stop_token_whose_finish_comes_in_a_later_read_adds_no_text():
+    """The engine publishes a token, then its finish: a poll between the two sees the stop token without the
+    finish. Its id is reported, its text is not (include_stop_str_in_output is off)."""
+    from blink.ingress.generate import choice_deltas
+    from blink.ingress.metrics import Metrics
+    from blink.ingress.protocol import CompletionRequest
+    from blink.shared.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(ensure_default_model())
+    word, stop = tokenizer.encode(" Hello world", add_special_tokens=False)[-2:]
+    body = CompletionRequest(model=MODEL, prompt="x", stop_token_ids=[stop])
+
+    async def run():
+        async with _table_client(1, max_waiting=4) as (table, client):
+            request = Request([1], 8, stop_token_ids=(stop,))
+            deltas = choice_deltas(client, tokenizer, request, body, 0, Metrics(MODEL, "host", "shm"), [])
+            got = asyncio.ensure_future(_all(deltas))
+            await asyncio.sleep(0.05)
+            table.admit(0)
+            table.emit(0, word)
+            table.emit(0, stop)
+            await asyncio.sleep(0.05)  # the poller reads both tokens, no finish yet
+            table.finish(0, Finish.STOP)
+            return await asyncio.wait_for(got, 5)
+
+    deltas = asyncio.run(run())
+    assert [t for d in deltas for t in d.token_ids] == [word, stop]
+    assert "".join(d.text for d in deltas) == tokenizer.decode([word]) and deltas[-1].finish_reason == "stop"
+
+
+async def _all(iterator) -> list:
+    return [item async for item in iterator]
+
+
 def test_a_late_cancel_never_touches_the_slot_s_next_owner():
     async def run():
         async with _table_client(1, max_waiting=4) as (table, client):
