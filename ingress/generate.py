@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import time
 from collections.abc import AsyncIterator
@@ -147,8 +148,9 @@ def _finite(ms: float) -> float | None:
 async def merged(choices: list[AsyncIterator[Delta]]) -> AsyncIterator[Delta]:
     """Interleaves the choices' deltas as they come."""
     if len(choices) == 1:
-        async for delta in choices[0]:
-            yield delta
+        async with contextlib.aclosing(choices[0]) as choice:  # closed now, not when collected: cancels the request
+            async for delta in choice:
+                yield delta
         return
     queue: asyncio.Queue[Delta | BaseException | None] = asyncio.Queue()
 

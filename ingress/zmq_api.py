@@ -10,6 +10,7 @@ answers with chunks `{"id", "text", "token_ids", "finish_reason"}` until one car
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import secrets
 
@@ -22,7 +23,7 @@ from blink.ingress.errors import APIError
 from blink.ingress.generate import choice_deltas, slot_request
 from blink.ingress.protocol import CompletionRequest
 from blink.ingress.state import IngressState
-from blink.ingress.validation import check_model, completion_prompts, context_room
+from blink.ingress.validation import check_model, check_token_ids, completion_prompts, context_room
 from blink.shared.sockets import unlink_ipc
 
 log = structlog.get_logger()
@@ -97,12 +98,18 @@ class ZmqApi:
         check_model(state, body.model)
         if body.n != 1 or (isinstance(body.prompt, list) and body.prompt and not isinstance(body.prompt[0], int)):
             raise APIError(400, "the ZeroMQ API takes one prompt and n=1 per request", param="prompt")
+        asked = {"echo": body.echo, "prompt_logprobs": body.prompt_logprobs is not None}
+        if unsupported := [name for name, given in asked.items() if given]:
+            raise APIError(400, f"the ZeroMQ API does not take {unsupported[0]} (the HTTP API does)",
+                           param=unsupported[0])
+        check_token_ids(state, [int(t) for t in body.logit_bias or ()], "logit_bias")
         prompt = (await completion_prompts(state, body))[0]
         room = context_room(state, prompt, body.max_tokens, "prompt")
         seed = body.seed if body.seed is not None else state.seeds.getrandbits(63)
         request = slot_request(prompt, body, room if body.max_tokens is None else body.max_tokens, body.logprobs, seed,
                                state.classes)
-        async for delta in choice_deltas(state.client, state.tokenizer, request, body, 0, state.metrics,
-                                         state.info.eos_token_ids):
-            await self._send(identity, {"id": request_id, "text": delta.text, "token_ids": delta.token_ids,
-                                        "finish_reason": delta.finish_reason})
+        deltas = choice_deltas(state.client, state.tokenizer, request, body, 0, state.metrics, state.info.eos_token_ids)
+        async with contextlib.aclosing(deltas):  # a client gone (a failed send) cancels the request now
+            async for delta in deltas:
+                await self._send(identity, {"id": request_id, "text": delta.text, "token_ids": delta.token_ids,
+                                            "finish_reason": delta.finish_reason})

@@ -411,10 +411,16 @@ def test_zmq_api_answers_odd_frames(server):
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(server.zmq_endpoint)
     try:
-        for frame in (b"\xff\xfe not utf-8", b"[1, 2]", json.dumps({"prompt": "x", "top_k": 2**40}).encode()):
+        odd = [{"prompt": "x", "top_k": 2**40}, {"prompt": "x", "echo": True}, {"prompt": "x", "prompt_logprobs": 1},
+               {"prompt": "x", "logit_bias": {"999999": 1}}]  # the last two the ZeroMQ API had ignored
+        for frame in (b"\xff\xfe not utf-8", b"[1, 2]", *(json.dumps(body).encode() for body in odd)):
             sock.send_multipart([b"", frame])
             assert sock.poll(3000), f"no reply to {frame!r}"
-            assert json.loads(sock.recv_multipart()[-1])["error"]["type"] == "invalid_request_error"
+            assert json.loads(sock.recv_multipart()[-1])["error"]["type"] == "invalid_request_error", frame
+        sock.send_multipart([b"", json.dumps({"prompt": "x", "max_tokens": 0}).encode()])  # 0 is 0, not the context
+        assert sock.poll(10000)
+        reply = json.loads(sock.recv_multipart()[-1])
+        assert reply["token_ids"] == [] and reply["finish_reason"] == "length", reply
     finally:
         sock.close()
 
