@@ -45,7 +45,6 @@ from blink.ingress.validation import (
 from blink.shared.service_class import CLASS_NAMES
 
 log = structlog.get_logger()
-READY_HEARTBEAT_S = 2.0
 DISCONNECT_POLL_S = 0.25
 
 
@@ -69,7 +68,7 @@ def create_app(state: IngressState) -> FastAPI:
         age_s = health.heartbeat_age_s
         reason = ("the ingress is draining" if state.draining else
                   f"the engine is {health.state}" if health.state != "ready" else
-                  f"no engine heartbeat for {age_s:.1f} s" if age_s >= READY_HEARTBEAT_S else
+                  f"no engine heartbeat for {age_s:.1f} s" if age_s >= state.heartbeat_deadline_s else
                   "the engine's admission limit is 0 (set_limits): it admits no request" if health.admission_limit == 0
                   else None)
         ok = reason is None

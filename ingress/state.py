@@ -32,6 +32,7 @@ class IngressState:
     max_request_bytes: int = 4 << 20
     request_timeout_s: float = 30.0
     api_key: str | None = None
+    heartbeat_deadline_s: float = 2.0  # the watchdog's: an engine stepping within it is alive, and /ready says so
     engine_status: Callable[[], EngineStatus | None] = lambda: None
     draining: bool = False
     seeds: secrets.SystemRandom = field(default_factory=secrets.SystemRandom)

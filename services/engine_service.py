@@ -24,10 +24,12 @@ from blink.shared.stopping import StopFlag
 
 log = structlog.get_logger()
 
-STALE_AFTER_S = 5.0  # a table whose engine has not stepped for this long belongs to a dead engine
+# A table whose engine has not stepped for this long (or the watchdog's deadline, when longer: a step may take
+# that long) belongs to a dead engine.
+STALE_AFTER_S = 5.0
 
 
-def open_table(name: str, geometry: Geometry) -> SlotTable:
+def open_table(name: str, geometry: Geometry, deadline_s: float = 0.0) -> SlotTable:
     """The deployment's slot table, in a new epoch. A table a dead engine left behind is taken over when its
     geometry matches, so an ingress still attached to it carries on (requests of the old epoch end there);
     otherwise it is replaced."""
@@ -35,7 +37,7 @@ def open_table(name: str, geometry: Geometry) -> SlotTable:
         return SlotTable.create(name, geometry)
     old = SlotTable.attach(name)
     idle_s = (time.monotonic_ns() - int(old.header["last_step_ns"])) / 1e9
-    if old.header["engine_state"] != EngineState.STOPPED and idle_s < STALE_AFTER_S:
+    if old.header["engine_state"] != EngineState.STOPPED and idle_s < max(STALE_AFTER_S, deadline_s):
         old.close()
         raise RuntimeError(f"deployment {name!r} already has a live engine (slot table {old.path})")
     if old.geometry == geometry:
@@ -65,7 +67,7 @@ class EngineService:
                              lost_rank=self.ranks.lost if self.ranks else None)
         geometry = self.engine.geometry(settings.window)
         self.keys = sockets.load_keys(settings, create=True)
-        self.table = open_table(settings.deployment, geometry)
+        self.table = open_table(settings.deployment, geometry, settings.watchdog_deadline)
         self.driver = self._build_driver()
         self.rdma, self.rdma_missing = self._rdma_target()
         self._stop = StopFlag()

@@ -120,7 +120,8 @@ async def serve(settings: Settings, keys: sockets.Keys, info: control.EngineInfo
     state = IngressState(info=info, tokenizer=Tokenizer(settings.model or info.model_dir), client=client,
                          metrics=Metrics(info.model, info.drive, client.transport, info.policies()),
                          max_request_bytes=settings.max_request_bytes, request_timeout_s=settings.request_timeout,
-                         api_key=settings.api_key, engine_status=engine_status, classes=settings.class_defaults(),
+                         api_key=settings.api_key, heartbeat_deadline_s=settings.watchdog_deadline,
+                         engine_status=engine_status, classes=settings.class_defaults(),
                          tool_parser=PARSERS[settings.tool_call_parser] if settings.enable_auto_tool_choice else None)
     log.info("ingress transport", transport=client.transport, degraded=state.degraded)
     config = uvicorn.Config(create_app(state), host=settings.host, port=settings.port, loop="none",

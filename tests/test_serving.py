@@ -26,7 +26,7 @@ from blink.ingress.protocol import ChatMessage
 from blink.ingress.slots import Overloaded, SlotClient
 from blink.shared import control
 from blink.shared.service_class import ServiceClass
-from blink.shared.slot_table import Finish, Geometry, Request, SlotTable
+from blink.shared.slot_table import EngineState, Finish, Geometry, Request, SlotTable
 
 pytestmark = pytest.mark.slow  # whole deployments (blink serve): CI runs them; `-m "not slow"` skips them
 
@@ -513,6 +513,30 @@ def test_a_stop_token_whose_finish_comes_in_a_later_read_adds_no_text():
 
 async def _all(iterator) -> list:
     return [item async for item in iterator]
+
+
+def test_ready_allows_the_engine_the_watchdog_s_deadline_between_heartbeats():
+    """A step may take up to the watchdog's deadline (a long prefill on a CPU): /ready holds until then."""
+    from blink.ingress.app import create_app
+    from blink.ingress.metrics import Metrics
+    from blink.ingress.state import IngressState
+    from blink.shared.tokenizer import Tokenizer
+
+    model_dir = ensure_default_model()
+    info = control.EngineInfo(slot_table="t", num_slots=4, epoch=1, model=MODEL, model_dir=str(model_dir),
+                              max_model_len=512, vocab_size=1, eos_token_ids=[], device="cpu", drive="host", pid=0)
+
+    async def ready(deadline_s: float) -> int:
+        async with _table_client(1, max_waiting=1) as (table, client):
+            table.header["engine_state"] = EngineState.READY
+            table.header["last_step_ns"] = time.monotonic_ns() - 3 * 10**9  # a step 3 s long so far
+            state = IngressState(info=info, tokenizer=Tokenizer(model_dir), client=client,
+                                 metrics=Metrics(MODEL, "host", "shm"), heartbeat_deadline_s=deadline_s)
+            transport = httpx.ASGITransport(app=create_app(state))
+            async with httpx.AsyncClient(transport=transport, base_url="http://ingress") as http:
+                return (await http.get("/ready")).status_code
+
+    assert asyncio.run(ready(2.0)) == 503 and asyncio.run(ready(10.0)) == 200
 
 
 def test_a_late_cancel_never_touches_the_slot_s_next_owner():
