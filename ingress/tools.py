@@ -39,7 +39,7 @@ def _call(obj: object, arguments_key: str) -> ToolCall | None:
     if isinstance(arguments, str):  # some models write the arguments already encoded
         try:
             arguments = json.loads(arguments)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
     if not isinstance(arguments, dict):
         return None
@@ -60,12 +60,23 @@ class HermesParser:
         for body in self._block.findall(text[at:]):
             try:
                 call = _call(json.loads(body), "arguments")
-            except ValueError:
+            except (ValueError, RecursionError):  # RecursionError: JSON nested past Python's stack
                 return None
             if call is None:
                 return None
             calls.append(call)
         return (text[:at], calls) if calls else None
+
+    def call_start(self, seen: str, unsent: str) -> int | None:
+        """Where in `unsent` (the tail of `seen`, the choice's text so far, not yet streamed) a call begins, if one
+        does: from there on the text is held for `parse`."""
+        at = unsent.find(self.start)
+        return at if at >= 0 else None
+
+    def undecided(self, seen: str, unsent: str) -> int:
+        """How many characters at the end of `unsent` may still begin a call (held back until the next delta)."""
+        return next((n for n in range(min(len(self.start) - 1, len(unsent)), 0, -1)
+                     if self.start.startswith(unsent[-n:])), 0)
 
 
 class Llama3JsonParser:
@@ -83,7 +94,7 @@ class Llama3JsonParser:
         while at < len(body):
             try:
                 obj, end = decoder.raw_decode(body, at)
-            except ValueError:
+            except (ValueError, RecursionError):  # RecursionError: JSON nested past Python's stack
                 return None
             call = _call(obj, "parameters")
             if call is None:
@@ -94,9 +105,14 @@ class Llama3JsonParser:
                 at += 1
         return ("", calls) if calls else None
 
-    def starts_call(self, text: str) -> bool:
-        stripped = text.lstrip()
-        return stripped.startswith("{") or stripped.startswith(self._tag)
+    def call_start(self, seen: str, unsent: str) -> int | None:
+        """A Llama 3 call is the whole answer: it begins at the start, when the answer's first characters say so
+        (nothing was streamed before: `undecided` held the leading whitespace)."""
+        stripped = seen.lstrip()
+        return 0 if stripped.startswith("{") or stripped.startswith(self._tag) else None
+
+    def undecided(self, seen: str, unsent: str) -> int:
+        return len(unsent) if not seen.strip() else 0
 
 
 ToolParser = HermesParser | Llama3JsonParser
@@ -117,25 +133,15 @@ class ToolStream:
         if self.holding:
             self.held += text
             return ""
-        if isinstance(self.parser, Llama3JsonParser):
-            if not self.seen.strip():
-                self.held += text
-                return ""
-            if self.parser.starts_call(self.seen):
-                self.holding, self.held = True, self.seen
-                return ""
-            out, self.held = self.held + text, ""
-            return out
-        buffered = self.held + text
-        at = buffered.find(self.parser.start)
-        if at >= 0:
-            self.holding, self.held = True, buffered[at:]
-            return buffered[:at]
-        # Keep back a tail that could be the marker's beginning, cut across deltas.
-        keep = next((n for n in range(min(len(self.parser.start) - 1, len(buffered)), 0, -1)
-                     if self.parser.start.startswith(buffered[-n:])), 0)
-        self.held = buffered[len(buffered) - keep:]
-        return buffered[:len(buffered) - keep]
+        unsent = self.held + text
+        at = self.parser.call_start(self.seen, unsent)
+        if at is not None:
+            self.holding, self.held = True, unsent[at:]
+            return unsent[:at]
+        # Keep back a tail that could still begin a call (a marker cut across deltas).
+        keep = self.parser.undecided(self.seen, unsent)
+        self.held = unsent[len(unsent) - keep:]
+        return unsent[:len(unsent) - keep]
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         """What is left: the held text as calls, or as content when it does not parse."""

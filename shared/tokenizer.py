@@ -46,9 +46,6 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
-    def token_id(self, token: str) -> int | None:
-        return self._tok.token_to_id(token)
-
     # The batch calls release the GIL while they work (the single ones hold it: seconds for a few MB), so a
     # thread tokenizing a large prompt leaves the ingress's event loop running.
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

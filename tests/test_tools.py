@@ -44,6 +44,8 @@ TEMPLATE = (
     (CALL + CALL.replace("Paris", "Oslo"), "", ["get_weather", "get_weather"]),
     ("no call here", None, None),
     ("<tool_call>{not json}</tool_call>", None, None),  # given back as content
+    ('<tool_call>{"name": "f", "arguments": ' + "[" * 5000, None, None),  # nested past Python's stack
+    ('<tool_call>{"name": "f", "arguments": "' + "[" * 5000 + '"}', None, None),  # and as an encoded string
 ])
 def test_hermes_parser(text, content, names):
     parsed = PARSERS["hermes"].parse(text)
@@ -69,6 +71,10 @@ def test_llama3_json_parser_and_streams_that_cut_the_marker_anywhere():
     stream = ToolStream(PARSERS["hermes"])
     assert stream.push("a <tool") == "a " and stream.push("box>") == "<toolbox>"  # not a marker after all
     assert stream.finish() == ("", [])
+    stream = ToolStream(PARSERS["llama3_json"])  # leading whitespace waits for the first character that decides
+    assert stream.push("\n ") == "" and stream.push("Hi {") == "\n Hi {" and stream.push("x") == "x"
+    assert stream.finish() == ("", [])
+    assert PARSERS["llama3_json"].parse("[" * 5000) is None and PARSERS["llama3_json"].parse("{" * 5000) is None
 
 
 @pytest.fixture

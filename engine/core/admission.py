@@ -55,7 +55,7 @@ def field_views(raw: torch.Tensor, record: np.dtype) -> dict[str, torch.Tensor]:
 
 def admit(state: Slots, admitted: torch.Tensor, records: dict[str, torch.Tensor], now: torch.Tensor,
           arrival: torch.Tensor, max_len: int) -> None:
-    """Copies the records of the `admitted` slots ([S] bool) into the state and marks them SUBMITTED; the others
+    """Copies the records of the `admitted` slots ([S] bool) into the state and marks them ADMITTED; the others
     keep theirs. records: field_views; now: [1] float64, seconds on the host's clock (for TTFT deadlines);
     arrival: [S] int64, each admitted request's arrival number."""
 

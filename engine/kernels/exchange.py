@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from blink.engine.core.admission import span
+from blink.engine.core.state import SlotStatus
 from blink.shared.slot_table import HEADER, HEADER_BYTES, Finish, Geometry, SlotState, slot_dtype
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -31,8 +32,7 @@ FIELDS = ("state", "epoch", "cancel", "prompt_len", "logprobs", "prompt_logprobs
  K_PREEMPTIONS, K_PAGES_OUT, K_PAGES_IN, K_BYTES_OUT, K_BYTES_IN, K_CACHED_TOKENS, K_WAIT_MS, K_TOKENS, K_LOGPROB,
  K_TOP_IDS, K_TOP_LOGPROBS) = (tl.constexpr(i) for i in range(len(FIELDS)))
 
-# The engine's FREE slot status (blink.engine.core.state.SlotStatus), restated as a Triton constant.
-ENGINE_FREE = tl.constexpr(0)
+ENGINE_FREE = tl.constexpr(int(SlotStatus.FREE))  # the engine's slot status, beside the table's states
 SUBMITTED = tl.constexpr(int(SlotState.SUBMITTED))
 ADMITTED = tl.constexpr(int(SlotState.ADMITTED))
 FINISHED = tl.constexpr(int(SlotState.FINISHED))
