@@ -48,6 +48,7 @@ class RemoteSlotClient:
         self._adopted.set()
         self._tasks: list[asyncio.Task] = []
         self.failed_over = 0
+        self.transport_lost: str | None = None  # never set: the relay is the path of last resort (SlotClient's)
 
     @property
     def running(self) -> int:

@@ -187,7 +187,7 @@ class IngressControl:
             return control.IngressStatus(pid=os.getpid(), running=client.running, waiting=client.waiting,
                                          failovers=client.failed_over, draining=state.draining,
                                          transport=client.transport,
-                                         transport_lost=getattr(client, "transport_lost", None))
+                                         transport_lost=client.transport_lost)
         if isinstance(message, control.SwitchTransport):
             return await self.switch_to_zmq()
         if isinstance(message, control.SetClassDefaults):

@@ -27,8 +27,8 @@ CLASS_LABELS = {ServiceClass.LATENCY_SENSITIVE: "latency_sensitive", ServiceClas
 CLASS_NAMES = {"latency_sensitive": ServiceClass.LATENCY_SENSITIVE, "latency-sensitive": ServiceClass.LATENCY_SENSITIVE,
                "ls": ServiceClass.LATENCY_SENSITIVE, "best_effort": ServiceClass.BEST_EFFORT,
                "best-effort": ServiceClass.BEST_EFFORT, "be": ServiceClass.BEST_EFFORT}
-ClassName = Annotated[Literal["latency_sensitive", "latency-sensitive", "ls", "best_effort", "best-effort", "be"],
-                      BeforeValidator(lambda v: v.strip().lower() if isinstance(v, str) else v)]
+ClassName = Annotated[Literal[tuple(CLASS_NAMES)], BeforeValidator(lambda v: v.strip().lower() if isinstance(v, str)
+                                                                   else v)]
 
 
 def parse_class(name: str) -> ServiceClass:

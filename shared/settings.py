@@ -12,6 +12,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from blink.shared.cpus import CPU_LIST
 from blink.shared.service_class import ClassDefaults, ClassName, ClassSLO
 
+DRIVE_MODES = ("persistent", "graph", "host")  # best first: what `auto` tries (blink.engine.drive.modes)
+SCHEDULING_POLICIES = ("fcfs", "priority", "slo")  # blink.engine.core.policy
+
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="BLINK_", extra="forbid")
@@ -66,11 +69,11 @@ class Settings(BaseSettings):
     watchdog_deadline: float = Field(2.0, gt=0, description="seconds without a heartbeat or an answer before "
                                      "the watchdog declares a service stalled")
     engine_start_timeout: float = Field(600.0, gt=0, description="seconds an engine may take to load and answer")
-    drive: Literal["auto", "host", "graph", "persistent"] = Field(
+    drive: Literal[("auto", *DRIVE_MODES)] = Field(
         "auto", description="how the engine's step is driven: persistent (a loop on the GPU, no host work per "
         "token), graph (CUDA graph replays queued ahead by a host thread), host (a host loop; the CPU path), auto "
         "(the best this machine supports)")
-    scheduling_policy: Literal["fcfs", "priority", "slo"] = Field(
+    scheduling_policy: Literal[SCHEDULING_POLICIES] = Field(
         "slo", description="slo: latency-sensitive before best-effort, then priority, then TTFT deadline, with "
         "decodes kept within their TPOT SLOs; priority: vLLM's; fcfs: arrival order")
     swap_space: float = Field(4.0, ge=0, allow_inf_nan=False, description="GiB of host memory KV pages rotate "

@@ -18,8 +18,9 @@ from dataclasses import dataclass
 import torch
 
 from blink.engine.core.state import Slots
+from blink.shared.settings import SCHEDULING_POLICIES
 
-POLICIES = ("fcfs", "priority", "slo")
+POLICIES = SCHEDULING_POLICIES
 MIN_CAPPED_TOKENS = 64  # a TPOT cap never leaves prefills less than this (or the slot count)
 
 

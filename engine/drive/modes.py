@@ -10,9 +10,10 @@ import torch
 from blink.engine.drive.driver import Driver
 from blink.engine.engine import Engine
 from blink.engine.ranks import Ranks
+from blink.shared.settings import DRIVE_MODES
 from blink.shared.slot_table import SlotTable
 
-BEST_FIRST = ("persistent", "graph", "host")
+BEST_FIRST = DRIVE_MODES
 
 
 def unavailable(mode: str, device: torch.device, tensor_parallel_size: int = 1,
