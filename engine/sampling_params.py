@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import ConfigDict, Field, StrictInt, field_validator
+from pydantic import ConfigDict, Field, StrictFloat, StrictInt, field_validator
 
 from blink.shared.request_schema import MAX_LOGIT_BIAS, MAX_LOGPROBS, EdgeFields, logit_bias_pairs
 from blink.shared.service_class import ServiceClass
@@ -17,7 +17,7 @@ class SamplingParams(EdgeFields):
 
     max_tokens: StrictInt | None = Field(16, ge=1)
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    logit_bias: dict[int, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)  # token id -> bias in [-100, 100]
+    logit_bias: dict[int, StrictFloat] | None = Field(None, max_length=MAX_LOGIT_BIAS)  # token id -> [-100, 100]
     service_class: ServiceClass = ServiceClass.LATENCY_SENSITIVE
 
     @field_validator("logit_bias")

@@ -24,6 +24,7 @@ from blink.ingress.generate import Delta, choice_deltas, merged, slot_request
 from blink.ingress.guard import RequestGuard
 from blink.ingress.openapi import describe
 from blink.ingress.protocol import (
+    MAX_CHOICES,
     ChatRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -108,9 +109,10 @@ def create_app(state: IngressState) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
+        p = body.prompt  # counted before any is tokenized: a million empty prompts are refused at once
+        if (1 if isinstance(p, str) or (p and isinstance(p[0], int)) else len(p)) * body.n > MAX_CHOICES:
+            raise APIError(400, f"at most {MAX_CHOICES} choices (prompts times n) per request", param="n")
         prompts = await completion_prompts(state, body)
-        if len(prompts) * body.n > 16:
-            raise APIError(400, "at most 16 choices (prompts times n) per request", param="n")
         jobs = [(p, i * body.n + j) for i, p in enumerate(prompts) for j in range(body.n)]
         echo = await _echoed_texts(state, body, prompts) if body.echo else None
         return await _respond(state, request, body, jobs, body.max_tokens, body.logprobs, chat=False, echo=echo)

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator, model_validator
 
 from blink.shared.request_schema import MAX_LOGIT_BIAS, MAX_LOGPROBS, EdgeFields, logit_bias_pairs
 from blink.shared.service_class import ClassName
 
 MAX_STOP_STRINGS = 8
+MAX_CHOICES = 16  # choices a request may ask for (n, times its prompts)
 
 
 class StreamOptions(BaseModel):
@@ -26,7 +27,7 @@ class SamplingFields(EdgeFields):
 
     model: str
     max_tokens: StrictInt | None = Field(None, ge=1)
-    n: StrictInt = Field(1, ge=1, le=16)
+    n: StrictInt = Field(1, ge=1, le=MAX_CHOICES)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = Field(None, validate_default=True)
@@ -34,7 +35,7 @@ class SamplingFields(EdgeFields):
     # vLLM's extensions.
     include_stop_str_in_output: StrictBool = False
     skip_special_tokens: StrictBool = True
-    logit_bias: dict[str, float] | None = Field(
+    logit_bias: dict[str, StrictFloat] | None = Field(
         None, max_length=MAX_LOGIT_BIAS, description="token id -> a bias in [-100, 100] added to its logit")
     cache_salt: str | None = Field(None, min_length=1, max_length=1024, description="requests share cached KV "
                                    "pages only with requests of the same salt (vLLM's; prefix caching)")
@@ -86,6 +87,16 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, v: object) -> object:
+        # Said plainly: the union's own error for an image part is "Input should be a valid string".
+        for part in v if isinstance(v, list) else ():
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind != "text":
+                raise ValueError(f"content parts of type {kind[:40]!r} are not supported: this model takes text")
+        return v
+
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
@@ -133,6 +144,12 @@ class ChatRequest(SamplingFields):
     parallel_tool_calls: StrictBool | None = None  # each call the model writes is returned, as OpenAI's default
     store: Literal[False] | None = Field(None, description="Blink stores no completions: only false is accepted")
     response_format: ResponseFormat | None = None
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> ChatRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")  # as OpenAI answers
+        return self
 
 
 class TokenizeRequest(BaseModel):

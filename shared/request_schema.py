@@ -152,8 +152,8 @@ class EdgeFields(SamplingKnobs):
     prompt_logprobs: StrictInt | None = PydanticField(None, ge=0, le=MAX_LOGPROBS,
                                                       description="each prompt token's logprob and the top ones "
                                                                   "(vLLM's)")
-    ttft_slo_ms: float | None = PydanticField(None, gt=0, allow_inf_nan=False)
-    tpot_slo_ms: float | None = PydanticField(None, gt=0, allow_inf_nan=False)
+    ttft_slo_ms: StrictFloat | None = PydanticField(None, gt=0, allow_inf_nan=False)
+    tpot_slo_ms: StrictFloat | None = PydanticField(None, gt=0, allow_inf_nan=False)
 
     @field_validator("stop_token_ids")
     @classmethod

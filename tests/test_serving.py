@@ -170,6 +170,10 @@ def test_admission_limit_over_the_control_plane(server):
     ({"model": MODEL, "prompt": "x", "top_p": 1.5}, 400, "top_p", "invalid_value"),
     ({"model": MODEL, "prompt": "x", "top_p": 1e-46}, 400, "top_p", "invalid_value"),  # 0 as a 32-bit float
     ({"model": MODEL, "prompt": "x", "temperature": True}, 400, "temperature", "invalid_value"),
+    ({"model": MODEL, "prompt": "x", "ttft_slo_ms": True}, 400, "ttft_slo_ms", "invalid_value"),
+    ({"model": MODEL, "prompt": "x", "logit_bias": {"5": True}}, 400, "logit_bias.5", "invalid_value"),
+    ({"model": MODEL, "prompt": "x", "logit_bias": {"05": 1, "5": 2}}, 400, "logit_bias", "invalid_value"),
+    ({"model": MODEL, "prompt": [""] * 100_000}, 400, "n", None),  # refused before tokenizing any
     ({"model": MODEL, "prompt": "x", "n": 0}, 400, "n", "invalid_value"),
     ({"model": MODEL}, 400, "prompt", "invalid_value"),
     ({"model": MODEL, "prompt": [1, 2, 10**9]}, 400, "prompt", None),
@@ -199,6 +203,12 @@ def test_malformed_json_and_bad_chat(server):
     r = httpx.post(f"{server.url}/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "wizard",
                                                                                          "content": "hi"}]})
     assert r.status_code == 400 and r.json()["error"]["param"].startswith("messages")
+    image = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json={"model": MODEL, "messages": [image]})
+    assert r.status_code == 400 and "'image_url' are not supported" in r.json()["error"]["message"], r.text
+    r = httpx.post(f"{server.url}/v1/chat/completions", json={"model": MODEL, "top_logprobs": 2,
+                                                               "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 400 and "top_logprobs needs logprobs" in r.json()["error"]["message"], r.text
     assert httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"] == MODEL
 
 
