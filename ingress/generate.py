@@ -16,7 +16,7 @@ from blink.ingress.errors import APIError, overloaded
 from blink.ingress.metrics import ChoiceRecord, Metrics
 from blink.ingress.protocol import SamplingFields
 from blink.ingress.slots import Overloaded, SlotClient
-from blink.shared.request_schema import knobs_of, logit_bias_pairs
+from blink.shared.request_schema import request_of
 from blink.shared.service_class import ClassDefaults, ServiceClass
 from blink.shared.slot_table import FINISH_NAMES, Finish, Request, RequestStats, TokenLogprob
 from blink.shared.tokenizer import Tokenizer
@@ -41,13 +41,8 @@ def slot_request(prompt: list[int], fields: SamplingFields, max_tokens: int, log
     """named_class: the x-blink-class header's, which the body's field overrides."""
     service_class, ttft, tpot = classes.resolve(fields.service_class or named_class, fields.ttft_slo_ms,
                                                 fields.tpot_slo_ms)
-    return Request(
-        prompt=prompt, max_tokens=max_tokens, logprobs=-1 if logprobs is None else logprobs, seed=seed,
-        prompt_logprobs=-1 if prompt_logprobs is None else prompt_logprobs,
-        stop_token_ids=tuple(fields.stop_token_ids), logit_bias=logit_bias_pairs(fields.logit_bias),
-        service_class=int(service_class), cache_salt=fields.cache_salt or "",
-        ttft_slo_ms=ttft or math.inf, tpot_slo_ms=tpot or math.inf, **knobs_of(fields),
-    )
+    return request_of(fields, prompt, max_tokens, seed, int(service_class), ttft, tpot, logprobs, prompt_logprobs,
+                      fields.cache_salt or "")
 
 
 def engine_failed() -> APIError:

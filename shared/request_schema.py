@@ -191,3 +191,19 @@ def logit_bias_pairs(bias: dict | None) -> tuple[tuple[int, float], ...]:
 def knobs_of(source: object) -> dict[str, object]:
     """The knobs' values of anything that has them as attributes (a request body, SamplingParams, a Request)."""
     return {f.name: getattr(source, f.name) for f in KNOBS}
+
+
+def request_of(fields: EdgeFields, prompt: list[int], max_tokens: int, seed: int, service_class: int,
+               ttft_slo_ms: float | None, tpot_slo_ms: float | None, logprobs: int | None,
+               prompt_logprobs: int | None, cache_salt: str = "") -> Request:
+    """The request a slot record carries, from what an edge validated (`fields`) and decided (the rest: the seed
+    drawn when none was given, the class and SLOs resolved); what was not asked for is the record's -1 or inf."""
+    def unless(value, none):
+        return none if value is None else value
+
+    return Request(
+        prompt=prompt, max_tokens=max_tokens, seed=seed, service_class=service_class,
+        logprobs=unless(logprobs, -1), prompt_logprobs=unless(prompt_logprobs, -1),
+        ttft_slo_ms=unless(ttft_slo_ms, INF), tpot_slo_ms=unless(tpot_slo_ms, INF),
+        stop_token_ids=tuple(fields.stop_token_ids), logit_bias=logit_bias_pairs(fields.logit_bias),
+        cache_salt=cache_salt, **knobs_of(fields))

@@ -4,7 +4,6 @@ finished)."""
 
 from __future__ import annotations
 
-import math
 import random
 import time
 from collections import deque
@@ -17,7 +16,7 @@ from blink.engine.core.commit import StepOutput
 from blink.engine.drive.host import HostRank, SlotEvent
 from blink.engine.engine import Engine
 from blink.engine.sampling_params import SamplingParams
-from blink.shared.request_schema import Request, knobs_of, logit_bias_pairs
+from blink.shared.request_schema import Request, request_of
 from blink.shared.slot_table import slot_dtype, write_request
 
 
@@ -109,13 +108,7 @@ class OfflineDriver:
 
     def _request(self, pending: _Pending, now: float) -> Request:
         params = pending.params
-        ttft_left_ms = params.ttft_slo_ms - (now - pending.received) * 1000 if params.ttft_slo_ms else math.inf
-        return Request(
-            prompt=pending.prompt_token_ids, max_tokens=pending.max_tokens,
-            logprobs=-1 if params.logprobs is None else params.logprobs,
-            prompt_logprobs=-1 if params.prompt_logprobs is None else params.prompt_logprobs,
-            seed=self._seeds.getrandbits(63) if params.seed is None else params.seed,
-            service_class=int(params.service_class), ttft_slo_ms=ttft_left_ms,
-            tpot_slo_ms=params.tpot_slo_ms or math.inf, stop_token_ids=tuple(params.stop_token_ids),
-            logit_bias=logit_bias_pairs(params.logit_bias),
-            **knobs_of(params))
+        ttft_left_ms = params.ttft_slo_ms - (now - pending.received) * 1000 if params.ttft_slo_ms else None
+        seed = self._seeds.getrandbits(63) if params.seed is None else params.seed
+        return request_of(params, pending.prompt_token_ids, pending.max_tokens, seed, int(params.service_class),
+                          ttft_left_ms, params.tpot_slo_ms, params.logprobs, params.prompt_logprobs)
