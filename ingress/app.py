@@ -96,6 +96,9 @@ def create_app(state: IngressState) -> FastAPI:
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> Response:
+        if body.model is not None:  # optional here, as in vLLM; named, it must be this server's
+            check_model(state, body.model)
+
         def encoded() -> bytes:  # a large answer is serialised off the loop too
             ids = state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
             return json.dumps({"tokens": ids, "count": len(ids), "max_model_len": state.info.max_model_len}).encode()
@@ -104,6 +107,8 @@ def create_app(state: IngressState) -> FastAPI:
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:
+        if body.model is not None:
+            check_model(state, body.model)
         check_token_ids(state, body.tokens, "tokens")
         return {"prompt": await state.off_loop(state.tokenizer.decode, body.tokens, False)}
 

@@ -249,6 +249,9 @@ def test_tokenize_detokenize_and_request_ids(server, offline):
     r = httpx.post(f"{server.url}/detokenize", json={"tokens": offline.tokenizer.encode("Hello world",
                                                                                      add_special_tokens=False)})
     assert r.json()["prompt"] == "Hello world"
+    for path, body in (("/tokenize", {"prompt": "x"}), ("/detokenize", {"tokens": [1]})):
+        r = httpx.post(f"{server.url}{path}", json={"model": "gpt-4", **body})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "model_not_found"
 
 
 def test_overload_answers_429_and_api_key_401(tmp_path):
