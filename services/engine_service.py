@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -242,4 +243,12 @@ class EngineService:
 
 
 def run_engine(settings: Settings) -> None:
-    EngineService(settings).run()
+    pid_file = settings.engine_pid_file
+    sockets.private_dir(settings, create=True)
+    pid_file.write_text(str(os.getpid()))  # before the model loads, which is where an engine may hang
+    try:
+        EngineService(settings).run()
+    finally:
+        with contextlib.suppress(OSError):
+            if pid_file.read_text() == str(os.getpid()):
+                pid_file.unlink()

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 import structlog
@@ -98,11 +99,13 @@ class ProcessSupervisor:
 
 
 class PidSupervisor:
-    """For a watchdog that did not start the services (compose): pids come from their handshakes, kills need a
-    shared pid namespace, restarts come from the orchestrator's restart policy."""
+    """For a watchdog that did not start the services (compose): pids come from their handshakes (an engine's also
+    from the pid file it writes as it starts, so one that hangs loading can be killed), kills need a shared pid
+    namespace, restarts come from the orchestrator's restart policy."""
 
-    def __init__(self) -> None:
+    def __init__(self, engine_pid_file: Path | None = None) -> None:
         self.pids: dict[str, int] = {}
+        self.engine_pid_file = engine_pid_file
 
     def alive(self, service: str) -> bool:
         pid = self.pids.get(service)
@@ -118,6 +121,8 @@ class PidSupervisor:
 
     def kill(self, service: str) -> None:
         pid = self.pids.pop(service, None)
+        if pid is None and service == ENGINE:
+            pid = self._engine_from_file()
         if pid is not None:
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -127,6 +132,16 @@ class PidSupervisor:
     def restart(self, service: str) -> None:
         self.kill(service)
         log.info("left to the orchestrator to restart", service=service)
+
+    def _engine_from_file(self) -> int | None:
+        """The pid the engine wrote, if that process is a Blink engine still (a pid is reused once its process is
+        gone: the file of a dead engine names another process sooner or later)."""
+        try:
+            pid = int(self.engine_pid_file.read_text()) if self.engine_pid_file else None
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") if pid else []
+        except (OSError, ValueError):
+            return None
+        return pid if b"engine" in argv and any(b"blink" in part for part in argv) else None
 
 
 @dataclass
@@ -332,4 +347,4 @@ class Watchdog:
 
 def run_watchdog(settings: Settings) -> None:
     """`blink watchdog`: watches services it did not start, until SIGTERM."""
-    Watchdog(settings, PidSupervisor()).run(StopFlag().install())
+    Watchdog(settings, PidSupervisor(settings.engine_pid_file)).run(StopFlag().install())

@@ -135,6 +135,12 @@ class Settings(BaseSettings):
         return Path(parent) / f"blink-{self.deployment}"
 
     @property
+    def engine_pid_file(self) -> Path:
+        """Where the engine process writes its pid as it starts: a watchdog that did not start it (compose) can
+        kill one that hangs before its handshake."""
+        return self.private_dir / "engine.pid"
+
+    @property
     def control_endpoint(self) -> str:
         return self._endpoint("control", self.control_port)
 

@@ -333,3 +333,46 @@ def test_killing_blink_serve_leaves_nothing_behind(tmp_path):
         server.process.wait(10)
         wait_until(lambda: all(map(gone, children)), 30, "the engine and the ingress to stop with their parent")
         assert not SlotTable.path_for(server.deployment).exists()
+
+
+def test_a_standalone_watchdog_can_kill_an_engine_that_hangs_before_its_handshake(tmp_path):
+    """Under compose the watchdog learns an engine's pid from its handshake, which an engine hung loading never
+    makes: the pid file the engine writes as it starts names it, if that process is a Blink engine still."""
+    import subprocess
+    import sys
+
+    from blink.services.watchdog import ENGINE, PidSupervisor
+
+    pid_file = tmp_path / "engine.pid"
+    hung = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "blink", "engine"])
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        pid_file.write_text(str(other.pid))  # a stale file whose pid another process took
+        PidSupervisor(pid_file).kill(ENGINE)
+        assert other.poll() is None
+        pid_file.write_text(str(hung.pid))
+        PidSupervisor(pid_file).kill(ENGINE)
+        assert hung.wait(10) == -signal.SIGKILL
+    finally:
+        for proc in (hung, other):
+            proc.kill()
+            proc.wait()
+
+
+def test_the_engine_writes_its_pid_file_as_it_starts_and_removes_it(tmp_path, monkeypatch):
+    from blink.services import engine_service
+    from blink.shared.settings import Settings
+
+    settings = Settings(deployment="pidfile", runtime_dir=str(tmp_path))
+    seen = []
+
+    class Service:
+        def __init__(self, settings):
+            seen.append(settings.engine_pid_file.read_text())
+
+        def run(self):
+            pass
+
+    monkeypatch.setattr(engine_service, "EngineService", Service)
+    engine_service.run_engine(settings)
+    assert seen == [str(os.getpid())] and not settings.engine_pid_file.exists()
