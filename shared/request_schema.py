@@ -85,6 +85,7 @@ FIELDS: tuple[RequestField, ...] = (
                  doc="tokens generated before the end-of-sequence token, a stop id or a stop string may end the "
                      "request (vLLM's)"),
 )
+BY_NAME = {f.name: f for f in FIELDS}
 KNOBS = tuple(f for f in FIELDS if f.knob)
 # Where the fields of FIELDS sit: a span of the record from FIRST up to (not including) the prompt, stop ids
 # included, which admission copies whole.

@@ -65,3 +65,46 @@ def test_prompt_logprobs_prefill_no_more_than_the_window_holds_and_the_step_scor
     # positions 3-4 of its own in the 2 rows left.
     assert engine.takes(planned)[:2] == [7, 2] and planned.prompt_entries.tolist()[:2] == [6, 2]
     assert engine.state.scored.tolist()[:2] == [19, 5]
+
+
+def test_packed_sort_keys_give_the_orders_the_keys_one_by_one_give():
+    """lexsort packs neighbouring keys of known width (the class, the priority, a flag, the tokens generated) into
+    one integer: each policy's three orders must be those of its keys sorted one at a time, ties and the extremes of
+    every range included."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from blink.engine.core.policy import POLICIES, Policy, lexsort
+
+    def one_by_one(keys, first):
+        order = torch.arange(first.shape[0])
+        for key in reversed([(~first).long(), *keys]):
+            order = order[key[order].argsort(stable=True)]
+        return order
+
+    gen = torch.Generator().manual_seed(0)
+    n = 96
+
+    def draw(values):
+        return torch.tensor(values)[torch.randint(len(values), (n,), generator=gen)]
+
+    for _ in range(30):
+        s = SimpleNamespace(service_class=draw([0, 1]), priority=draw([-(2**15), -1, 0, 1, 7, 2**15 - 1]),
+                            ttft_deadline=draw([0.5, 1.0, 1.0, 2.5, float("inf")]).double(),
+                            arrival=draw(list(range(20))), prompt_len=draw([1, 5, 9]))
+        s.seq_len = s.prompt_len + draw([0, 1, 3, 2**31 - 10])
+        first, prefill = draw([True, False]), draw([True, False])
+        generated = s.seq_len - s.prompt_len
+        specs = {
+            "fcfs": ([s.arrival], [prefill.long(), s.arrival], [-s.arrival]),
+            "priority": ([s.priority, s.arrival], [prefill.long(), s.priority, s.arrival], [-s.priority, -s.arrival]),
+            "slo": ([s.service_class, s.priority, s.ttft_deadline, s.arrival],
+                    [s.service_class, prefill.long(), s.priority, s.ttft_deadline, s.arrival],
+                    [-s.service_class, -s.priority, -generated, -s.arrival]),
+        }
+        for name in POLICIES:
+            policy = Policy(name)
+            packed = (policy.keep_keys(s), policy.budget_keys(s, prefill), policy.victim_keys(s))
+            for keys, plain in zip(packed, specs[name], strict=True):
+                assert torch.equal(lexsort(keys, first), one_by_one(plain, first)), name
