@@ -16,9 +16,11 @@ from blink.ingress.slots import SlotClient
 from blink.ingress.tools import ToolParser
 from blink.shared.control import EngineInfo, EngineStatus
 from blink.shared.service_class import ClassDefaults
+from blink.shared.settings import Settings
 from blink.shared.tokenizer import Tokenizer
 
 T = TypeVar("T")
+_DEFAULTS = Settings.model_fields
 # Threads for a request's heavy work: tokenizers release the GIL, so they run side by side, one per core at most.
 WORKERS = min(4, os.cpu_count() or 1)
 
@@ -29,10 +31,12 @@ class IngressState:
     tokenizer: Tokenizer
     client: SlotClient | RemoteSlotClient
     metrics: Metrics
-    max_request_bytes: int = 4 << 20
-    request_timeout_s: float = 30.0
+    # The settings' defaults (blink serve passes its settings' values).
+    max_request_bytes: int = _DEFAULTS["max_request_bytes"].default
+    request_timeout_s: float = _DEFAULTS["request_timeout"].default
     api_key: str | None = None
-    heartbeat_deadline_s: float = 2.0  # the watchdog's: an engine stepping within it is alive, and /ready says so
+    # The watchdog's deadline: an engine stepping within it is alive, and /ready says so.
+    heartbeat_deadline_s: float = _DEFAULTS["watchdog_deadline"].default
     engine_status: Callable[[], EngineStatus | None] = lambda: None
     draining: bool = False
     seeds: secrets.SystemRandom = field(default_factory=secrets.SystemRandom)
