@@ -1,7 +1,7 @@
 """What runs the forward's work besides the projections, and samples: torch ops or Triton kernels.
 
-`TorchKernels` is the reference: plain torch ops on any device, the CPU's choice, with the torch sampler. It reads
-the step's row counts on the host to size its gathers, so it cannot be captured with a mixture of experts.
+`TorchKernels` is the reference: plain torch ops on any device, the CPU's choice, with the torch sampler. Its
+mixture-of-experts layer reads on the host which experts run, so a device mode cannot capture it.
 `TritonKernels` is CUDA's: fused norms, RoPE written into the cache, paged attention over row lists the kernels
 read on the device, grouped experts and the fused sampler; without CUDA it runs in Triton's interpreter (the
 tests check it against the reference that way). A new backend is a class with these methods, named in `KERNEL_SETS`.
