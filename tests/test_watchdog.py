@@ -19,7 +19,7 @@ import zmq
 
 from blink.bench.server import running_server
 from blink.shared import control, sockets
-from blink.shared.slot_table import SlotState, SlotTable
+from blink.shared.slot_table import EngineState, Geometry, SlotState, SlotTable
 
 pytestmark = pytest.mark.slow  # whole deployments (blink serve): CI runs them; `-m "not slow"` skips them
 
@@ -376,3 +376,31 @@ def test_the_engine_writes_its_pid_file_as_it_starts_and_removes_it(tmp_path, mo
     monkeypatch.setattr(engine_service, "EngineService", Service)
     engine_service.run_engine(settings)
     assert seen == [str(os.getpid())] and not settings.engine_pid_file.exists()
+
+
+def test_an_engine_restarted_with_another_table_geometry_is_served_again(tmp_path):
+    """The engine dies and its successor sizes its context limit from the memory it finds free, smaller: its table
+    has another geometry, so it makes a new file (here the new geometry is laid down by the test, as such an engine
+    would leave it). The ingress, which maps the old file, ends its streams with the engine's failure, drains and
+    is started again by the watchdog; then the deployment serves."""
+    with running_server(tmp_path, *FLAGS) as server:
+        wait_ready_and_serving(server)
+        table = SlotTable.attach(server.deployment)
+        g = table.geometry
+        pid = engine_pid(server)
+        with ThreadPoolExecutor(4) as pool:
+            futures = [pool.submit(stream, server.url, "decode for a long time", 1500) for _ in range(4)]
+            wait_until(lambda: decoding(table, 4)(), 60, "four streams decoding")
+            os.kill(pid, signal.SIGKILL)
+            table.close()
+            table.path.unlink()
+            other = SlotTable.create(server.deployment, Geometry(g.num_slots, g.max_prompt_tokens // 2, g.window,
+                                                                 page_size=g.page_size, prefix_seed=g.prefix_seed))
+            other.header["engine_state"] = EngineState.STOPPED  # a dead engine's: the next one replaces it
+            other.close()
+            results = [f.result(timeout=60) for f in futures]
+        for r in results:
+            assert r.done and r.terminal_events == 1 and r.errors[0]["code"] == "engine_failure", r
+        wait_ready_and_serving(server)
+        log = next(server.runtime_dir.glob("serve-*.log")).read_text()
+        assert "slot table replaced" in log and "ingress_failed" in log
