@@ -47,8 +47,12 @@ async def api_error_handler(_: Request, exc: APIError) -> JSONResponse:
     return error_response(exc.status, exc.message, exc.type, exc.param, exc.code, exc.headers)
 
 
-async def validation_error_handler(_: Request, exc: RequestValidationError) -> JSONResponse:
+async def validation_error_handler(request: Request, exc: RequestValidationError) -> JSONResponse:
     first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+    kind = request.headers.get("content-type", "")
+    if first.get("loc") == ("body",) and kind and "json" not in kind.lower():  # a form, text: not read as JSON
+        return error_response(400, f"the request body must be JSON (content-type: application/json), got "
+                              f"content-type {kind[:60]!r}", param=None, code="invalid_json")
     # Drop "body" and the union-member tags pydantic adds ("str", "list[int]", "function-after[...]").
     loc = [str(part) for part in first.get("loc", ()) if part != "body" and not _is_type_tag(part)]
     param = ".".join(loc) or None

@@ -198,6 +198,9 @@ def test_bad_completions_get_400_with_the_envelope(server, body, status, param, 
 def test_malformed_json_and_bad_chat(server):
     r = httpx.post(f"{server.url}/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    r = httpx.post(f"{server.url}/v1/completions", content=json.dumps({"model": MODEL, "prompt": "x"}),
+                   headers={"content-type": "text/plain"})
+    assert r.status_code == 400 and "content-type: application/json" in r.json()["error"]["message"], r.text
     r = httpx.post(f"{server.url}/v1/chat/completions", json={"model": MODEL, "messages": []})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
     r = httpx.post(f"{server.url}/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "wizard",
