@@ -170,7 +170,7 @@ class EngineService:
                 if int(self.table.header["epoch"]) != self.info.epoch:
                     raise Fenced(f"the slot table moved to epoch {int(self.table.header['epoch'])}")
                 steps = int(self.table.header["steps"])
-                if steps != steps_seen or (self.driver.resident == 0 and not self.table.submitted().size):
+                if steps != steps_seen or self.driver.idle():  # idle: every reader is behind, or nothing to do
                     self.table.stamp()
                 steps_seen = steps
         finally:

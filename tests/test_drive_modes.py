@@ -156,16 +156,22 @@ def test_the_device_modes_rotate_kv_through_the_engines_mirror(tiny_engine, smal
         step.close()
 
 
-def test_the_graph_loop_steps_only_when_a_step_has_work(small_table):
-    """No replay while every resident request waits for its reader: a step is due for a published request, or an
-    admitted one whose reader made room or which was cancelled (the persistent loop's pick kernel checks the same on
-    the device)."""
+def test_the_device_modes_step_only_when_a_step_has_work(small_table):
+    """No step while every resident request waits for its reader (the graph loop's `idle()`; the persistent loop's
+    pick kernel checks the same on the device): a step is due for tokens the device wants, a published request, or
+    an admitted one whose reader made room or which was cancelled. The service vouches for an idle driver to the
+    watchdog (without that, a slow reader read as a stalled engine after the deadline)."""
     from types import SimpleNamespace
 
-    from blink.engine.drive.graph import GraphDriver
+    import torch
+
+    from blink.engine.drive.device_step import DeviceDriver
+
+    driver = object.__new__(DeviceDriver)
+    driver.table, driver.step = small_table, SimpleNamespace(demand=torch.zeros(2, dtype=torch.int64))
 
     def due() -> bool:
-        return GraphDriver._due(SimpleNamespace(table=small_table))
+        return not driver.idle()
 
     assert not due()
     small_table.publish(0, Request([1, 2], 8))
@@ -175,9 +181,14 @@ def test_the_graph_loop_steps_only_when_a_step_has_work(small_table):
     for token in range(3):  # the window holds 3
         small_table.emit(0, token)
     assert not due()  # resident, waiting for its reader
+    driver.step.demand[0] = 1
+    assert due()  # the device wants tokens
+    driver.step.demand[0] = 0
     small_table.read(0)
     assert due()
     for token in range(3):
         small_table.emit(0, token)
     small_table.cancel(0)
     assert due()  # the step ends it
+    small_table.slots[0]["epoch"] = int(small_table.header["epoch"]) - 1
+    assert not due()  # an older epoch's slot is the ingress's to reclaim, not work

@@ -76,7 +76,8 @@ def commit(state: Slots, pool: PagePool, mirror: HostMirror | None, plan: StepPl
 
     seq_len = state.seq_len[slot]
     stopped = (state.stop_ids[slot] == tok[:, None]).any(-1)
-    stopped |= torch.isin(tok, eos_ids) & ~state.ignore_eos[slot]
+    # Not torch.isin: on CUDA past a few ids it sorts, and syncs (which no captured step may).
+    stopped |= (tok[:, None] == eos_ids).any(-1) & ~state.ignore_eos[slot]
     too_long = (seq_len - state.prompt_len[slot] >= state.max_tokens[slot]) | (seq_len >= state.max_len)
     row_reason = torch.where(stopped & valid, Finish.STOP, torch.where(too_long, Finish.LENGTH, 0))
     reason = _per_slot(S, torch.where(sampled, slot, S), row_reason, 0)

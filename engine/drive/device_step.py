@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 
+import numpy as np
 import torch
 
 from blink.engine.core.admission import field_views
@@ -24,7 +25,7 @@ from blink.engine.drive.table_memory import TableMemory, device_alias
 from blink.engine.engine import Engine
 from blink.engine.kernels.exchange import DeviceTable, Inbox, emit, report_demand, take_requests
 from blink.engine.kernels.rotation import copy_pages
-from blink.shared.slot_table import SlotTable, slot_dtype
+from blink.shared.slot_table import SlotState, SlotTable, slot_dtype
 
 # Every sampling feature is on: a captured step cannot branch on the requests it will meet (neutral parameters
 # leave tokens unchanged). The fused sampler branches per row on the device, so a row still pays only for its own.
@@ -158,6 +159,7 @@ class DeviceDriver:
     limitations = LIMITATIONS
     failure: BaseException | None = None
     step: DeviceStep
+    table: SlotTable
 
     @property
     def mirror(self):
@@ -166,6 +168,20 @@ class DeviceDriver:
     @property
     def resident(self) -> int:
         return int(self.step.demand[1])
+
+    def idle(self) -> bool:
+        """Nothing to step for (a read of host memory): the device wants no tokens, and the table holds no request
+        published and not admitted yet, nor an admitted one whose reader made room in its window or which was
+        cancelled (the step refreshes `paused` and ends cancellations). The persistent loop's `pick` makes the same
+        check on the device."""
+        if int(self.step.demand[0]):
+            return False
+        slots, epoch = self.table.slots, int(self.table.header["epoch"])
+        ours = slots["epoch"] == np.uint32(epoch)  # an older epoch's slots are the ingress's to reclaim
+        state = slots["state"]
+        room = slots["produced"] - slots["consumed"] < self.table.geometry.window  # uint32: wraps as the counters do
+        moved = (state == SlotState.ADMITTED) & (room | (slots["cancel"] != 0))
+        return not np.any(ours & ((state == SlotState.SUBMITTED) | moved))
 
     def set_admission_limit(self, limit: int | None) -> None:
         self.step.limit[0] = self.step.state.num_slots if limit is None else limit  # read by the next step

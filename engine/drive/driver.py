@@ -36,6 +36,10 @@ class Driver(Protocol):
     def resident(self) -> int:
         """Requests admitted and not finished."""
 
+    def idle(self) -> bool:
+        """Nothing to step for: nothing resident and nothing published, or every resident request waits for its
+        reader. The service vouches for an idle driver, which takes no steps, to the watchdog."""
+
     def set_admission_limit(self, limit: int | None) -> None:
         """Most requests resident at once, from the next step on; None: every slot."""
 

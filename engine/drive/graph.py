@@ -13,12 +13,11 @@ import threading
 import time
 from collections import deque
 
-import numpy as np
 import structlog
 import torch
 
 from blink.engine.drive.device_step import DeviceDriver, DeviceStep
-from blink.shared.slot_table import SlotState, SlotTable
+from blink.shared.slot_table import SlotTable
 
 log = structlog.get_logger()
 
@@ -29,9 +28,11 @@ def capture_buckets(step: DeviceStep, stream: torch.cuda.Stream, keep_graph: boo
                     ) -> dict[int, torch.cuda.CUDAGraph]:
     """One graph per token bucket, largest first, sharing one memory pool: a step's intermediates die inside it
     and the graphs never run concurrently. Each bucket runs twice first (Triton compiles, allocator warms)."""
+    stream.wait_stream(torch.cuda.current_stream(step.engine.device))  # the step's buffers were set on that one
     with torch.cuda.stream(stream):
         for bucket in step.buckets:
             for _ in range(2):
+                step.clock[0] = time.monotonic()  # real steps: a request they admit gets its deadline from it
                 step.run(bucket)
     stream.synchronize()
     pool = torch.cuda.graph_pool_handle()
@@ -87,8 +88,8 @@ class GraphDriver(DeviceDriver):
         backoff = IDLE_BACKOFF_S[0]
         while not self._stop.is_set():
             step.clock[0] = time.monotonic()
-            demand, _ = step.demand.tolist()
-            if demand == 0 and not self._due():  # nothing resident, or each resident request waits for its reader
+            demand = int(step.demand[0])
+            if self.idle():  # nothing resident, or each resident request waits for its reader
                 time.sleep(backoff)
                 backoff = min(backoff * 2, IDLE_BACKOFF_S[1])
                 continue
@@ -106,12 +107,3 @@ class GraphDriver(DeviceDriver):
             if demand == 0:  # resident but paused (slow readers) or just admitted: no need to spin
                 time.sleep(IDLE_BACKOFF_S[0])
 
-    def _due(self) -> bool:
-        """Whether a step has work the device's demand does not show (a read of host memory): a request published
-        and not admitted yet, or an admitted one whose reader made room in its window or which was cancelled (the
-        step refreshes `paused` and ends cancellations). The persistent loop's `pick` makes the same check."""
-        slots = self.table.slots
-        state = slots["state"]
-        room = slots["produced"] - slots["consumed"] < self.table.geometry.window  # uint32: wraps as the counters do
-        moved = (state == SlotState.ADMITTED) & (room | (slots["cancel"] != 0))
-        return bool(np.any(state == SlotState.SUBMITTED) or np.any(moved))

@@ -239,6 +239,9 @@ class HostDriver:
     def resident(self) -> int:
         return len(self.rank.asked)
 
+    def idle(self) -> bool:
+        return self.resident == 0 and not self.table.submitted().size  # (this loop stamps the heartbeat itself)
+
     def set_admission_limit(self, limit: int | None) -> None:
         self.max_running = limit
 

@@ -78,11 +78,12 @@ def _select(table, offsets, epoch, status, cancel, paused, window_room, admit, a
             INTERPRET: tl.constexpr):
     """One program: which published slots to admit (in slot order, up to the running limit), and each resident
     slot's cancel flag and window room (and whether it has none)."""
-    if tl.load((table + HEADER_EPOCH).to(tl.pointer_type(tl.uint64)), volatile=True).to(tl.int64) != tl.load(epoch):
-        tl.store(fenced, 1)  # a newer engine owns the table: touch nothing
-        return
     s = tl.arange(0, BLOCK_S)
     real = s < S
+    if tl.load((table + HEADER_EPOCH).to(tl.pointer_type(tl.uint64)), volatile=True).to(tl.int64) != tl.load(epoch):
+        tl.store(fenced, 1)  # a newer engine owns the table: touch nothing, and admit nothing (not last step's)
+        tl.store(admit + s, 0, mask=real)
+        return
     record = table + RECORDS_AT + tl.minimum(s, S - 1).to(tl.int64) * RECORD
     states = _load_acquire(_field(record, offsets, K_STATE, tl.uint32), INTERPRET)
     tl.debug_barrier()  # every thread's payload reads come after the acquire
@@ -107,7 +108,8 @@ def _select(table, offsets, epoch, status, cancel, paused, window_room, admit, a
 
 @triton.jit
 def _admit(table, offsets, admit, tokens, tokens_stride, prompt_mask, output_counts, requests,
-           SPAN_START: tl.constexpr, SPAN: tl.constexpr, vocab, max_len, RECORD: tl.constexpr,
+           SPAN_START: tl.constexpr, SPAN: tl.constexpr, vocab, max_len, MAX_PROMPT: tl.constexpr,
+           RECORD: tl.constexpr,
            BLOCK_SPAN: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_V: tl.constexpr, INTERPRET: tl.constexpr):
     """One program per slot selected for admission: checks its prompt and copies it into the token history, marks
     its tokens for the penalties (and clears the output counts), copies the request's fields (bytes, whole) into
@@ -128,7 +130,8 @@ def _admit(table, offsets, admit, tokens, tokens_stride, prompt_mask, output_cou
     n = tl.load(_field(record, offsets, K_PROMPT_LEN, tl.uint32)).to(tl.int64)
     prompt = _field(record, offsets, K_PROMPT, tl.int32)
     history = tokens + s.to(tl.int64) * tokens_stride
-    bad = (n <= 0) | (n >= max_len)
+    bad = (n <= 0) | (n >= max_len) | (n > MAX_PROMPT)  # past the record's prompt: read nothing beyond it
+    n = tl.minimum(n, MAX_PROMPT)
     start = 0
     while start < n:  # a while loop: the interpreter cannot range() over a loaded value
         j = start + tl.arange(0, BLOCK_P)
@@ -279,7 +282,8 @@ def take_requests(table: DeviceTable, inbox: Inbox, state, vocab: int, max_len: 
     start, span_bytes = span(slot_dtype(g))
     _admit[(S,)](table.memory, table.offsets, inbox.admit, state.tokens, state.tokens.stride(0), state.prompt_mask,
                  state.output_counts, inbox.requests, SPAN_START=start, SPAN=span_bytes, vocab=vocab, max_len=max_len,
-                 RECORD=table.record_bytes, BLOCK_SPAN=min(4096, next_power_of_2(span_bytes)),
+                 MAX_PROMPT=g.max_prompt_tokens, RECORD=table.record_bytes,
+                 BLOCK_SPAN=min(4096, next_power_of_2(span_bytes)),
                  BLOCK_P=min(1024, next_power_of_2(g.max_prompt_tokens)), BLOCK_V=min(1024, next_power_of_2(vocab)),
                  INTERPRET=INTERPRET)
 

@@ -22,7 +22,8 @@ def _copy_pages_kernel(src_ptr, dst_ptr, src_ids_ptr, dst_ids_ptr, count_ptr, st
     items = tl.load(count_ptr) * LAYERS
     item = tl.program_id(0)
     while item < items:  # a while loop: Triton 3.6's interpreter cannot range() over a loaded bound
-        move, layer = item // LAYERS, item % LAYERS
+        # int64 offsets: layers of a pool pass 2**31 elements between them (an 8B model's from its sixth, on an H100).
+        move, layer = item // LAYERS, (item % LAYERS).to(tl.int64)
         src = src_ptr + tl.load(src_ids_ptr + move).to(tl.int64) * stride_src_page + layer * stride_src_layer
         dst = dst_ptr + tl.load(dst_ids_ptr + move).to(tl.int64) * stride_dst_page + layer * stride_dst_layer
         for start in range(0, PAGE_ELEMENTS, BLOCK):
