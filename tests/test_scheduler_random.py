@@ -88,3 +88,33 @@ def test_churn_with_rotation_loses_and_duplicates_nothing(checkpoint, seed):
     assert out > 0 and back <= out  # a request cancelled while rotated out never comes back
     assert int(state.num_recomputes) > 0  # the mirror filled: recompute, the last resort
     assert int(pool.num_free) == pool.usable_pages and int(mirror.free.num_free) == mirror.num_pages - 1
+
+
+def test_a_rotated_request_comes_back_before_later_arrivals_of_its_class(checkpoint):
+    """A best-effort request rotated out for a latency-sensitive one must come back before best-effort requests
+    that arrived after it, however they keep coming: new ones it precedes wait for it (they had taken the pages it
+    needed to come back, step after step, and it starved)."""
+    from blink.engine.core.kv_cache import PagePool
+    from blink.shared.service_class import ServiceClass
+
+    model_dir = str(checkpoint("qwen3"))
+    shape = dict(max_num_seqs=2, max_num_batched_tokens=16, page_size=4, max_model_len=40)
+    page_bytes = PagePool.bytes_per_page(LLM(model_dir, num_pages=40, **shape).engine.model_config, 4)
+    llm = LLM(model_dir, num_pages=11, swap_space=20 * page_bytes / 2**30, **shape)
+    driver, mirror = llm._driver, llm.engine.mirror
+    be = dict(temperature=0.0, ignore_eos=True, service_class=ServiceClass.BEST_EFFORT)
+    driver.add_request("first", list(range(1, 24)), SamplingParams(max_tokens=10, **be), 10)
+    for _ in range(3):
+        driver.step()
+    driver.add_request("urgent", list(range(3, 33)), SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), 4)
+    finished, later = [], 0
+    for _ in range(300):
+        if not driver._queue and len(driver._resident) < 2:  # a steady stream of later best-effort arrivals
+            driver.add_request(f"later-{later}", [(later * 7 + j) % 40 + 1 for j in range(12)],
+                               SamplingParams(max_tokens=6, **be), 6)
+            later += 1
+        finished += [e.request_id for e in driver.step() if e.finish_reason]
+        if "first" in finished:
+            break
+    assert int(mirror.pages_moved[0]) > 0  # it was rotated out
+    assert "first" in finished and not any(r.startswith("later") for r in finished[:finished.index("first")]), finished

@@ -85,7 +85,7 @@ def plan(state: Slots, pool: PagePool, token_budget: int, policy: Policy, mirror
 
     # Hand out the token budget in the policy's order, up to its cap.
     fresh = resident & (state.num_computed == 0) & (state.pages_held == 0)
-    held_back = fresh & _hold_new(state, pool, policy, mirror, token_budget)
+    held_back = fresh & _hold_new(state, policy, mirror)
     if pool.prefix_cache is not None:
         _reuse_prefix(state, pool.prefix_cache, fresh & ~held_back & ~state.cancel)
     live = resident & ~state.paused & ~state.cancel & ~held_back
@@ -269,18 +269,17 @@ def _pages_by_position(state: Slots, pool: PagePool, position: torch.Tensor, red
     return counts.scatter_add_(0, by_page, torch.ones_like(by_page))[:S]
 
 
-def _hold_new(state: Slots, pool: PagePool, policy: Policy, mirror: HostMirror | None,
-              token_budget: int) -> torch.Tensor:
+def _hold_new(state: Slots, policy: Policy, mirror: HostMirror | None) -> torch.Tensor:
     """Which requests may not start (all but the latency-sensitive, which may take pages by recompute at worst):
-    none without a mirror; all while it is nearly full; and, while rotated requests wait to come back, those whose
-    first pages would eat into what the first of them needs to come back."""
+    none without a mirror; all while it is nearly full; and those the policy puts behind a rotated request waiting
+    to come back (pages they took would keep it out: it had starved behind a stream of later arrivals)."""
     if mirror is None:
         return torch.zeros_like(state.rotated)
-    waiting = state.rotated & state.status_is(SlotStatus.RUNNING) & ~state.cancel
-    comeback = torch.where(waiting, _comeback_pages(state, pool.page_size, token_budget), pool.num_pages).amin()
-    first_pages = ((state.seq_len - state.num_computed).clamp(max=token_budget) + pool.page_size - 1) // pool.page_size
-    crowds = waiting.any() & (first_pages > pool.num_free - comeback)
-    return (mirror.nearly_full() | crowds) & ~policy.latency_sensitive(state)
+    waiting = state.rotated & state.status_is(SlotStatus.RUNNING) & ~state.cancel & ~state.paused
+    order = lexsort(policy.keep_keys(state), first=torch.zeros_like(waiting))  # the policy's precedence alone
+    rank = torch.empty_like(order).scatter_(0, order, torch.arange(order.shape[0], device=order.device))
+    behind = rank > torch.where(waiting, rank, order.shape[0]).amin()
+    return (mirror.nearly_full() | behind) & ~policy.latency_sensitive(state)
 
 
 def _comeback_pages(state: Slots, page: int, token_budget: int) -> torch.Tensor:
