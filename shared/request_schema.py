@@ -123,7 +123,7 @@ def _pydantic_knob(f: RequestField) -> tuple:
     kind = {bool: StrictBool, int: StrictInt, float: StrictFloat}[f.python_type]
     extra = {"allow_inf_nan": False} if f.python_type is float else {}
     if f.python_type is float:
-        kind = Annotated[StrictFloat, AfterValidator(functools.partial(_as_stored, f))]
+        kind = Annotated[kind, AfterValidator(functools.partial(_as_stored, f))]
     return kind, PydanticField(f.default, **f.limits(), **extra, description=f.doc or None)
 
 
@@ -184,7 +184,7 @@ def logit_bias_pairs(bias: dict | None) -> tuple[tuple[int, float], ...]:
             raise ValueError("logit_bias keys must be token ids (below 2**31)")
         pairs.append((token, float(value)))
     pairs.sort()
-    if twice := next((a for (a, _), (b, _) in itertools.pairwise(pairs) if a == b), None):
+    if (twice := next((a for (a, _), (b, _) in itertools.pairwise(pairs) if a == b), None)) is not None:
         raise ValueError(f"logit_bias names token {twice} more than once")
     return tuple(pairs)
 

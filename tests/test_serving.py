@@ -173,6 +173,7 @@ def test_admission_limit_over_the_control_plane(server):
     ({"model": MODEL, "prompt": "x", "ttft_slo_ms": True}, 400, "ttft_slo_ms", "invalid_value"),
     ({"model": MODEL, "prompt": "x", "logit_bias": {"5": True}}, 400, "logit_bias.5", "invalid_value"),
     ({"model": MODEL, "prompt": "x", "logit_bias": {"05": 1, "5": 2}}, 400, "logit_bias", "invalid_value"),
+    ({"model": MODEL, "prompt": "x", "logit_bias": {"0": 1, "00": 2}}, 400, "logit_bias", "invalid_value"),
     ({"model": MODEL, "prompt": [""] * 100_000}, 400, "n", None),  # refused before tokenizing any
     ({"model": MODEL, "prompt": "x", "n": 0}, 400, "n", "invalid_value"),
     ({"model": MODEL}, 400, "prompt", "invalid_value"),
