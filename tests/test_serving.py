@@ -287,7 +287,7 @@ def test_a_choice_displaced_after_the_first_token_is_a_429_or_an_error_event(tmp
     arrival. Non-streamed, the whole request is a 429 (was a 500); streamed, the headers are out, so an error event
     and [DONE]. The latency-sensitive request is served either way."""
     ensure_default_model()
-    body = {"model": MODEL, "prompt": "Once", "max_tokens": 300, "ignore_eos": True, "n": 2,
+    body = {"model": MODEL, "prompt": "Once", "max_tokens": 1500, "ignore_eos": True, "n": 2,
             "service_class": "best_effort"}
     urgent = {"model": MODEL, "prompt": "x", "max_tokens": 2, "service_class": "latency_sensitive"}
     with running_server(tmp_path, "--max-num-seqs", "1", "--max-waiting", "1") as server:
