@@ -108,3 +108,21 @@ def test_packed_sort_keys_give_the_orders_the_keys_one_by_one_give():
             packed = (policy.keep_keys(s), policy.budget_keys(s, prefill), policy.victim_keys(s))
             for keys, plain in zip(packed, specs[name], strict=True):
                 assert torch.equal(lexsort(keys, first), one_by_one(plain, first)), name
+
+
+def test_a_cancelled_request_gives_its_pages_before_anyone_is_preempted():
+    """Cancelled just as another request needs a page: the cancelled one's pages go first (it ends in this step's
+    commit), so no running request is preempted for them, and the cancelled one counts no preemption."""
+    engine = ModelFreeEngine(num_slots=3, max_len=64, page_size=8, num_pages=9, budget=32)  # 8 usable pages
+    engine.add(0, prompt_len=24)
+    engine.add(1, prompt_len=15)
+    engine.add(2, prompt_len=16)
+    s = engine.state
+    for _ in range(3):
+        engine.step()
+    while int(s.num_computed[1]) % 8:  # slot 1 is about to need a new page, and the pool has none free
+        engine.step()
+    assert int(engine.pool.num_free) == 0 and s.pages_held.tolist() == [4, 2, 2]
+    s.cancel[0] = True
+    assert engine.takes(engine.step()) == [0, 1, 1]
+    assert s.preemptions.tolist() == [0, 0, 0] and s.pages_held[0] == 0

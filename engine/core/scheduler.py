@@ -105,8 +105,10 @@ def plan(state: Slots, pool: PagePool, token_budget: int, policy: Policy, mirror
     # Pages: victims give theirs back when they run short, rotated out while the mirror has room.
     covered = (state.num_computed + take + page - 1) // page
     need = torch.where(take > 0, covered - state.pages_held, 0).clamp(min=0)
-    keep = lexsort(policy.keep_keys(state), first=resident)
-    victims = lexsort(policy.victim_keys(state), first=resident)
+    # A cancelled request ends in this step's commit: its pages are the first to give, not kept at its precedence
+    # while another is preempted.
+    keep = lexsort(policy.keep_keys(state), first=resident & ~state.cancel)
+    victims = lexsort(policy.victim_keys(state), first=resident & state.cancel)
     # With a mirror, room is also kept for the page each sequence running on will start in the next step.
     crossing = ((take > 0) & ((state.num_computed + take) % page == 0)).long() if mirror else torch.zeros_like(take)
     need, take, evicted, reserve = _make_room(state, pool, need, take, keep, victims, crossing)
@@ -115,9 +117,10 @@ def plan(state: Slots, pool: PagePool, token_budget: int, policy: Policy, mirror
     recompute = evicted & ~rotate_out
     pool.release(evicted, state.block_table, state.pages_held)
     state.num_computed.masked_fill_(recompute, 0)
-    state.preemptions += evicted.long()
-    state.num_preemptions += evicted.sum()
-    state.num_recomputes += recompute.sum()
+    preempted = evicted & ~state.cancel  # a cancelled one gave its pages back: it was not preempted
+    state.preemptions += preempted.long()
+    state.num_preemptions += preempted.sum()
+    state.num_recomputes += (recompute & ~state.cancel).sum()
     pool.allocate(need, state.block_table, state.pages_held, max_new=max_new_pages(token_budget, page))
     if mirror:
         come_back = running & state.rotated & ~state.cancel & ~state.paused & ~rotate_out & ~evicted.any()
@@ -290,7 +293,7 @@ def _comeback_pages(state: Slots, page: int, token_budget: int) -> torch.Tensor:
 
 def _rotate_out(state: Slots, mirror: HostMirror, evicted: torch.Tensor, victims: torch.Tensor) -> torch.Tensor:
     """The victims whose pages the mirror can take, in victim order; the others are recomputed later."""
-    pages = torch.where(evicted & (state.num_computed > 0), state.pages_held, 0)[victims]
+    pages = torch.where(evicted & (state.num_computed > 0) & ~state.cancel, state.pages_held, 0)[victims]
     fits_v = (pages > 0) & (pages.cumsum(0) <= mirror.free.num_free)
     return torch.empty_like(fits_v).scatter_(0, victims, fits_v)
 
