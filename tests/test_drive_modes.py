@@ -168,7 +168,8 @@ def test_the_device_modes_step_only_when_a_step_has_work(small_table):
     from blink.engine.drive.device_step import DeviceDriver
 
     driver = object.__new__(DeviceDriver)
-    driver.table, driver.step = small_table, SimpleNamespace(demand=torch.zeros(2, dtype=torch.int64))
+    driver.table = small_table
+    driver.step = SimpleNamespace(demand=torch.zeros(2, dtype=torch.int64), limit=torch.full((1,), 4))
 
     def due() -> bool:
         return not driver.idle()
@@ -176,6 +177,9 @@ def test_the_device_modes_step_only_when_a_step_has_work(small_table):
     assert not due()
     small_table.publish(0, Request([1, 2], 8))
     assert due()
+    driver.step.limit[0] = 0  # drained: a published request waits for the limit, not for a step
+    assert not due()
+    driver.step.limit[0] = 4
     small_table.admit(0)
     assert due()  # admitted, its window empty
     for token in range(3):  # the window holds 3

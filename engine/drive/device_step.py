@@ -171,17 +171,19 @@ class DeviceDriver:
 
     def idle(self) -> bool:
         """Nothing to step for (a read of host memory): the device wants no tokens, and the table holds no request
-        published and not admitted yet, nor an admitted one whose reader made room in its window or which was
-        cancelled (the step refreshes `paused` and ends cancellations). The persistent loop's `pick` makes the same
-        check on the device."""
-        if int(self.step.demand[0]):
+        published and admissible (under the admission limit), nor an admitted one whose reader made room in its
+        window or which was cancelled (the step refreshes `paused` and ends cancellations). The persistent loop's
+        `pick` makes the same check on the device, but for the limit."""
+        wanted, resident = self.step.demand.tolist()
+        if wanted:
             return False
         slots, epoch = self.table.slots, int(self.table.header["epoch"])
         ours = slots["epoch"] == np.uint32(epoch)  # an older epoch's slots are the ingress's to reclaim
         state = slots["state"]
+        admissible = (state == SlotState.SUBMITTED) & (resident < int(self.step.limit[0]))
         room = slots["produced"] - slots["consumed"] < self.table.geometry.window  # uint32: wraps as the counters do
         moved = (state == SlotState.ADMITTED) & (room | (slots["cancel"] != 0))
-        return not np.any(ours & ((state == SlotState.SUBMITTED) | moved))
+        return not np.any(ours & (admissible | moved))
 
     def set_admission_limit(self, limit: int | None) -> None:
         self.step.limit[0] = self.step.state.num_slots if limit is None else limit  # read by the next step
