@@ -75,7 +75,7 @@ def test_packed_sort_keys_give_the_orders_the_keys_one_by_one_give():
 
     import torch
 
-    from blink.engine.core.policy import POLICIES, Policy, lexsort
+    from blink.engine.core.policy import POLICIES, Policy, ahead, lexsort
 
     def one_by_one(keys, first):
         order = torch.arange(first.shape[0])
@@ -108,6 +108,8 @@ def test_packed_sort_keys_give_the_orders_the_keys_one_by_one_give():
             packed = (policy.keep_keys(s), policy.budget_keys(s, prefill), policy.victim_keys(s))
             for keys, plain in zip(packed, specs[name], strict=True):
                 assert torch.equal(lexsort(keys, first), one_by_one(plain, first)), name
+                # The plan sorts the keep order once and moves the resident slots ahead of it.
+                assert torch.equal(ahead(lexsort(keys, torch.zeros_like(first)), first), one_by_one(plain, first))
 
 
 def test_a_cancelled_request_gives_its_pages_before_anyone_is_preempted():

@@ -64,6 +64,12 @@ def lexsort(keys: list[torch.Tensor | Key], first: torch.Tensor) -> torch.Tensor
     return order
 
 
+def ahead(order: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+    """`order` with the slots in the mask `first` ahead, each group in its order: lexsort's `first`, for an order
+    already sorted (one sort, not one per key)."""
+    return order[(~first[order]).long().argsort(stable=True)]
+
+
 @dataclass(frozen=True)
 class Policy:
     name: str = "slo"

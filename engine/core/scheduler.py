@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 
 from blink.engine.core.kv_cache import NULL_PAGE, PagePool
-from blink.engine.core.policy import Policy, lexsort
+from blink.engine.core.policy import Policy, ahead, lexsort
 from blink.engine.core.prefix_cache import PrefixCache
 from blink.engine.core.rotation import HostMirror, PageMoves
 from blink.engine.core.state import Slots, SlotStatus
@@ -85,7 +85,8 @@ def plan(state: Slots, pool: PagePool, token_budget: int, policy: Policy, mirror
 
     # Hand out the token budget in the policy's order, up to its cap.
     fresh = resident & (state.num_computed == 0) & (state.pages_held == 0)
-    held_back = fresh & _hold_new(state, policy, mirror)
+    precedence = lexsort(policy.keep_keys(state), first=torch.zeros_like(resident))  # the policy's order alone
+    held_back = fresh & _hold_new(state, policy, mirror, precedence)
     if pool.prefix_cache is not None:
         _reuse_prefix(state, pool.prefix_cache, fresh & ~held_back & ~state.cancel)
     live = resident & ~state.paused & ~state.cancel & ~held_back
@@ -107,7 +108,7 @@ def plan(state: Slots, pool: PagePool, token_budget: int, policy: Policy, mirror
     need = torch.where(take > 0, covered - state.pages_held, 0).clamp(min=0)
     # A cancelled request ends in this step's commit: its pages are the first to give, not kept at its precedence
     # while another is preempted.
-    keep = lexsort(policy.keep_keys(state), first=resident & ~state.cancel)
+    keep = ahead(precedence, resident & ~state.cancel)
     victims = lexsort(policy.victim_keys(state), first=resident & state.cancel)
     # With a mirror, room is also kept for the page each sequence running on will start in the next step.
     crossing = ((take > 0) & ((state.num_computed + take) % page == 0)).long() if mirror else torch.zeros_like(take)
@@ -272,16 +273,15 @@ def _pages_by_position(state: Slots, pool: PagePool, position: torch.Tensor, red
     return counts.scatter_add_(0, by_page, torch.ones_like(by_page))[:S]
 
 
-def _hold_new(state: Slots, policy: Policy, mirror: HostMirror | None) -> torch.Tensor:
+def _hold_new(state: Slots, policy: Policy, mirror: HostMirror | None, precedence: torch.Tensor) -> torch.Tensor:
     """Which requests may not start (all but the latency-sensitive, which may take pages by recompute at worst):
     none without a mirror; all while it is nearly full; and those the policy puts behind a rotated request waiting
     to come back (pages they took would keep it out: it had starved behind a stream of later arrivals)."""
     if mirror is None:
         return torch.zeros_like(state.rotated)
     waiting = state.rotated & state.status_is(SlotStatus.RUNNING) & ~state.cancel & ~state.paused
-    order = lexsort(policy.keep_keys(state), first=torch.zeros_like(waiting))  # the policy's precedence alone
-    rank = torch.empty_like(order).scatter_(0, order, torch.arange(order.shape[0], device=order.device))
-    behind = rank > torch.where(waiting, rank, order.shape[0]).amin()
+    rank = _positions(precedence)
+    behind = rank > torch.where(waiting, rank, state.num_slots).amin()
     return (mirror.nearly_full() | behind) & ~policy.latency_sensitive(state)
 
 
