@@ -47,7 +47,7 @@ class EngineConfig:
     scheduling_policy: str = "slo"  # fcfs | priority | slo (blink.engine.core.policy)
     swap_space: float = 4.0  # GiB of host memory for KV rotation; 0: recompute preempted requests instead
     enable_prefix_caching: bool = True  # requests share the KV pages of equal prompt prefixes (vLLM's default)
-    compile_bookkeeping: bool = False  # the step's plan and commit through torch.compile (Step.compile_bookkeeping)
+    compile_bookkeeping: bool = False  # admission, plan and commit through torch.compile (Step.compile_bookkeeping)
     tensor_parallel_size: int = 1  # ranks the model is split over (blink.engine.model.parallel)
     tensor_parallel_rank: int = 0  # this engine's (the LLM API starts the others)
     distributed_init_method: str | None = None  # where the ranks meet: tcp://HOST:PORT

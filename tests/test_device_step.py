@@ -1,7 +1,7 @@
 """The device step (admission from the slot table, the step, publication into it: the `graph` and `persistent` modes'
 work) run eagerly on the CPU, its kernels in Triton's interpreter, against the `host` mode's table driver; and with
-its plan and commit traced whole by torch.compile (`Step.compile_bookkeeping`, through the aot_eager backend: the
-traced graphs, run by torch's own ops), which must decide the same."""
+its admission, plan and commit traced whole by torch.compile (`Step.compile_bookkeeping`, through the aot_eager
+backend: the traced graphs, run by torch's own ops), which must decide the same."""
 
 from __future__ import annotations
 

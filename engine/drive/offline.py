@@ -35,7 +35,7 @@ class _Pending:
 
 
 class OfflineDriver:
-    """Feeds the host loop from an in-process queue: requests wait there until a slot is free."""
+    """Feeds the host mode's `HostRank` from an in-process queue: requests wait there until a slot is free."""
 
     def __init__(self, engine: Engine):
         self.engine = engine
