@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from blink.engine.drive.offline import OfflineDriver
 from blink.engine.engine import Engine, EngineConfig
 from blink.engine.errors import RequestError
-from blink.engine.ranks import RankLost, Ranks, agreed, free_init_method, replay_generate
+from blink.engine.ranks import Ranks, agreed, free_init_method, replay_generate
 from blink.engine.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -58,8 +58,7 @@ class LLM:
         # Validate every request before any is queued, so one bad prompt loses nothing.
         requests = [self._prepare(p, sp) for p, sp in zip(prompts, sampling_params, strict=True)]
         if self._ranks is not None:  # the other ranks run the same call, in lock-step with this one
-            if why := self._ranks.lost():
-                raise RankLost(why)
+            self._ranks.check()
             self._ranks.send((prompts, sampling_params))
         self._driver.abort_all()  # what an interrupted call left behind
         outputs: dict[str, RequestOutput] = {}

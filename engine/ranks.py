@@ -110,6 +110,11 @@ class Ranks:
                 return f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}"
         return None
 
+    def check(self) -> None:
+        """Raises RankLost, saying which, when a rank is gone."""
+        if why := self.lost():
+            raise RankLost(why)
+
     def close(self) -> None:
         for pipe in self._pipes:
             with contextlib.suppress(BrokenPipeError, OSError):

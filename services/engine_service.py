@@ -14,7 +14,7 @@ from blink.engine.drive import modes as drive_modes
 from blink.engine.drive.driver import Driver, Fenced
 from blink.engine.drive.follower import follow
 from blink.engine.engine import Engine, EngineConfig
-from blink.engine.ranks import RankLost, Ranks, agreed, free_init_method
+from blink.engine.ranks import Ranks, agreed, free_init_method
 from blink.services.relay import Relay
 from blink.shared import control, sockets
 from blink.shared.rdma import RdmaUnavailable, TableTarget
@@ -165,8 +165,8 @@ class EngineService:
                 time.sleep(0.005)
                 if self.driver.failure is not None:
                     raise self.driver.failure
-                if self.ranks is not None and (lost := self.ranks.lost()):
-                    raise RankLost(lost)  # the ranks step together or not at all: the engine fails over
+                if self.ranks is not None:
+                    self.ranks.check()  # the ranks step together or not at all: a lost one fails the engine over
                 if int(self.table.header["epoch"]) != self.info.epoch:
                     raise Fenced(f"the slot table moved to epoch {int(self.table.header['epoch'])}")
                 steps = int(self.table.header["steps"])
