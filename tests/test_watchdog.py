@@ -12,6 +12,7 @@ import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 import pytest
@@ -347,12 +348,15 @@ def test_a_standalone_watchdog_can_kill_an_engine_that_hangs_before_its_handshak
     hung = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "blink", "engine"])
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
+        for proc in (hung, other):  # their own command lines, not the parent's (read before their exec, under load)
+            wait_until(lambda proc=proc: b"-c" in Path(f"/proc/{proc.pid}/cmdline").read_bytes(), 10, "an exec")
         pid_file.write_text(str(other.pid))  # a stale file whose pid another process took
         PidSupervisor(pid_file).kill(ENGINE)
         assert other.poll() is None
         pid_file.write_text(str(hung.pid))
         PidSupervisor(pid_file).kill(ENGINE)
-        assert hung.wait(10) == -signal.SIGKILL
+        wait_until(lambda: hung.poll() is not None, 10, f"a kill of {Path(f'/proc/{hung.pid}/cmdline').read_bytes()!r}")
+        assert hung.returncode == -signal.SIGKILL
     finally:
         for proc in (hung, other):
             proc.kill()
