@@ -271,11 +271,12 @@ def test_copies_sorted_by_expert_fill_whole_blocks_of_one_expert():
 
 @pytest.mark.parametrize("kind", ["mistral", "qwen3", "qwen3-moe", "qwen2-moe"])  # a sliding window and GQA; q/k
 # norms and head_dim 32; experts through the grouped kernel (top-2 with a dense layer; a shared expert)
-def test_greedy_tokens_are_the_same_with_triton_kernels(kind, checkpoint, monkeypatch):
+@pytest.mark.parametrize("fused", ["triton", "cpu"])
+def test_greedy_tokens_are_the_same_with_fused_kernels(kind, fused, checkpoint, monkeypatch):
     prompts = [list(range(3, 8)), list(range(10, 110)), list(range(200, 240)), [7] * 17]
     params = SamplingParams(temperature=0, max_tokens=6, logprobs=1)
     results = {}
-    for kernels in ("torch", "triton"):
+    for kernels in ("torch", fused):
         monkeypatch.setenv("BLINK_KERNELS", kernels)
         # A 96-token budget: the 100-token prompt prefills in two chunks, the first longer than QUERY_BLOCK, while
         # the others decode; 8-token pages make every row cross pages.
@@ -283,9 +284,9 @@ def test_greedy_tokens_are_the_same_with_triton_kernels(kind, checkpoint, monkey
                   max_model_len=128, dtype="float32")  # the tolerances below are float32's
         assert llm.engine.model.kernels.name == kernels
         results[kernels] = llm.generate(prompts, params)
-    for torch_out, triton_out in zip(results["torch"], results["triton"], strict=True):
-        assert triton_out.token_ids == torch_out.token_ids
-        for expected, got in zip(torch_out.logprobs, triton_out.logprobs, strict=True):
+    for torch_out, fused_out in zip(results["torch"], results[fused], strict=True):
+        assert fused_out.token_ids == torch_out.token_ids
+        for expected, got in zip(torch_out.logprobs, fused_out.logprobs, strict=True):
             assert got.keys() == expected.keys()
             for token, logprob in expected.items():
                 assert got[token] == pytest.approx(logprob, abs=1e-4)

@@ -1,7 +1,10 @@
 """What runs the forward's work besides the projections, and samples: torch ops or Triton kernels.
 
-`TorchKernels` is the reference: plain torch ops on any device, the CPU's choice, with the torch sampler. Its
-mixture-of-experts layer reads on the host which experts run, so a device mode cannot capture it.
+`TorchKernels` is the reference: plain torch ops on any device, with the torch sampler. Its mixture-of-experts
+layer reads on the host which experts run, so a device mode cannot capture it.
+`CpuKernels` is the CPU's choice: the reference with its chains of small ops fused in C++ (blink.engine.kernels.cpu:
+norms, RoPE written into the cache, one-query attention straight from the pages), where each
+torch op costs the dispatcher microseconds; prefill chunks still attend through the reference's gathers.
 `TritonKernels` is CUDA's: fused norms, RoPE written into the cache, paged attention over row lists the kernels
 read on the device, grouped experts and the fused sampler; without CUDA it runs in Triton's interpreter (the
 tests check it against the reference that way). A new backend is a class with these methods, named in `KERNEL_SETS`.
@@ -9,6 +12,7 @@ tests check it against the reference that way). A new backend is a class with th
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -18,7 +22,7 @@ import torch
 from blink.engine.core.sampler import TORCH_SAMPLER, Sampler
 from blink.engine.core.scheduler import QUERY_BLOCK, StepPlan
 from blink.engine.model import moe
-from blink.engine.model.attention import AttentionBatch, build_row_group, paged_attention
+from blink.engine.model.attention import AttentionBatch, attend_groups, build_row_group, paged_attention
 from blink.engine.model.config import ModelConfig
 from blink.engine.model.rope import rotate, step_rope
 
@@ -27,6 +31,7 @@ if TYPE_CHECKING:
     from blink.engine.model.model import LayerWeights
     from blink.engine.model.moe import MoeWeights
 
+log = logging.getLogger(__name__)
 
 @dataclass
 class Tokens:
@@ -110,6 +115,44 @@ class TorchKernels:
         return moe.moe_mlp(h, w, cfg.moe)
 
 
+class CpuKernels(TorchKernels):
+    name = "cpu"
+
+    def __init__(self, sliding_window: int | None, ops):
+        super().__init__(sliding_window)
+        self._ops = ops  # torch.ops.blink_cpu
+
+    def attention_batch(self, plan: StepPlan, shape: StepShape, block_table: torch.Tensor, page_size: int,
+                        write_rows: torch.Tensor) -> AttentionBatch:
+        """Decode rows as the plan lists them, for the kernel; prefill chunks gathered as the reference does."""
+        chunks = [build_row_group(plan.chunk_rows.head(shape.chunk_rows), block_table, page_size, QUERY_BLOCK,
+                                  shape.context, self.sliding_window, shape.tokens)] if shape.chunk_rows else []
+        decodes = [(plan.decode_rows.head(shape.decode_rows), 1)] if shape.decode_rows else []
+        return AttentionBatch(write_rows, chunks, decodes, block_table)
+
+    def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return self._ops.rms_norm(x, weight, eps)
+
+    def add_norm(self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._ops.add_rms_norm(x, delta, weight, eps)
+
+    def attention(self, qkv: torch.Tensor, w: LayerWeights, cfg: ModelConfig, tokens: Tokens, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        q, k, v = (part.unflatten(-1, (-1, cfg.head_dim))
+                   for part in qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1))
+        if w.q_norm is not None:
+            q, k = self.norm(q, w.q_norm, cfg.rms_norm_eps), self.norm(k, w.k_norm, cfg.rms_norm_eps)
+        batch = tokens.batch
+        q = self._ops.rope_and_cache(q, k, v, *tokens.rope, batch.write_rows, k_cache, v_cache)
+        out = q.new_zeros(q.shape[0] + 1, *q.shape[1:])  # index B is the trash row of the chunks' padding
+        for rows, _ in batch.rows:
+            self._ops.decode_attention(q, k_cache, v_cache, batch.block_table, rows.slot, rows.start, rows.first_pos,
+                                       rows.count, scale, self.sliding_window or 0, out)
+        attend_groups(q, k_cache, v_cache, batch.groups, scale, out)
+        return out[:-1]
+
+
 class TritonKernels:
     name = "triton"
     moe_captures = True
@@ -167,12 +210,31 @@ class TritonKernels:
         return moe.grouped_moe_mlp(h, w, cfg.moe, self._experts)
 
 
-KERNEL_SETS = ("torch", "triton")
+KERNEL_SETS = ("torch", "cpu", "triton")
+CPU_DTYPES = (torch.float32, torch.bfloat16)  # what the C++ kernels are written for
 
 
 def choose(cfg: ModelConfig, device: torch.device) -> KernelSet:
-    """Triton on CUDA, torch elsewhere, unless BLINK_KERNELS says which."""
-    name = os.environ.get("BLINK_KERNELS") or ("triton" if device.type == "cuda" else "torch")
+    """Triton on CUDA; on the CPU the C++ kernels where they build (the torch reference where they cannot, saying
+    why); BLINK_KERNELS names one instead."""
+    from blink.engine.kernels import cpu
+
+    name = os.environ.get("BLINK_KERNELS")
+    if name is None:
+        name = "triton" if device.type == "cuda" else "cpu" if cfg.dtype in CPU_DTYPES else "torch"
+        if name == "cpu":
+            try:
+                cpu.ops()
+            except cpu.Unavailable as e:
+                log.warning("%s; the torch reference runs instead", e)
+                name = "torch"
     if name not in KERNEL_SETS:
         raise ValueError(f"BLINK_KERNELS must be one of {', '.join(KERNEL_SETS)}, got {name!r}")
-    return TritonKernels(cfg.sliding_window, device) if name == "triton" else TorchKernels(cfg.sliding_window)
+    if name == "triton":
+        return TritonKernels(cfg.sliding_window, device)
+    if name == "cpu":
+        if device.type != "cpu" or cfg.dtype not in CPU_DTYPES:
+            raise ValueError(f"BLINK_KERNELS=cpu runs float32 or bfloat16 models on the CPU, not {cfg.dtype} on "
+                             f"{device.type}")
+        return CpuKernels(cfg.sliding_window, cpu.ops())
+    return TorchKernels(cfg.sliding_window)

@@ -1,0 +1,284 @@
+// The CPU's fused kernels (blink.engine.kernels.cpu builds this file once per machine and registers the ops under
+// torch.ops.blink_cpu). Each replaces a chain of small torch ops in the forward, which on the CPU costs the
+// dispatcher a few microseconds per op whatever the op's size: an RMSNorm was 9 ops, a layer's attention about 30.
+// Numerics follow the torch reference (blink.engine.model.kernel_sets.TorchKernels): elementwise work rounds to the
+// model's dtype where the reference's ops do, reductions and attention run in float32.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros_like.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+// The model's dtype to float and back; float32 passes through, bfloat16 rounds to nearest even as torch does
+// (c10::BFloat16's own conversions, written on the bits so that loops over them vectorize).
+inline float load(float v) { return v; }
+inline float load(c10::BFloat16 v) {
+  const uint32_t bits = static_cast<uint32_t>(v.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+template <typename T>
+inline T store(float v);
+template <>
+inline float store<float>(float v) { return v; }
+template <>
+inline c10::BFloat16 store<c10::BFloat16>(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, 4);
+  const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+  return c10::BFloat16(static_cast<uint16_t>(v != v ? 0x7fc0u : rounded), c10::BFloat16::from_bits());
+}
+// What a torch op on T tensors returns: the float result rounded to T.
+template <typename T>
+inline float round_to(float v) { return load(store<T>(v)); }
+
+template <typename F>
+void for_dtype(const at::Tensor& t, const char* op, F&& f) {
+  if (t.scalar_type() == at::kFloat) {
+    f(float{});
+  } else if (t.scalar_type() == at::kBFloat16) {
+    f(c10::BFloat16{});
+  } else {
+    TORCH_CHECK(false, "blink_cpu::", op, ": float32 or bfloat16, got ", t.scalar_type());
+  }
+}
+
+// weight * (x * rsqrt(mean(x^2) + eps)).to(T) over rows of `n`, as transformers' LlamaRMSNorm.
+template <typename T>
+void norm_rows(const T* x, const T* weight, T* out, int64_t rows, int64_t n, double eps, int64_t ld_x, int64_t ld_out) {
+  at::parallel_for(0, rows, 16, [&](int64_t lo, int64_t hi) {
+    for (int64_t r = lo; r < hi; r++) {
+      const T* xr = x + r * ld_x;
+      float squares = 0.f;
+#pragma omp simd reduction(+ : squares)
+      for (int64_t i = 0; i < n; i++) squares += load(xr[i]) * load(xr[i]);
+      const float inv = 1.f / std::sqrt(squares / n + static_cast<float>(eps));
+      T* o = out + r * ld_out;
+#pragma omp simd
+      for (int64_t i = 0; i < n; i++) o[i] = store<T>(load(weight[i]) * round_to<T>(load(xr[i]) * inv));
+    }
+  });
+}
+
+void check_rows(const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK(x.dim() >= 1 && x.stride(-1) == 1 && weight.is_contiguous() && weight.numel() == x.size(-1),
+              "blink_cpu: rows with a contiguous last dimension and a weight of that size");
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "blink_cpu: x and weight in one dtype");
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(x, weight);
+  const at::Tensor rows = x.reshape({-1, x.size(-1)});  // a view for the projections' outputs
+  auto out = at::empty(x.sizes(), x.options());
+  for_dtype(x, "rms_norm", [&](auto t) {
+    using T = decltype(t);
+    norm_rows<T>(rows.data_ptr<T>(), weight.data_ptr<T>(), out.data_ptr<T>(), rows.size(0), rows.size(1), eps,
+                 rows.stride(0), rows.size(1));
+  });
+  return out;
+}
+
+// (x + delta, rms_norm(x + delta)): the residual stream and the next sublayer's input, in one pass.
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& delta, const at::Tensor& weight,
+                                                double eps) {
+  check_rows(x, weight);
+  TORCH_CHECK(x.is_contiguous() && delta.is_contiguous() && x.sizes() == delta.sizes() &&
+                  x.scalar_type() == delta.scalar_type(),
+              "blink_cpu::add_rms_norm: contiguous x and delta of one shape and dtype");
+  auto sum = at::empty_like(x), out = at::empty_like(x);
+  const int64_t n = x.size(-1), rows = x.numel() / std::max<int64_t>(n, 1);
+  for_dtype(x, "add_rms_norm", [&](auto t) {
+    using T = decltype(t);
+    const T *a = x.data_ptr<T>(), *b = delta.data_ptr<T>();
+    T* s = sum.data_ptr<T>();
+    at::parallel_for(0, rows * n, 4096, [&](int64_t lo, int64_t hi) {
+#pragma omp simd
+      for (int64_t i = lo; i < hi; i++) s[i] = store<T>(load(a[i]) + load(b[i]));
+    });
+    norm_rows<T>(s, weight.data_ptr<T>(), out.data_ptr<T>(), rows, n, eps, n, n);
+  });
+  return {sum, out};
+}
+
+// x * cos + roll(x, D/2) * signed_sin over one head, rounded as the reference's three ops round.
+template <typename T>
+inline void rotate(const T* x, const T* cos, const T* signed_sin, T* out, int64_t D) {
+  const int64_t half = D / 2;
+#pragma omp simd
+  for (int64_t d = 0; d < half; d++)
+    out[d] = store<T>(round_to<T>(load(x[d]) * load(cos[d])) + round_to<T>(load(x[d + half]) * load(signed_sin[d])));
+#pragma omp simd
+  for (int64_t d = half; d < D; d++)
+    out[d] = store<T>(round_to<T>(load(x[d]) * load(cos[d])) + round_to<T>(load(x[d - half]) * load(signed_sin[d])));
+}
+
+// Rotates q and k, writes the rotated k and v to their cache rows, and returns the rotated q. q: [B, Hq, D], k, v:
+// [B, Hkv, D] (views of the fused projection: the last dimension contiguous); cos, signed_sin: [B, 1, D]
+// (blink.engine.model.rope.step_rope); write_rows: [B] flat cache rows; caches: [pages, page_size, Hkv, D].
+at::Tensor rope_and_cache(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
+                          const at::Tensor& signed_sin, const at::Tensor& write_rows, at::Tensor& k_cache,
+                          at::Tensor& v_cache) {
+  const int64_t B = q.size(0), Hq = q.size(1), Hkv = k.size(1), D = q.size(2);
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1 && D % 2 == 0,
+              "blink_cpu::rope_and_cache: q, k, v with a contiguous, even last dimension");
+  TORCH_CHECK(cos.is_contiguous() && signed_sin.is_contiguous() && cos.numel() == B * D &&
+                  signed_sin.numel() == B * D,
+              "blink_cpu::rope_and_cache: cos and sin tables of [B, 1, D]");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.size(2) == Hkv && k_cache.size(3) == D &&
+                  write_rows.scalar_type() == at::kLong && write_rows.is_contiguous() && write_rows.numel() == B,
+              "blink_cpu::rope_and_cache: contiguous caches of [pages, page_size, Hkv, D] and int64 rows");
+  const int64_t cache_rows = k_cache.size(0) * k_cache.size(1);
+  const int64_t* rows = write_rows.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; b++)
+    TORCH_CHECK(rows[b] >= 0 && rows[b] < cache_rows, "blink_cpu::rope_and_cache: cache row out of range");
+  auto q_out = at::empty({B, Hq, D}, q.options());
+  for_dtype(q, "rope_and_cache", [&](auto t) {
+    using T = decltype(t);
+    const T *qp = q.data_ptr<T>(), *kp = k.data_ptr<T>(), *vp = v.data_ptr<T>();
+    const T *cp = cos.data_ptr<T>(), *sp = signed_sin.data_ptr<T>();
+    T *qo = q_out.data_ptr<T>(), *kc = k_cache.data_ptr<T>(), *vc = v_cache.data_ptr<T>();
+    at::parallel_for(0, B, 4, [&](int64_t lo, int64_t hi) {
+      for (int64_t b = lo; b < hi; b++) {
+        const T *c = cp + b * D, *sn = sp + b * D;
+        for (int64_t h = 0; h < Hq; h++) rotate(qp + b * q.stride(0) + h * q.stride(1), c, sn, qo + (b * Hq + h) * D, D);
+        T *kr = kc + rows[b] * Hkv * D, *vr = vc + rows[b] * Hkv * D;
+        for (int64_t h = 0; h < Hkv; h++) {
+          rotate(kp + b * k.stride(0) + h * k.stride(1), c, sn, kr + h * D, D);
+          std::copy_n(vp + b * v.stride(0) + h * v.stride(1), D, vr + h * D);
+        }
+      }
+    });
+  });
+  return q_out;
+}
+
+// e^x for x <= 0 (softmax's shifted scores) to about 2 ulp, in a form loops vectorize: 2^(x log2 e) split into an
+// integer power, put in the exponent bits, and a degree-6 polynomial of the fraction.
+inline float exp_nonpositive(float x) {
+  const float t = std::max(x * 1.44269504088896341f, -126.f);
+  const float whole = std::floor(t), f = t - whole;  // f in [0, 1)
+  float p = 1.535336188319500e-4f;
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.0f;
+  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(whole) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return p * scale;
+}
+
+// One-query rows straight from the cache pages, in float32 (the reference upcasts its decodes too): for each row
+// r < count (a scalar tensor: the plan's), the token at `token[r]` attends to its sequence's keys up to
+// `position[r]` (the last `window` of them when window > 0) and its result is written to out[token[r]]. Row and
+// key-value-head pairs run in parallel; a pair's query heads share each key and value as it is read.
+void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                      const at::Tensor& block_table, const at::Tensor& slot, const at::Tensor& token,
+                      const at::Tensor& position, const at::Tensor& count, double scale, int64_t window,
+                      at::Tensor& out) {
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
+  const int64_t cache_pages = k_cache.size(0), page_size = k_cache.size(1), Hkv = k_cache.size(2);
+  TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && out.size(0) >= B && out.size(1) == Hq && out.size(2) == D &&
+                  out.scalar_type() == q.scalar_type() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.size(3) == D && Hq % Hkv == 0,
+              "blink_cpu::decode_attention: contiguous q of [B, Hq, D] and out of [B or more, Hq, D], caches of "
+              "[pages, page_size, Hkv, D]");
+  const at::Tensor table = block_table.to(at::kLong).contiguous(), slots = slot.to(at::kLong).contiguous();
+  const at::Tensor tokens = token.to(at::kLong).contiguous(), positions = position.to(at::kLong).contiguous();
+  const int64_t rows = std::min<int64_t>(count.item<int64_t>(), slots.numel()), G = Hq / Hkv;
+  const int64_t pages = table.size(1);
+  const int64_t *table_p = table.data_ptr<int64_t>(), *slot_p = slots.data_ptr<int64_t>();
+  const int64_t *token_p = tokens.data_ptr<int64_t>(), *pos_p = positions.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; r++) {  // every index the rows read, checked before any is
+    TORCH_CHECK(token_p[r] >= 0 && token_p[r] < B && pos_p[r] >= 0 && pos_p[r] < pages * page_size &&
+                    slot_p[r] >= 0 && slot_p[r] < table.size(0),
+                "blink_cpu::decode_attention: a row's token, position or slot out of range");
+    for (int64_t i = 0; i <= pos_p[r] / page_size; i++) {
+      const int64_t page = table_p[slot_p[r] * pages + i];
+      TORCH_CHECK(page >= 0 && page < cache_pages, "blink_cpu::decode_attention: a page out of range");
+    }
+  }
+  const float softmax_scale = static_cast<float>(scale);
+  for_dtype(q, "decode_attention", [&](auto t) {
+    using T = decltype(t);
+    const T *qp = q.data_ptr<T>(), *kc = k_cache.data_ptr<T>(), *vc = v_cache.data_ptr<T>();
+    T* op = out.data_ptr<T>();
+    at::parallel_for(0, rows * Hkv, 1, [&](int64_t lo, int64_t hi) {
+      std::vector<float> query(G * D), acc(G * D), scores, total(G);
+      for (int64_t task = lo; task < hi; task++) {
+        const int64_t r = task / Hkv, h = task % Hkv, b = token_p[r], pos = pos_p[r];
+        const int64_t* page_of = table_p + slot_p[r] * pages;
+        const int64_t first = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0, n = pos + 1 - first;
+        auto offset = [&](int64_t j) {  // of key/value j's head h in the caches
+          return ((page_of[j / page_size] * page_size + j % page_size) * Hkv + h) * D;
+        };
+        const T* qh = qp + (b * Hq + h * G) * D;
+        for (int64_t i = 0; i < G * D; i++) query[i] = load(qh[i]);
+        scores.resize(G * n);
+        for (int64_t j = 0; j < n; j++) {
+          const T* key = kc + offset(first + j);
+          for (int64_t g = 0; g < G; g++) {
+            const float* qg = query.data() + g * D;
+            float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t d = 0; d < D; d++) dot += qg[d] * load(key[d]);
+            scores[g * n + j] = dot * softmax_scale;
+          }
+        }
+        for (int64_t g = 0; g < G; g++) {
+          float* sg = scores.data() + g * n;
+          const float top = *std::max_element(sg, sg + n);
+          float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+          for (int64_t j = 0; j < n; j++) {
+            sg[j] = exp_nonpositive(sg[j] - top);
+            sum += sg[j];
+          }
+          total[g] = sum;
+        }
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t j = 0; j < n; j++) {
+          const T* value = vc + offset(first + j);
+          for (int64_t g = 0; g < G; g++) {
+            const float p = scores[g * n + j];
+            float* ag = acc.data() + g * D;
+#pragma omp simd
+            for (int64_t d = 0; d < D; d++) ag[d] += p * load(value[d]);
+          }
+        }
+        T* o = op + (b * Hq + h * G) * D;
+        for (int64_t g = 0; g < G; g++)
+#pragma omp simd
+          for (int64_t d = 0; d < D; d++) o[g * D + d] = store<T>(acc[g * D + d] / total[g]);
+      }
+    });
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(blink_cpu, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
+  m.def("add_rms_norm(Tensor x, Tensor delta, Tensor weight, float eps) -> (Tensor, Tensor)", &add_rms_norm);
+  m.def("rope_and_cache(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor signed_sin, Tensor write_rows, "
+        "Tensor(a!) k_cache, Tensor(b!) v_cache) -> Tensor",
+        &rope_and_cache);
+  m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor slot, Tensor token, "
+        "Tensor position, Tensor count, float scale, int window, Tensor(a!) out) -> ()",
+        &decode_attention);
+}

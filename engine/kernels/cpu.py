@@ -1,0 +1,65 @@
+"""The CPU's fused kernels (cpu.cpp): built once per machine with torch's C++ extension tooling, then loaded from
+the build directory.
+
+The build needs a C++ compiler (g++ or clang++, found as torch finds it: $CXX, else c++) and ninja (the `ninja`
+wheel is an engine dependency); it takes about ten seconds on two cores and is kept under
+$BLINK_CACHE_DIR/cpu-kernels (default ~/.cache/blink), one directory per CPU, Python and torch, since it is compiled
+for the CPU it runs on (-march=native). `ops()` returns torch.ops.blink_cpu, or raises `Unavailable` saying why.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+import sys
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu.cpp")
+# OpenMP: at::parallel_for then shares torch's threads (serial without it). No contraction: a * b + c * d as two
+# products and a sum, rounded where torch's separate ops round.
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
+
+
+class Unavailable(RuntimeError):
+    """The kernels cannot be built or loaded here (no compiler, say): the torch reference runs instead."""
+
+
+def build_dir() -> Path:
+    cpu = _cpu_identity()
+    tag = hashlib.sha256(f"{cpu}|{sys.version}|{torch.__version__}".encode()).hexdigest()[:16]
+    root = Path(os.environ.get("BLINK_CACHE_DIR") or Path.home() / ".cache" / "blink")
+    return root / "cpu-kernels" / tag
+
+
+def _cpu_identity() -> str:
+    """What -march=native compiles for: the model name and feature flags of the first CPU."""
+    try:
+        info = Path("/proc/cpuinfo").read_text().split("\n\n", 1)[0]
+    except OSError:
+        return platform.processor() or platform.machine()
+    return "\n".join(line for line in info.splitlines() if line.startswith(("model name", "flags")))
+
+
+@functools.cache
+def ops():
+    """torch.ops.blink_cpu, built on first use in this process (later processes load the build)."""
+    try:
+        import ninja  # the wheel puts the binary beside its module; torch looks for it on PATH
+        from torch.utils import cpp_extension
+        os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
+        directory = build_dir()
+        directory.mkdir(parents=True, exist_ok=True)
+        log.info("cpu kernels: loading (built once per machine, under %s)", directory)
+        cpp_extension.load(name="blink_cpu", sources=[str(SOURCE)], extra_cflags=FLAGS,
+                           build_directory=str(directory), is_python_module=False, verbose=False)
+    except Exception as e:  # a missing compiler or ninja surfaces as several exception types
+        raise Unavailable(f"the CPU kernels could not be built ({type(e).__name__}: {e}); they need a C++ "
+                          "compiler and ninja") from e
+    return torch.ops.blink_cpu
