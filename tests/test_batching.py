@@ -64,3 +64,21 @@ def test_preemption_evicts_lowest_priority_first(checkpoint):
         order += [e.request_id for e in driver.step() if e.finish_reason]
     assert order[0] == "1"
     assert sorted(order) == ["0", "1", "2"]
+
+
+def test_requests_admitted_in_one_step_keep_their_queue_order(checkpoint):
+    """First come, first served among requests that take their slots in the same step: with a budget that fits
+    one prompt a step, the one queued first gets its first token first, whichever slot it lands in (the free
+    slots go back in the order their requests finished)."""
+    llm = LLM(str(checkpoint("llama-gqa")), max_num_seqs=2, max_num_batched_tokens=16, page_size=4,
+              max_model_len=48, num_pages=40, scheduling_policy="fcfs")
+    driver, first_token = llm._driver, {}
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    for name, length in (("A", 6), ("B", 6), ("C", 13), ("D", 13)):
+        driver.add_request(name, list(range(5, 5 + length)), params, 2)
+    step = 0
+    while driver.has_work():
+        step += 1
+        for e in driver.step():
+            first_token.setdefault(e.request_id, step)
+    assert first_token["A"] <= first_token["B"] < first_token["C"] < first_token["D"]

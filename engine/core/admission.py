@@ -99,8 +99,9 @@ def admit(state: Slots, admitted: torch.Tensor, records: dict[str, torch.Tensor]
 def admit_records(state: Slots, records: np.ndarray, slots: list[int], now: float, arrivals: int, vocab: int,
                   max_len: int) -> list[int]:
     """Host side: checks the records of `slots` (structured slot records: a table's, or the offline API's),
-    copies their prompts and admits the valid ones, numbered from `arrivals` in slot order. Returns the slots
-    whose record is invalid: they are not admitted, and their owner ends them."""
+    copies their prompts and admits the valid ones, numbered from `arrivals` in the order `slots` lists them (the
+    order they came in, where the caller knows it: the offline API's queue). Returns the slots whose record is
+    invalid: they are not admitted, and their owner ends them."""
     valid, invalid = [], []
     for slot in slots:
         n = int(records[slot]["prompt_len"])
@@ -120,7 +121,8 @@ def admit_records(state: Slots, records: np.ndarray, slots: list[int], now: floa
         raw = records.view(np.uint8).reshape(len(records), records.dtype.itemsize)[:, start:start + size]
         admitted = torch.zeros(state.num_slots, dtype=torch.bool)
         admitted[valid] = True
-        arrival = arrivals + admitted.long().cumsum(0) - 1
+        arrival = torch.zeros(state.num_slots, dtype=torch.int64)
+        arrival[valid] = arrivals + torch.arange(len(valid))
         raw_t = torch.from_numpy(np.ascontiguousarray(raw)).to(device)  # a copy: the ingress may write other slots
         admit(state, admitted.to(device), field_views(raw_t, records.dtype), torch.tensor([now], dtype=torch.float64,
               device=device), arrival.to(device), max_len)

@@ -102,7 +102,7 @@ class OfflineDriver:
         if engine.shard is not None:  # rank 0's records and clock: its deadlines, on every rank
             engine.shard.from_first(torch.from_numpy(self.records.view(np.uint8)))
             now = float(engine.shard.from_first(torch.tensor([now], dtype=torch.float64))[0])
-        invalid = self.rank.admit(self.records, sorted(slots), now)
+        invalid = self.rank.admit(self.records, slots, now)  # in queue order: their arrival order
         if invalid:  # LLM checked every prompt before queueing it
             raise RuntimeError(f"invalid requests reached slots {invalid}")
 
