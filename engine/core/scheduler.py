@@ -232,7 +232,8 @@ def _make_room(state: Slots, pool: PagePool, need: torch.Tensor, take: torch.Ten
     tokens, the evicted slots and the pages reserved for the next step.
 
     A page frees when every slot mapping it gives it back (prefix caching shares pages), so what giving back frees
-    is counted per page, by the first slot (in keep order) or the last victim that maps it."""
+    is counted per page, by the first slot (in keep order) or the last victim that maps it; a slot whose every page
+    a kept slot maps too (a request that has just mapped a shared prefix) would free nothing and is not a victim."""
     S = state.num_slots
     need_o, cross_o = need[keep], crossing[keep]
     first_o = _pages_by_position(state, pool, _positions(keep), "amin").cumsum(0)  # pages kept by slots <= k
@@ -241,7 +242,7 @@ def _make_room(state: Slots, pool: PagePool, need: torch.Tensor, take: torch.Ten
     fits = torch.empty_like(fits_o).scatter_(0, keep, fits_o)
     reserve = (crossing * fits).sum()
     deficit = (need * fits).sum() + reserve - pool.num_free
-    candidate = ~fits & (state.pages_held > 0)
+    candidate = ~fits & _frees_a_page(state, pool, fits)
     at = torch.where(candidate, _positions(victims), S)  # a page a kept slot maps never frees
     last_v = _pages_by_position(state, pool, at, "amax")
     evict_v = candidate[victims] & (last_v.cumsum(0) - last_v < deficit)  # short before this victim gives back
@@ -249,6 +250,18 @@ def _make_room(state: Slots, pool: PagePool, need: torch.Tensor, take: torch.Ten
     # A slot past the prefix still runs if it needs no new page and keeps its own.
     runs = fits | ((need == 0) & ~evicted)
     return torch.where(fits, need, 0), torch.where(runs, take, 0), evicted, reserve
+
+
+def _frees_a_page(state: Slots, pool: PagePool, kept: torch.Tensor) -> torch.Tensor:
+    """[S] whether a slot holds a page that no slot in `kept` maps: giving its pages back could free one."""
+    if pool.prefix_cache is None:  # no page is shared
+        return state.pages_held > 0
+    table = state.block_table
+    held = torch.arange(table.shape[1], device=table.device)[None, :] < state.pages_held[:, None]
+    kept_page = torch.zeros(pool.num_pages, dtype=torch.bool, device=table.device)
+    kept_page[torch.where(held & kept[:, None], table, NULL_PAGE)] = True
+    kept_page[NULL_PAGE] = False
+    return (held & ~kept_page[table]).any(1)
 
 
 def _positions(order: torch.Tensor) -> torch.Tensor:
