@@ -24,7 +24,7 @@ import torch
 import transformers
 
 from blink.bench import llama_cpp
-from blink.bench.machine import blink_source, machine, save
+from blink.bench.machine import blink_source, environment, machine, save
 from blink.bench.offline import MODEL_SHAPE, PROMPT_VOCAB, build_checkpoint, on_checkpoint, seed_everything
 
 DTYPES = {"float32": "f32", "bfloat16": "bf16"}  # torch's names, and llama.cpp's
@@ -41,6 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-llama-cpp", action="store_true", help="leave llama.cpp out (no build)")
     p.add_argument("--compile-bookkeeping", action="store_true", help="also Blink with --compile-bookkeeping "
                    "(blink-compiled: one more system in the rotation)")
+    p.add_argument("--reference-kernels", action="store_true", help="also Blink with the torch reference in place "
+                   "of the CPU's C++ kernels (blink-torch-kernels: one more system in the rotation)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--result-dir", type=Path, default=Path("."))
 
@@ -57,12 +59,16 @@ def read_bandwidth() -> float:
 
 
 class BlinkDecoder:
-    def __init__(self, model_dir: Path, dtype: str, batch: int, compile_bookkeeping: bool = False):
+    def __init__(self, model_dir: Path, dtype: str, batch: int, compile_bookkeeping: bool = False,
+                 reference_kernels: bool = False):
         from blink.engine import LLM, SamplingParams
 
-        self.name = "blink-compiled" if compile_bookkeeping else "blink"
-        self.llm = LLM(str(model_dir), max_num_seqs=batch, max_num_batched_tokens=512, device="cpu", dtype=dtype,
-                       compile_bookkeeping=compile_bookkeeping)
+        self.name = ("blink-compiled" if compile_bookkeeping else "blink-torch-kernels" if reference_kernels
+                     else "blink")
+        with environment(**({"BLINK_KERNELS": "torch"} if reference_kernels else {})):
+            self.llm = LLM(str(model_dir), max_num_seqs=batch, max_num_batched_tokens=512, device="cpu",
+                           dtype=dtype, compile_bookkeeping=compile_bookkeeping)
+        self.kernels = self.llm.engine.model.kernels.name
         self.params = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
 
     def generate(self, prompts: list[list[int]], n: int) -> None:
@@ -112,6 +118,9 @@ def benchmark(args: argparse.Namespace, model_dir: Path) -> None:
     if args.compile_bookkeeping:
         for d in dtypes:
             systems[d].append(BlinkDecoder(model_dir, d, args.batch, compile_bookkeeping=True))
+    if args.reference_kernels:
+        for d in dtypes:
+            systems[d].append(BlinkDecoder(model_dir, d, args.batch, reference_kernels=True))
     weight_bytes = {d: sum(p.numel() for p in systems[d][1].model.parameters()) * getattr(torch, d).itemsize
                     for d in dtypes}
     for d in dtypes:  # warm-up: weights in memory, first-call costs paid (compiling: every bucket measured)
@@ -147,6 +156,7 @@ def benchmark(args: argparse.Namespace, model_dir: Path) -> None:
               "workload": {"context": args.context, "new_tokens": args.new_tokens, "batch": args.batch,
                            "rounds": args.rounds, "seed": args.seed},
               "llama_cpp": {"version": llama.version} if llama else {"left_out": llama_reason},
+              "blink_kernels": {s.name: s.kernels for s in systems[dtypes[0]] if isinstance(s, BlinkDecoder)},
               "samples": samples, "medians": medians}
     print(f"\nsaved {save('cpu', result, args.result_dir)}")
 
@@ -160,7 +170,7 @@ def report(medians: dict, samples: dict, batch: int) -> None:
                 spread = samples[d][fig][system]
                 print(f"    {system:<13} {value:9.2f}  [{min(spread):.2f}, {max(spread):.2f}]")
         one, many = figs["batch1_ms_per_token"], figs[f"batch{batch}_tokens_per_s"]
-        for blink in (name for name in ("blink", "blink-compiled") if name in one):
+        for blink in (name for name in ("blink", "blink-compiled", "blink-torch-kernels") if name in one):
             for other in ("transformers", "llama.cpp", "memory"):
                 base = one.get(other) or figs["floor_ms_per_token"].get(other)
                 if base:

@@ -7,6 +7,8 @@ import os
 import platform
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
@@ -60,6 +62,21 @@ def save(name: str, result: dict, results_dir: Path, path: Path | None = None) -
             path = results_dir / f"{stem}-{n}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     return path
+
+
+@contextmanager
+def environment(**values: str) -> Iterator[None]:
+    """Environment variables set for the block (an engine reads some, BLINK_KERNELS say, when it is built)."""
+    before = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name)
+            else:
+                os.environ[name] = value
 
 
 def _proc_field(path: str, key: str) -> str | None:

@@ -95,6 +95,7 @@ def count_step(model_dir: Path, slots: int, context: int, bucket: int, kernels: 
     model's forward and logits."""
     import torch
 
+    from blink.bench.machine import environment
     from blink.engine.core.sampler import TORCH_SAMPLER, Sampler
     from blink.engine.drive import device_step
     from blink.engine.drive.device_step import DeviceStep
@@ -102,7 +103,7 @@ def count_step(model_dir: Path, slots: int, context: int, bucket: int, kernels: 
     from blink.engine.kernels import sampler as sampler_kernels
     from blink.shared.slot_table import Request, SlotTable
 
-    with _environment(BLINK_KERNELS=kernels):
+    with environment(BLINK_KERNELS=kernels):
         engine = Engine(EngineConfig(model=str(model_dir), device="cpu", max_num_seqs=slots,
                                      max_num_batched_tokens=max(bucket, slots), max_model_len=context, swap_space=0))
     counted_sampler = engine.step.sampler
@@ -218,19 +219,6 @@ def _uncounted(counter: _OpCounter, owner, names: tuple[str, ...]):
         for name, fn in originals.items():
             setattr(owner, name, fn)
 
-
-@contextmanager
-def _environment(**values: str):
-    before = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, value in before.items():
-            if value is None:
-                os.environ.pop(name)
-            else:
-                os.environ[name] = value
 
 
 @contextmanager

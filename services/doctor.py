@@ -64,8 +64,21 @@ def _drive_modes() -> list[Capability]:
 
 
 def _features() -> list[Capability]:
-    return [Capability("feature", "prefix-cache", True, "every drive mode: the step looks prompts' page hashes up on "
-                       "the engine's device and shares cached KV pages; on unless --no-enable-prefix-caching")]
+    prefix = Capability("feature", "prefix-cache", True, "every drive mode: the step looks prompts' page hashes up on "
+                        "the engine's device and shares cached KV pages; on unless --no-enable-prefix-caching")
+    return [prefix, _cpu_kernels()] if importlib.util.find_spec("torch") else [prefix]
+
+
+def _cpu_kernels() -> Capability:
+    """Built here if they were not (about ten seconds): the build is the check."""
+    from blink.engine.kernels import cpu
+
+    try:
+        cpu.ops()
+    except cpu.Unavailable as e:
+        return Capability("feature", "cpu-kernels", False, f"{e}: the CPU path runs torch's ops instead")
+    return Capability("feature", "cpu-kernels", True, f"built under {cpu.build_dir()}: the CPU path's norms, RoPE "
+                      "and decode attention in C++")
 
 
 def _device_modes(why: str) -> list[Capability]:
