@@ -2,7 +2,7 @@
 llama.cpp whole (vendor/llama.cpp): its `llama-bench` and `llama-batched-bench`, built here with cmake, and its
 `convert_hf_to_gguf.py`, which turns the benchmark's checkpoint into GGUF files of the same weights.
 
-Built once into a cache directory (`$XDG_CACHE_HOME/blink/llama.cpp-VERSION`); a machine without a compiler,
+Built once into Blink's cache directory (`~/.cache/blink/llama.cpp-VERSION` by default); a machine without a compiler,
 cmake or the package index gets a `Missing` that says which, and the benchmark runs without this baseline.
 """
 
@@ -16,6 +16,8 @@ import sys
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from blink.shared.model_cache import cache_root
 
 
 class Missing(RuntimeError):
@@ -65,7 +67,7 @@ def ensure(cache: Path | None = None) -> LlamaCpp:
     for tool in ("cmake", "c++"):
         if shutil.which(tool) is None:
             raise Missing(f"building llama.cpp needs {tool} on the PATH")
-    cache = cache or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "blink"
+    cache = cache or cache_root()
     downloads = cache / "downloads"
     archives = sorted(downloads.glob("llama_cpp_python-*.tar.gz")) if downloads.is_dir() else []
     if not archives:

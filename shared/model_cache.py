@@ -1,4 +1,5 @@
-"""Where the default model lives, so that tools without the engine (the ingress, `blink bench`) find it."""
+"""Where Blink keeps what it makes once per machine: the default model (found there by tools without the engine:
+the ingress, `blink bench`), the CPU kernels' build, llama.cpp for `blink bench cpu`."""
 
 from __future__ import annotations
 
@@ -8,7 +9,11 @@ from pathlib import Path
 DEFAULT_MODEL_NAME = "blink-tiny-llama-v1"
 
 
-def default_model_dir() -> Path:
+def cache_root() -> Path:
+    """$BLINK_CACHE_DIR, else $XDG_CACHE_HOME/blink, else ~/.cache/blink."""
     cache = os.environ.get("BLINK_CACHE_DIR")
-    root = Path(cache) if cache else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "blink"
-    return root / "models" / DEFAULT_MODEL_NAME
+    return Path(cache) if cache else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "blink"
+
+
+def default_model_dir() -> Path:
+    return cache_root() / "models" / DEFAULT_MODEL_NAME

@@ -2,9 +2,10 @@
 the build directory.
 
 The build needs a C++ compiler (g++ or clang++, found as torch finds it: $CXX, else c++) and ninja (the `ninja`
-wheel is an engine dependency); it takes about ten seconds on two cores and is kept under
-$BLINK_CACHE_DIR/cpu-kernels (default ~/.cache/blink), one directory per CPU, Python and torch, since it is compiled
-for the CPU it runs on (-march=native). `ops()` returns torch.ops.blink_cpu, or raises `Unavailable` saying why.
+wheel is an engine dependency); it takes about ten seconds on two cores and is kept in Blink's cache directory
+(blink.shared.model_cache.cache_root, ~/.cache/blink by default) under cpu-kernels/, one directory per CPU, Python
+and torch, since it is compiled for the CPU it runs on (-march=native). `ops()` returns torch.ops.blink_cpu, or
+raises `Unavailable` saying why.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import sys
 from pathlib import Path
 
 import torch
+
+from blink.shared.model_cache import cache_root
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +37,7 @@ class Unavailable(RuntimeError):
 def build_dir() -> Path:
     cpu = _cpu_identity()
     tag = hashlib.sha256(f"{cpu}|{sys.version}|{torch.__version__}".encode()).hexdigest()[:16]
-    root = Path(os.environ.get("BLINK_CACHE_DIR") or Path.home() / ".cache" / "blink")
-    return root / "cpu-kernels" / tag
+    return cache_root() / "cpu-kernels" / tag
 
 
 def _cpu_identity() -> str:
