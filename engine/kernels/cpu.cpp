@@ -7,7 +7,6 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
-#include <ATen/ops/zeros_like.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
@@ -15,7 +14,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <limits>
 #include <tuple>
 #include <vector>
 

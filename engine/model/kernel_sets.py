@@ -2,9 +2,9 @@
 
 `TorchKernels` is the reference: plain torch ops on any device, with the torch sampler. Its mixture-of-experts
 layer reads on the host which experts run, so a device mode cannot capture it.
-`CpuKernels` is the CPU's choice: the reference with its chains of small ops fused in C++ (blink.engine.kernels.cpu:
-norms, RoPE written into the cache, one-query attention straight from the pages), where each
-torch op costs the dispatcher microseconds; prefill chunks still attend through the reference's gathers.
+`CpuKernels` is the CPU's choice: the reference with its chains of small ops, each a few microseconds of dispatch
+there, fused in C++ (blink.engine.kernels.cpu: norms, RoPE written into the cache, one-query attention straight from
+the pages); prefill chunks still attend through the reference's gathers.
 `TritonKernels` is CUDA's: fused norms, RoPE written into the cache, paged attention over row lists the kernels
 read on the device, grouped experts and the fused sampler; without CUDA it runs in Triton's interpreter (the
 tests check it against the reference that way). A new backend is a class with these methods, named in `KERNEL_SETS`.
@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from blink.engine.model.moe import MoeWeights
 
 log = logging.getLogger(__name__)
+
 
 @dataclass
 class Tokens:
