@@ -168,7 +168,7 @@ def report(medians: dict, samples: dict, batch: int) -> None:
             print(f"  {fig}")
             for system, value in by.items():
                 spread = samples[d][fig][system]
-                print(f"    {system:<13} {value:9.2f}  [{min(spread):.2f}, {max(spread):.2f}]")
+                print(f"    {system:<20} {value:9.2f}  [{min(spread):.2f}, {max(spread):.2f}]")
         one, many = figs["batch1_ms_per_token"], figs[f"batch{batch}_tokens_per_s"]
         for blink in (name for name in ("blink", "blink-compiled", "blink-torch-kernels") if name in one):
             for other in ("transformers", "llama.cpp", "memory"):
