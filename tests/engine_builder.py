@@ -14,6 +14,7 @@ import torch
 from blink.engine.core.admission import admit_records
 from blink.engine.core.kv_cache import PagePool
 from blink.engine.core.policy import Policy
+from blink.engine.core.rotation import HostMirror
 from blink.engine.core.scheduler import StepPlan, advance, plan
 from blink.engine.core.state import Slots
 from blink.shared.request_schema import Request
@@ -31,6 +32,7 @@ class ModelFreeEngine:
     budget: int = 32
     policy: str = "fcfs"
     prompt_rows: int = 0  # prompt logprobs a step scores at most
+    mirror_pages: int = 0  # a host mirror for KV rotation (the pages' contents are not copied: there are none)
     state: Slots = field(init=False)
     pool: PagePool = field(init=False)
 
@@ -43,6 +45,7 @@ class ModelFreeEngine:
         self.records = np.zeros(self.num_slots, dtype=slot_dtype(self.geometry))
         self.cost = torch.zeros(3, dtype=torch.float64)
         self.arrivals = 0
+        self.mirror = HostMirror(self.pool, self.mirror_pages) if self.mirror_pages else None
 
     def add(self, slot: int, prompt_len: int, max_tokens: int = 64, **fields) -> None:
         """A request of `prompt_len` tokens into `slot`, admitted as the engine admits one."""
@@ -55,7 +58,7 @@ class ModelFreeEngine:
     def step(self) -> StepPlan:
         """Plans one step and advances what it scheduled; returns the plan."""
         s = self.state
-        planned = plan(s, self.pool, self.budget, Policy(self.policy), None, self.cost, self.prompt_rows)
+        planned = plan(s, self.pool, self.budget, Policy(self.policy), self.mirror, self.cost, self.prompt_rows)
         advance(s, planned)
         done = (planned.take > 0) & (s.num_computed == s.seq_len)
         s.tokens[done.nonzero()[:, 0], s.seq_len[done]] = 1

@@ -128,3 +128,30 @@ def test_a_cancelled_request_gives_its_pages_before_anyone_is_preempted():
     s.cancel[0] = True
     assert engine.takes(engine.step()) == [0, 1, 1]
     assert s.preemptions.tolist() == [0, 0, 0] and s.pages_held[0] == 0
+
+
+def test_readers_that_stop_reading_do_not_hold_new_requests_back():
+    """Best-effort requests whose readers stopped reading are paused, and under pressure rotated out until the host
+    mirror is nearly full. New best-effort requests wait while a rotated request waits to come back; rotated
+    requests that wait only for their readers must not keep them from starting."""
+    import torch
+
+    from blink.engine.core.state import SlotStatus
+    from blink.shared.service_class import ServiceClass
+
+    engine = ModelFreeEngine(num_slots=4, max_len=64, page_size=8, num_pages=7, budget=32, policy="slo",
+                             mirror_pages=5)  # 6 usable pages; a mirror of 4
+    s, best_effort = engine.state, dict(service_class=ServiceClass.BEST_EFFORT)
+    engine.add(0, prompt_len=16, **best_effort)
+    engine.add(1, prompt_len=16, **best_effort)
+    engine.step()
+    s.paused[:2] = True  # their readers stopped reading
+    engine.add(2, prompt_len=40, service_class=ServiceClass.LATENCY_SENSITIVE)
+    for _ in range(3):
+        engine.step()
+    assert s.rotated.tolist() == [True, True, False, False] and bool(engine.mirror.nearly_full())
+    finished = torch.tensor([False, False, True, False])  # the latency-sensitive request ends (as the commit would)
+    engine.pool.release(finished, s.block_table, s.pages_held)
+    s.status[2] = SlotStatus.FREE
+    engine.add(3, prompt_len=8, **best_effort)
+    assert engine.takes(engine.step()) == [0, 0, 0, 8]

@@ -287,15 +287,16 @@ def _pages_by_position(state: Slots, pool: PagePool, position: torch.Tensor, red
 
 
 def _hold_new(state: Slots, policy: Policy, mirror: HostMirror | None, precedence: torch.Tensor) -> torch.Tensor:
-    """Which requests may not start (all but the latency-sensitive, which may take pages by recompute at worst):
-    none without a mirror; all while it is nearly full; and those the policy puts behind a rotated request waiting
-    to come back (pages they took would keep it out: it had starved behind a stream of later arrivals)."""
+    """Which requests may not start (all but the latency-sensitive, which may take pages by recompute at worst),
+    while a rotated request waits to come back (pages they took would keep it out: it had starved behind a stream
+    of later arrivals): all while the mirror is nearly full, else those the policy puts behind it. Rotated requests
+    that wait for their readers hold nothing back: a reader that never reads would hold back every new request."""
     if mirror is None:
         return torch.zeros_like(state.rotated)
     waiting = state.rotated & state.status_is(SlotStatus.RUNNING) & ~state.cancel & ~state.paused
     rank = _positions(precedence)
     behind = rank > torch.where(waiting, rank, state.num_slots).amin()
-    return (mirror.nearly_full() | behind) & ~policy.latency_sensitive(state)
+    return ((mirror.nearly_full() & waiting.any()) | behind) & ~policy.latency_sensitive(state)
 
 
 def _comeback_pages(state: Slots, page: int, token_budget: int) -> torch.Tensor:
