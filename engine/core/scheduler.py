@@ -234,17 +234,20 @@ def _make_room(state: Slots, pool: PagePool, need: torch.Tensor, take: torch.Ten
     A page frees when every slot mapping it gives it back (prefix caching shares pages), so what giving back frees
     is counted per page, by the first slot (in keep order) or the last victim that maps it; a slot whose every page
     a kept slot maps too (a request that has just mapped a shared prefix) would free nothing and is not a victim."""
-    S = state.num_slots
+    S, table = state.num_slots, state.block_table
+    # With prefix caching, who maps which page: each slot's block-table entries in use.
+    held = (torch.arange(table.shape[1], device=table.device)[None, :] < state.pages_held[:, None]
+            if pool.prefix_cache is not None else None)
     need_o, cross_o = need[keep], crossing[keep]
-    first_o = _pages_by_position(state, pool, _positions(keep), "amin").cumsum(0)  # pages kept by slots <= k
+    first_o = _pages_by_position(state, pool, held, _positions(keep), "amin").cumsum(0)  # pages kept by slots <= k
     freed_after = first_o[-1] - first_o
     fits_o = need_o.cumsum(0) + cross_o.cumsum(0) - cross_o <= pool.num_free + freed_after
     fits = torch.empty_like(fits_o).scatter_(0, keep, fits_o)
     reserve = (crossing * fits).sum()
     deficit = (need * fits).sum() + reserve - pool.num_free
-    candidate = ~fits & _frees_a_page(state, pool, fits)
+    candidate = ~fits & _frees_a_page(state, pool, held, fits)
     at = torch.where(candidate, _positions(victims), S)  # a page a kept slot maps never frees
-    last_v = _pages_by_position(state, pool, at, "amax")
+    last_v = _pages_by_position(state, pool, held, at, "amax")
     evict_v = candidate[victims] & (last_v.cumsum(0) - last_v < deficit)  # short before this victim gives back
     evicted = torch.empty_like(evict_v).scatter_(0, victims, evict_v)
     # A slot past the prefix still runs if it needs no new page and keeps its own.
@@ -252,12 +255,12 @@ def _make_room(state: Slots, pool: PagePool, need: torch.Tensor, take: torch.Ten
     return torch.where(fits, need, 0), torch.where(runs, take, 0), evicted, reserve
 
 
-def _frees_a_page(state: Slots, pool: PagePool, kept: torch.Tensor) -> torch.Tensor:
-    """[S] whether a slot holds a page that no slot in `kept` maps: giving its pages back could free one."""
-    if pool.prefix_cache is None:  # no page is shared
+def _frees_a_page(state: Slots, pool: PagePool, held: torch.Tensor | None, kept: torch.Tensor) -> torch.Tensor:
+    """[S] whether a slot holds a page that no slot in `kept` maps: giving its pages back could free one. held:
+    `_make_room`'s, None without prefix caching."""
+    if held is None:  # no page is shared
         return state.pages_held > 0
     table = state.block_table
-    held = torch.arange(table.shape[1], device=table.device)[None, :] < state.pages_held[:, None]
     kept_page = torch.zeros(pool.num_pages, dtype=torch.bool, device=table.device)
     kept_page[torch.where(held & kept[:, None], table, NULL_PAGE)] = True
     kept_page[NULL_PAGE] = False
@@ -269,14 +272,14 @@ def _positions(order: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(order).scatter_(0, order, torch.arange(order.shape[0], device=order.device))
 
 
-def _pages_by_position(state: Slots, pool: PagePool, position: torch.Tensor, reduce: str) -> torch.Tensor:
+def _pages_by_position(state: Slots, pool: PagePool, held: torch.Tensor | None, position: torch.Tensor,
+                       reduce: str) -> torch.Tensor:
     """[S] how many pages have their first ('amin') or last ('amax') mapping slot at each position (slot s at
-    `position[s]`, in [0, S]; S counts nowhere)."""
+    `position[s]`, in [0, S]; S counts nowhere). held: `_make_room`'s, None without prefix caching."""
     S, table = state.num_slots, state.block_table
     counts = torch.zeros(S + 1, dtype=torch.int64, device=table.device)
-    if pool.prefix_cache is None:  # no page is shared: a page's only holder is the slot whose pages_held counts it
+    if held is None:  # no page is shared: a page's only holder is the slot whose pages_held counts it
         return counts.scatter_add_(0, position, state.pages_held)[:S]
-    held = torch.arange(table.shape[1], device=table.device)[None, :] < state.pages_held[:, None]
     pages = torch.where(held, table, NULL_PAGE).flatten()
     start = S if reduce == "amin" else -1
     by_page = torch.full((pool.num_pages,), start, dtype=torch.int64, device=table.device)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -70,6 +71,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(x.dtype)
+
+
+def split_heads(qkv: torch.Tensor, w: LayerWeights, cfg: ModelConfig,
+                norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor],
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k and v as [B, heads, head_dim] views of the fused projection, q and k through their norms where the
+    model has them (norm: the kernel set's)."""
+    q, k, v = (part.unflatten(-1, (-1, cfg.head_dim))
+               for part in qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1))
+    if w.q_norm is not None:
+        q, k = norm(q, w.q_norm, cfg.rms_norm_eps), norm(k, w.k_norm, cfg.rms_norm_eps)
+    return q, k, v
 
 
 class TorchKernels:
@@ -140,10 +153,7 @@ class CpuKernels(TorchKernels):
 
     def attention(self, qkv: torch.Tensor, w: LayerWeights, cfg: ModelConfig, tokens: Tokens, k_cache: torch.Tensor,
                   v_cache: torch.Tensor, scale: float) -> torch.Tensor:
-        q, k, v = (part.unflatten(-1, (-1, cfg.head_dim))
-                   for part in qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1))
-        if w.q_norm is not None:
-            q, k = self.norm(q, w.q_norm, cfg.rms_norm_eps), self.norm(k, w.k_norm, cfg.rms_norm_eps)
+        q, k, v = split_heads(qkv, w, cfg, self.norm)
         batch = tokens.batch
         q = self._ops.rope_and_cache(q, k, v, *tokens.rope, batch.write_rows, k_cache, v_cache)
         out = q.new_zeros(q.shape[0] + 1, *q.shape[1:])  # index B is the trash row of the chunks' padding
@@ -193,12 +203,7 @@ class TritonKernels:
 
     def attention(self, qkv: torch.Tensor, w: LayerWeights, cfg: ModelConfig, tokens: Tokens, k_cache: torch.Tensor,
                   v_cache: torch.Tensor, scale: float) -> torch.Tensor:
-        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        q = q.view(-1, cfg.num_heads, cfg.head_dim)
-        k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
-        v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
-        if w.q_norm is not None:
-            q, k = self.norm(q, w.q_norm, cfg.rms_norm_eps), self.norm(k, w.k_norm, cfg.rms_norm_eps)
+        q, k, v = split_heads(qkv, w, cfg, self.norm)
         batch = tokens.batch
         q = self._rope.rope_and_cache(q, k, v, *tokens.rope, tokens.positions, batch.write_rows, k_cache, v_cache)
         out = torch.zeros_like(q)  # padding tokens belong to no row: they keep zeros, as in the reference
