@@ -38,9 +38,12 @@ class LlamaCpp:
         out = out_dir / f"{model_dir.name}-{dtype}.gguf"
         if not out.is_file():
             # The benchmark's tokenizer was trained here, so the converter cannot name its pre-tokenizer; llama.cpp's
-            # default one is declared (the benchmarks feed token ids and never tokenize).
+            # default one is declared (the benchmarks feed token ids and never tokenize). It has no tokenizer.model,
+            # which the converter imports sentencepiece to look for first: said absent without that import.
             script = ("import sys; sys.path[:0] = [sys.argv.pop(1), sys.argv.pop(1)]; import conversion.base as b; "
-                      "b.TextModel.get_vocab_base_pre = lambda self, tokenizer: 'default'; "
+                      "b.TextModel.get_vocab_base_pre = lambda self, tokenizer: 'default'\n"
+                      "def absent(self): raise FileNotFoundError('tokenizer.model')\n"
+                      "b.TextModel._create_vocab_sentencepiece = absent\n"
                       "import convert_hf_to_gguf as c; c.main()")
             _run([sys.executable, "-c", script, str(self.source), str(self.source / "gguf-py"), str(model_dir),
                   "--outtype", dtype, "--outfile", str(out)], "converting the checkpoint to GGUF")

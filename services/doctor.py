@@ -66,19 +66,23 @@ def _drive_modes() -> list[Capability]:
 def _features() -> list[Capability]:
     prefix = Capability("feature", "prefix-cache", True, "every drive mode: the step looks prompts' page hashes up on "
                         "the engine's device and shares cached KV pages; on unless --no-enable-prefix-caching")
-    return [prefix, _cpu_kernels()] if importlib.util.find_spec("torch") else [prefix]
+    return [prefix, *_cpu_kernels()] if importlib.util.find_spec("torch") else [prefix]
 
 
-def _cpu_kernels() -> Capability:
+def _cpu_kernels() -> list[Capability]:
     """Built here if they were not (about ten seconds): the build is the check."""
     from blink.engine.kernels import cpu
 
     try:
-        cpu.ops()
+        ops = cpu.ops()
     except cpu.Unavailable as e:
-        return Capability("feature", "cpu-kernels", False, f"{e}: the CPU path runs torch's ops instead")
-    return Capability("feature", "cpu-kernels", True, f"built under {cpu.build_dir()}: the CPU path's norms, RoPE "
-                      "and decode attention in C++")
+        return [Capability("feature", "cpu-kernels", False, f"{e}: the CPU path runs torch's ops instead")]
+    amx = ops.amx_ready()
+    return [Capability("feature", "cpu-kernels", True, f"built under {cpu.build_dir()}: the CPU path's norms, RoPE "
+                       "and decode attention in C++"),
+            Capability("feature", "amx", amx, "bfloat16 projections on the CPU's AMX tiles" if amx else
+                       "no AMX tiles on this CPU (Intel Sapphire Rapids and later have them): bfloat16 projections "
+                       "run on oneDNN's packed weights")]
 
 
 def _device_modes(why: str) -> list[Capability]:

@@ -1,5 +1,6 @@
-"""The model's projections on the CPU: the split float32 product and packed float32 and bfloat16 weights give
-F.linear's result, for decode and prefill row counts, with and without a bias."""
+"""The model's projections on the CPU: the split float32 product, packed float32 and bfloat16 weights and the AMX
+kernel give F.linear's result, for decode and prefill row counts, with and without a bias; `prepare` picks the
+weight's form."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from blink.engine.model.linear import can_pack, linear, pack
+from blink.engine.model import linear as projections
+from blink.engine.model.linear import amx_ops, can_pack, linear, pack, prepare
 
 
 @pytest.mark.parametrize("rows", [1, 3, 17, 130])
@@ -52,3 +54,61 @@ def test_a_torch_without_the_packing_ops_runs_plain_products(monkeypatch):
         assert not module.can_pack(torch.ones(4, 4))
     finally:
         module._packed_products_work.cache_clear()
+
+
+needs_amx = pytest.mark.skipif(amx_ops() is None, reason="needs a CPU with AMX tiles (Intel Sapphire Rapids or "
+                               "later) and the CPU kernels built")
+
+
+@needs_amx
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 64, 70])  # 70: two passes of four row blocks, the last one short
+def test_amx_products(rows):
+    torch.manual_seed(rows)
+    x, w, b = (torch.randn(*shape, dtype=torch.bfloat16) for shape in ((rows, 96), (48, 96), (48,)))
+    for bias in (None, b):
+        expected = F.linear(x.double(), w.double(), None if bias is None else bias.double())
+        got = linear(x, prepare(w), bias)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, 48)
+        torch.testing.assert_close(got.double(), expected, rtol=1e-2, atol=1e-2)  # bfloat16's rounding of the sum
+
+
+@needs_amx
+def test_amx_rows_are_independent_of_the_batch():
+    torch.manual_seed(0)
+    x, w = torch.randn(70, 64, dtype=torch.bfloat16), torch.randn(32, 64, dtype=torch.bfloat16)
+    alone = torch.cat([linear(x[i:i + 1], w) for i in range(70)])
+    assert torch.equal(linear(x, w), alone)  # each output sums its products in one order, whatever the rows
+
+
+@needs_amx
+def test_amx_weight_forms():
+    assert not prepare(torch.ones(32, 64, dtype=torch.bfloat16)).is_mkldnn  # the kernel reads the plain weight
+    assert prepare(torch.ones(40, 64, dtype=torch.bfloat16)).is_mkldnn  # not whole 16-row tiles: oneDNN's
+    assert prepare(torch.ones(32, 64)).is_mkldnn  # float32: oneDNN's
+    with pytest.raises(RuntimeError, match="whole tiles"):
+        amx_ops().amx_linear(torch.ones(1, 64, dtype=torch.bfloat16), torch.ones(40, 64, dtype=torch.bfloat16), None)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs torch built with oneDNN")
+def test_without_amx_bfloat16_weights_are_packed(monkeypatch):
+    monkeypatch.setattr(projections, "amx_ops", lambda: None)
+    w = torch.randn(32, 64, dtype=torch.bfloat16)
+    packed = prepare(w)
+    assert packed.is_mkldnn
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    torch.testing.assert_close(linear(x, packed), F.linear(x, w), rtol=2e-2, atol=2e-2)
+
+
+def test_a_cpu_without_amx_runs_no_tiles():
+    from blink.engine.kernels import cpu
+
+    try:
+        ops = cpu.ops()
+    except cpu.Unavailable as e:
+        pytest.skip(str(e))
+    if ops.amx_ready():
+        pytest.skip("this CPU has AMX tiles")
+    w = torch.ones(32, 64, dtype=torch.bfloat16)
+    assert amx_ops() is None and prepare(w).is_mkldnn == can_pack(w)  # oneDNN's layout where it has one
+    with pytest.raises(RuntimeError, match="no AMX tiles"):
+        ops.amx_linear(torch.ones(1, 64, dtype=torch.bfloat16), w, None)

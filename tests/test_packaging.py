@@ -61,4 +61,5 @@ def test_the_wheel_installs_and_imports_every_module(tmp_path):
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
     assert (target / "blink" / "engine" / "assets").is_dir()  # package data: the default model's text
-    assert (target / "blink" / "engine" / "kernels" / "cpu.cpp").is_file()  # and the CPU kernels' source
+    for source in ("cpu.cpp", "amx_linear.cpp"):  # and the CPU kernels' sources
+        assert (target / "blink" / "engine" / "kernels" / source).is_file()

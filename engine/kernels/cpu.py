@@ -1,5 +1,5 @@
-"""The CPU's fused kernels (cpu.cpp): built once per machine with torch's C++ extension tooling, then loaded from
-the build directory.
+"""The CPU's fused kernels (cpu.cpp) and AMX projections (amx_linear.cpp): built once per machine with torch's C++
+extension tooling, then loaded from the build directory.
 
 The build needs a C++ compiler (g++ or clang++, found as torch finds it: $CXX, else c++) and ninja (the `ninja`
 wheel is an engine dependency); it takes about ten seconds on two cores and is kept in Blink's cache directory
@@ -24,7 +24,7 @@ from blink.shared.model_cache import cache_root
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu.cpp")
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu.cpp", "amx_linear.cpp")]
 # OpenMP: at::parallel_for then shares torch's threads (serial without it). No contraction: a * b + c * d as two
 # products and a sum, rounded where torch's separate ops round.
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
@@ -59,7 +59,7 @@ def ops():
         directory = build_dir()
         directory.mkdir(parents=True, exist_ok=True)
         log.info("cpu kernels: loading (built once per machine, under %s)", directory)
-        cpp_extension.load(name="blink_cpu", sources=[str(SOURCE)], extra_cflags=FLAGS,
+        cpp_extension.load(name="blink_cpu", sources=[str(source) for source in SOURCES], extra_cflags=FLAGS,
                            build_directory=str(directory), is_python_module=False, verbose=False)
     except Exception as e:  # a missing compiler or ninja surfaces as several exception types
         raise Unavailable(f"the CPU kernels could not be built ({type(e).__name__}: {e}); they need a C++ "

@@ -16,7 +16,7 @@ from blink.engine.model.checkpoint import load_tensors
 from blink.engine.model.config import ModelConfig
 from blink.engine.model.dummy import dummy_tensors
 from blink.engine.model.kernel_sets import Tokens
-from blink.engine.model.linear import can_pack, linear, pack
+from blink.engine.model.linear import linear, prepare
 from blink.engine.model.moe import MoeWeights
 from blink.engine.model.parallel import Shard
 from blink.engine.model.rope import rope_tables
@@ -100,12 +100,13 @@ class Transformer:
             ))
         self.norm = get("model.norm.weight")
         self.lm_head = self.embed if cfg.tie_word_embeddings else get("lm_head.weight")
-        if can_pack(self.embed):  # a tied output embedding is packed as a copy: the lookup reads the plain one
-            for w in self.layers:
-                w.qkv, w.o_proj = pack(w.qkv), pack(w.o_proj)
-                if w.moe is None:
-                    w.gate_up, w.down = pack(w.gate_up), pack(w.down)
-            self.lm_head = pack(self.lm_head)
+        # On the CPU each projection's weight takes the form its products run fastest in (linear.prepare); a tied
+        # output embedding packed for oneDNN is a copy, as the lookup reads the plain one.
+        for w in self.layers:
+            w.qkv, w.o_proj = prepare(w.qkv), prepare(w.o_proj)
+            if w.moe is None:
+                w.gate_up, w.down = prepare(w.gate_up), prepare(w.down)
+        self.lm_head = prepare(self.lm_head)
         self.cos, self.sin = rope_tables(cfg, max_len, device)
         self.scale = cfg.head_dim ** -0.5
         self.kernels = kernel_sets.choose(cfg, device)
