@@ -130,3 +130,18 @@ def test_the_cpu_takes_the_cpp_kernels_and_falls_back_saying_why(monkeypatch, ca
         kernel_sets.choose(cfg, torch.device("cpu"))
     monkeypatch.delenv("BLINK_KERNELS")
     assert kernel_sets.choose(cfg, torch.device("cpu")).name == "torch"
+
+
+def test_a_failed_build_is_tried_once_per_process(monkeypatch):
+    tries = []
+
+    def unwritable():
+        tries.append(1)
+        raise PermissionError("read-only cache")
+
+    monkeypatch.setattr(cpu, "build_dir", unwritable)
+    monkeypatch.setattr(cpu, "_loaded", None)  # as in a new process; the loaded kernels come back after the test
+    for _ in range(2):
+        with pytest.raises(cpu.Unavailable, match="read-only cache"):
+            cpu.ops()
+    assert len(tries) == 1

@@ -10,7 +10,6 @@ raises `Unavailable` saying why.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import logging
 import os
@@ -49,9 +48,20 @@ def _cpu_identity() -> str:
     return "\n".join(line for line in info.splitlines() if line.startswith(("model name", "flags")))
 
 
-@functools.cache
+_loaded = None  # torch.ops.blink_cpu once loaded, or the Unavailable that said why not: tried once per process
+
+
 def ops():
     """torch.ops.blink_cpu, built on first use in this process (later processes load the build)."""
+    global _loaded
+    if _loaded is None:
+        _loaded = _load()
+    if isinstance(_loaded, Unavailable):
+        raise Unavailable(str(_loaded))
+    return _loaded
+
+
+def _load():
     try:
         import ninja  # the wheel puts the binary beside its module; torch looks for it on PATH
         from torch.utils import cpp_extension
@@ -62,6 +72,6 @@ def ops():
         cpp_extension.load(name="blink_cpu", sources=[str(source) for source in SOURCES], extra_cflags=FLAGS,
                            build_directory=str(directory), is_python_module=False, verbose=False)
     except Exception as e:  # a missing compiler or ninja surfaces as several exception types
-        raise Unavailable(f"the CPU kernels could not be built ({type(e).__name__}: {e}); they need a C++ "
-                          "compiler and ninja") from e
+        return Unavailable(f"the CPU kernels could not be built ({type(e).__name__}: {e}); they need a C++ "
+                           "compiler and ninja")
     return torch.ops.blink_cpu
