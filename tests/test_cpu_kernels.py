@@ -113,8 +113,10 @@ def test_decode_attention_refuses_what_the_cache_does_not_hold(ops):
 
 def test_the_cpu_takes_the_cpp_kernels_and_falls_back_saying_why(monkeypatch, caplog):
     monkeypatch.delenv("BLINK_KERNELS", raising=False)
-    cfg = SimpleNamespace(sliding_window=None, dtype=torch.bfloat16)  # what choosing reads of a model's config
+    cfg = SimpleNamespace(sliding_window=None, dtype=torch.bfloat16, head_dim=64)  # what choosing reads of a config
     assert kernel_sets.choose(cfg, torch.device("cpu")).name == "cpu"
+    wide = SimpleNamespace(sliding_window=None, dtype=torch.bfloat16, head_dim=cpu.MAX_HEAD_DIM * 2)
+    assert kernel_sets.choose(wide, torch.device("cpu")).name == "torch"  # heads wider than the kernel's row
 
     def no_compiler():
         raise cpu.Unavailable("the CPU kernels could not be built (no compiler)")

@@ -26,7 +26,10 @@ log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu.cpp", "amx_linear.cpp")]
 # OpenMP: at::parallel_for then shares torch's threads (serial without it). No contraction: a * b + c * d as two
 # products and a sum, rounded where torch's separate ops round.
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
+# decode_attention's float row of a key or value lives on the stack. 256 covers Llama, Qwen, Mistral and Gemma; a
+# larger one slowed the bfloat16 kernel 2.3x at 512 keys on the EPYC (store-to-load aliasing, by its symptoms).
+MAX_HEAD_DIM = 256
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", f"-DBLINK_MAX_HEAD_DIM={MAX_HEAD_DIM}"]
 
 
 class Unavailable(RuntimeError):

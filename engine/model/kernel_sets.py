@@ -227,7 +227,8 @@ def choose(cfg: ModelConfig, device: torch.device) -> KernelSet:
 
     name = os.environ.get("BLINK_KERNELS")
     if name is None:
-        name = "triton" if device.type == "cuda" else "cpu" if cfg.dtype in CPU_DTYPES else "torch"
+        name = ("triton" if device.type == "cuda" else
+                "cpu" if cfg.dtype in CPU_DTYPES and cfg.head_dim <= cpu.MAX_HEAD_DIM else "torch")
         if name == "cpu":
             try:
                 cpu.ops()
@@ -239,8 +240,8 @@ def choose(cfg: ModelConfig, device: torch.device) -> KernelSet:
     if name == "triton":
         return TritonKernels(cfg.sliding_window, device)
     if name == "cpu":
-        if device.type != "cpu" or cfg.dtype not in CPU_DTYPES:
-            raise ValueError(f"BLINK_KERNELS=cpu runs float32 or bfloat16 models on the CPU, not {cfg.dtype} on "
-                             f"{device.type}")
+        if device.type != "cpu" or cfg.dtype not in CPU_DTYPES or cfg.head_dim > cpu.MAX_HEAD_DIM:
+            raise ValueError(f"BLINK_KERNELS=cpu runs float32 or bfloat16 models with heads of up to "
+                             f"{cpu.MAX_HEAD_DIM} on the CPU, not {cfg.dtype} heads of {cfg.head_dim} on {device.type}")
         return CpuKernels(cfg.sliding_window, cpu.ops())
     return TorchKernels(cfg.sliding_window)
