@@ -221,7 +221,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
     T* op = out.data_ptr<T>();
     at::parallel_for(0, rows * Hkv, 1, [&](int64_t lo, int64_t hi) {
       std::vector<float> query(G * D), acc(G * D), scores, total(G);
-      alignas(64) float row[kMaxHeadDim];  // on the stack: the compiler sees it alias nothing
+      alignas(64) float row[kMaxHeadDim];  // on the stack, aliasing nothing; kept small (cpu.py says why)
       for (int64_t task = lo; task < hi; task++) {
         const int64_t r = task / Hkv, h = task % Hkv, b = token_p[r], pos = pos_p[r];
         const int64_t* page_of = table_p + slot_p[r] * pages;

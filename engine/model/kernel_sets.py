@@ -221,15 +221,18 @@ CPU_DTYPES = (torch.float32, torch.bfloat16)  # what the C++ kernels are written
 
 
 def choose(cfg: ModelConfig, device: torch.device) -> KernelSet:
-    """Triton on CUDA; on the CPU the C++ kernels where they build (the torch reference where they cannot, saying
-    why); BLINK_KERNELS names one instead."""
+    """Triton on CUDA; on the CPU the C++ kernels where they build and take the model's heads (else the torch
+    reference, saying why); BLINK_KERNELS names one instead."""
     from blink.engine.kernels import cpu
 
     name = os.environ.get("BLINK_KERNELS")
     if name is None:
-        name = ("triton" if device.type == "cuda" else
-                "cpu" if cfg.dtype in CPU_DTYPES and cfg.head_dim <= cpu.MAX_HEAD_DIM else "torch")
-        if name == "cpu":
+        name = "triton" if device.type == "cuda" else "cpu" if cfg.dtype in CPU_DTYPES else "torch"
+        if name == "cpu" and cfg.head_dim > cpu.MAX_HEAD_DIM:
+            log.warning("the CPU kernels take heads of up to %d, this model's are %d; the torch reference runs "
+                        "instead", cpu.MAX_HEAD_DIM, cfg.head_dim)
+            name = "torch"
+        elif name == "cpu":
             try:
                 cpu.ops()
             except cpu.Unavailable as e:
