@@ -42,18 +42,16 @@ def test_packed_weights(rows, dtype):
 
 
 def test_a_torch_without_the_packing_ops_runs_plain_products(monkeypatch):
-    from blink.engine.model import linear as module
-
     def missing(*args):
         raise RuntimeError("no such op in this build")
 
-    module._packed_products_work.cache_clear()
-    monkeypatch.setattr(module, "pack", missing)
+    projections._packed_products_work.cache_clear()
+    monkeypatch.setattr(projections, "pack", missing)
     try:
-        assert not module.can_pack(torch.ones(4, 4, dtype=torch.bfloat16))
-        assert not module.can_pack(torch.ones(4, 4))
+        assert not projections.can_pack(torch.ones(4, 4, dtype=torch.bfloat16))
+        assert not projections.can_pack(torch.ones(4, 4))
     finally:
-        module._packed_products_work.cache_clear()
+        projections._packed_products_work.cache_clear()
 
 
 needs_amx = pytest.mark.skipif(amx_ops() is None, reason="needs a CPU with AMX tiles (Intel Sapphire Rapids or "
