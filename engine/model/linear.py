@@ -1,15 +1,21 @@
 """The model's projections (x @ W.T), and how the CPU runs them at full bandwidth.
 
-Measured on this project's 2-core VMs, a token of a 125M Llama, all its projections:
+Measured on this project's 2-core VMs, all the projections of a token of a 125M Llama:
 
-- bfloat16 on a CPU with AMX tiles (Sapphire Rapids and later): Blink's own kernel (`amx_linear`,
+- On a CPU with AVX-512 (AVX512-BF16 for bfloat16): Blink's own kernel (`blocked_linear`,
+  engine/kernels/blocked_linear.cpp) on the weight laid out once in blocks of 64 outputs (`block`), instead of
+  oneDNN's packed layout. On the EPYC, side by side: bfloat16 1 row 10.9 -> 5.3 ms (the weights read at about the
+  speed of a plain read, oneDNN at half of it), 16 rows 17.2 -> 12.2, a 512-token prefill 303 -> 286; float32 1 row
+  19.1 -> 10.1, 16 rows 32.6 -> 25.2, 512 rows 841 -> 717.
+- bfloat16 on a CPU with AMX tiles (Sapphire Rapids and later): Blink's AMX kernel (`amx_linear`,
   engine/kernels/amx_linear.cpp) on the plain weight, whatever the row count, instead of oneDNN's packed layout:
   1 row 11.4 -> 8.8 ms, 16 rows 10.8 -> 9.7, a 512-token prefill 142 -> 128; 48-128 rows are where oneDNN's packed
-  products stay ahead (up to 1.3x), the price of one copy of the weights and one path (docs/design.md).
-- Both dtypes elsewhere: oneDNN with the weight reordered once into its own blocked layout (`pack`), instead of a
-  plain tensor it reorders on every call. bfloat16: 12.6 -> 8.8 ms. float32, against the split product below (all
-  12 layers and the output embedding, medians, side by side): as fast for one row, 1.9x for 16 (40.8 -> 21.2 ms),
-  1.3x for a 512-token prefill; `LLM.generate` decoding 16 sequences, 290 -> 471 tokens/s.
+  products stay ahead (up to 1.3x), the price of one copy of the weights and one path (docs/design.md). Not yet
+  measured against the blocked kernel, which such a CPU also runs.
+- Elsewhere (no AVX-512, or outputs not a multiple of 64): oneDNN with the weight reordered once into its own
+  blocked layout (`pack`), instead of a plain tensor it reorders on every call. bfloat16: 12.6 -> 8.8 ms. float32,
+  against the split product below (all 12 layers and the output embedding, medians, side by side): as fast for one
+  row, 1.9x for 16 (40.8 -> 21.2 ms), 1.3x for a 512-token prefill.
 - float32 without oneDNN: MKL's product of a few rows against a weight matrix (a decode step's shape) runs on one
   thread whatever torch's thread count, and for 2-16 rows it is slower still than for one: 29 ms for one row, 57
   ms for two. Split the weight's output rows in as many equal parts as torch has threads (a view: no copy) and a
@@ -29,11 +35,64 @@ PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def prepare(weight: torch.Tensor) -> torch.Tensor:
-    """The weight as `linear` runs it fastest here: plain where the AMX kernel takes it, else `pack`ed where that
-    pays, else as it is."""
+    """The weight as `linear` runs it fastest here: plain where the AMX kernel takes it, `block`ed where the AVX-512
+    kernel does, else `pack`ed where that pays, else as it is."""
     if _amx_takes(weight):
         return weight
+    if _blocks_take(weight):
+        return block(weight)
     return pack(weight) if can_pack(weight) else weight
+
+
+@functools.cache
+def cpu_kernels():
+    """torch.ops.blink_cpu, or None where the CPU kernels cannot be built here."""
+    from blink.engine.kernels import cpu
+
+    try:
+        return cpu.ops()
+    except cpu.Unavailable:
+        return None
+
+
+@functools.cache
+def amx_ops():
+    """torch.ops.blink_cpu where its AMX projections run on this CPU, else None."""
+    ops = cpu_kernels()
+    return ops if ops is not None and ops.amx_ready() else None
+
+
+def _amx_takes(weight: torch.Tensor) -> bool:
+    return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.dim() == 2
+            and weight.shape[0] % 16 == 0 and weight.shape[1] % 32 == 0 and weight.is_contiguous()
+            and amx_ops() is not None)
+
+
+BLOCK = 64  # outputs of a block of a `block`ed weight (blocked_linear.cpp)
+
+
+@functools.cache
+def blocked_ops(dtype: torch.dtype):
+    """torch.ops.blink_cpu where its AVX-512 projections run for this dtype on this CPU, else None."""
+    ops = cpu_kernels()
+    return ops if ops is not None and dtype in PACKED_DTYPES and ops.blocked_linear_ready(dtype) else None
+
+
+def _blocks_take(weight: torch.Tensor) -> bool:
+    return (weight.device.type == "cpu" and weight.dim() == 2 and weight.shape[0] % BLOCK == 0
+            and weight.shape[1] % _per_word(weight.dtype) == 0 and blocked_ops(weight.dtype) is not None)
+
+
+def _per_word(dtype: torch.dtype) -> int:
+    return 2 if dtype == torch.bfloat16 else 1  # the kernel's step reads 32-bit words of the weight
+
+
+def block(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] as [N/64, K/E, 64, E], E the elements in a 32-bit word: each block of 64 outputs contiguous, word by
+    word of k (a copy)."""
+    n, k = weight.shape
+    e = _per_word(weight.dtype)
+    return weight.view(n // BLOCK, BLOCK, k // e, e).transpose(1, 2).contiguous()
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -55,24 +114,6 @@ def _packed_products_work(dtype: torch.dtype) -> bool:
         return False
 
 
-@functools.cache
-def amx_ops():
-    """torch.ops.blink_cpu where its AMX projections run on this CPU, else None."""
-    from blink.engine.kernels import cpu
-
-    try:
-        ops = cpu.ops()
-    except cpu.Unavailable:
-        return None
-    return ops if ops.amx_ready() else None
-
-
-def _amx_takes(weight: torch.Tensor) -> bool:
-    return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.dim() == 2
-            and weight.shape[0] % 16 == 0 and weight.shape[1] % 32 == 0 and weight.is_contiguous()
-            and amx_ops() is not None)
-
-
 def pack(weight: torch.Tensor) -> torch.Tensor:
     """The weight in oneDNN's layout for products with any number of rows (an opaque tensor only `linear` reads)."""
     return torch.ops.mkldnn._reorder_linear_weight(weight, None)
@@ -80,6 +121,8 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x: [M, K]; weight: [N, K] (as torch.nn.Linear holds it), or `prepare`d."""
+    if weight.dim() == 4:  # `block`ed
+        return blocked_ops(weight.dtype).blocked_linear(x, weight, bias)
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     if x.dtype == torch.bfloat16 and x.dim() == 2 and _amx_takes(weight):

@@ -101,7 +101,7 @@ class Transformer:
         self.norm = get("model.norm.weight")
         self.lm_head = self.embed if cfg.tie_word_embeddings else get("lm_head.weight")
         # On the CPU each projection's weight takes the form its products run fastest in (linear.prepare); a tied
-        # output embedding packed for oneDNN is a copy, as the lookup reads the plain one.
+        # output embedding in another layout is a copy, as the lookup reads the plain one.
         for w in self.layers:
             w.qkv, w.o_proj = prepare(w.qkv), prepare(w.o_proj)
             if w.moe is None:
