@@ -71,6 +71,8 @@ def _features() -> list[Capability]:
 
 def _cpu_kernels() -> list[Capability]:
     """Built here if they were not (about ten seconds): the build is the check."""
+    import torch
+
     from blink.engine.kernels import cpu
 
     try:
@@ -78,11 +80,15 @@ def _cpu_kernels() -> list[Capability]:
     except cpu.Unavailable as e:
         return [Capability("feature", "cpu-kernels", False, f"{e}: the CPU path runs torch's ops instead")]
     amx = ops.amx_ready()
+    blocked = [name for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16))
+               if ops.blocked_linear_ready(dtype)]
     return [Capability("feature", "cpu-kernels", True, f"built under {cpu.build_dir()}: the CPU path's norms, RoPE "
                        "and decode attention in C++"),
+            Capability("feature", "avx512-proj", bool(blocked),
+                       f"{' and '.join(blocked)} projections on AVX-512 over weights blocked by 64 outputs"
+                       if blocked else "no AVX-512 on this CPU: projections run on oneDNN's packed weights"),
             Capability("feature", "amx", amx, "bfloat16 projections on the CPU's AMX tiles" if amx else
-                       "no AMX tiles on this CPU (Intel Sapphire Rapids and later have them): bfloat16 projections "
-                       "run on oneDNN's packed weights")]
+                       "no AMX tiles on this CPU (Intel Sapphire Rapids and later have them)")]
 
 
 def _device_modes(why: str) -> list[Capability]:

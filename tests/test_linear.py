@@ -1,6 +1,6 @@
-"""The model's projections on the CPU: the split float32 product, packed float32 and bfloat16 weights and the AMX
-kernel give F.linear's result, for decode and prefill row counts, with and without a bias; `prepare` picks the
-weight's form."""
+"""The model's projections on the CPU: the split float32 product, packed float32 and bfloat16 weights, the AVX-512
+kernel over blocked weights and the AMX kernel give F.linear's result, for decode and prefill row counts, with and
+without a bias; `prepare` picks the weight's form."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from blink.engine.model import linear as projections
-from blink.engine.model.linear import amx_ops, can_pack, linear, pack, prepare
+from blink.engine.model.linear import amx_ops, block, blocked_ops, can_pack, linear, pack, prepare
 
 
 @pytest.mark.parametrize("rows", [1, 3, 17, 130])
@@ -88,8 +88,9 @@ def test_amx_weight_forms():
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs torch built with oneDNN")
-def test_without_amx_bfloat16_weights_are_packed(monkeypatch):
+def test_without_our_kernels_weights_are_packed(monkeypatch):
     monkeypatch.setattr(projections, "amx_ops", lambda: None)
+    monkeypatch.setattr(projections, "blocked_ops", lambda dtype: None)
     w = torch.randn(32, 64, dtype=torch.bfloat16)
     packed = prepare(w)
     assert packed.is_mkldnn
@@ -106,7 +107,53 @@ def test_a_cpu_without_amx_runs_no_tiles():
         pytest.skip(str(e))
     if ops.amx_ready():
         pytest.skip("this CPU has AMX tiles")
-    w = torch.ones(32, 64, dtype=torch.bfloat16)
+    w = torch.ones(32, 64, dtype=torch.bfloat16)  # 32 outputs: not a whole block for the AVX-512 kernel either
     assert amx_ops() is None and prepare(w).is_mkldnn == can_pack(w)  # oneDNN's layout where it has one
     with pytest.raises(RuntimeError, match="no AMX tiles"):
         ops.amx_linear(torch.ones(1, 64, dtype=torch.bfloat16), w, None)
+
+
+def needs_blocked(dtype: torch.dtype):
+    return pytest.mark.skipif(blocked_ops(dtype) is None, reason=f"needs a CPU with AVX-512 products for {dtype} "
+                              "(AVX512-BF16 for bfloat16) and the CPU kernels built")
+
+
+BLOCKED_DTYPES = [pytest.param(dtype, marks=needs_blocked(dtype)) for dtype in (torch.float32, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("dtype", BLOCKED_DTYPES)
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 13, 70])  # the kernel takes rows 6 at a time: whole groups and tails
+@pytest.mark.parametrize("inputs", [64, 2050])  # 2050: the k loop's chunks of 1024, the last one short
+def test_blocked_products(dtype, rows, inputs):
+    torch.manual_seed(rows)
+    x, w, b = (torch.randn(*shape, dtype=dtype) for shape in ((rows, inputs), (128, inputs), (128,)))
+    blocked = prepare(w)
+    assert blocked.shape == (2, inputs // (2 if dtype == torch.bfloat16 else 1), 64, 2 if dtype == torch.bfloat16
+                             else 1)
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2  # bfloat16: the output's rounding
+    for bias in (None, b):
+        expected = F.linear(x.double(), w.double(), None if bias is None else bias.double())
+        got = linear(x, blocked, bias)
+        assert got.dtype == dtype and got.shape == (rows, 128)
+        torch.testing.assert_close(got.double(), expected, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", BLOCKED_DTYPES)
+def test_blocked_rows_are_independent_of_the_batch(dtype):
+    torch.manual_seed(0)
+    x, w = torch.randn(70, 1100, dtype=dtype), block(torch.randn(64, 1100, dtype=dtype))
+    alone = torch.cat([linear(x[i:i + 1], w) for i in range(70)])
+    assert torch.equal(linear(x, w), alone)  # each output sums its products in one order, whatever the rows
+
+
+@pytest.mark.parametrize("dtype", BLOCKED_DTYPES)
+def test_blocked_weight_forms(dtype, monkeypatch):
+    monkeypatch.setattr(projections, "amx_ops", lambda: None)  # the AMX kernel takes bfloat16 first where it runs
+    assert prepare(torch.ones(128, 64, dtype=dtype)).dim() == 4  # whole blocks of 64 outputs: blocked
+    assert prepare(torch.ones(96, 64, dtype=dtype)).dim() == 2  # not: oneDNN's (or plain) as before
+    assert prepare(torch.ones(128, 64, dtype=torch.float16)).dim() == 2  # a dtype the kernel has no product for
+    ops = blocked_ops(dtype)
+    with pytest.raises(RuntimeError, match="laid out by linear"):
+        ops.blocked_linear(torch.ones(1, 64, dtype=dtype), torch.ones(128, 64, dtype=dtype), None)
+    with pytest.raises(RuntimeError, match="K = 64"):
+        ops.blocked_linear(torch.ones(1, 32, dtype=dtype), block(torch.ones(128, 64, dtype=dtype)), None)
