@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from blink.engine import LLM, SamplingParams
 from blink.engine.core.state import SlotStatus
@@ -118,3 +119,50 @@ def test_a_rotated_request_comes_back_before_later_arrivals_of_its_class(checkpo
             break
     assert int(mirror.pages_moved[0]) > 0  # it was rotated out
     assert "first" in finished and not any(r.startswith("later") for r in finished[:finished.index("first")]), finished
+
+
+def test_the_host_modes_skips_change_no_decision(checkpoint, monkeypatch):
+    """The plan and commit skip, eager on the CPU, what an idle part of a step would do for nothing (state.none_set):
+    a churn with rotation, recompute, prefix caching and cancels makes the same decisions, step by step, as with
+    every part run."""
+    from blink.engine.core import commit, scheduler
+    from blink.engine.core.kv_cache import PagePool
+    from blink.shared.service_class import ServiceClass
+
+    model_dir = str(checkpoint("qwen3"))
+    shape = dict(max_num_seqs=8, max_num_batched_tokens=48, page_size=8, max_model_len=96)
+    page_bytes = PagePool.bytes_per_page(LLM(model_dir, num_pages=20, **shape).engine.model_config, 8)
+    rng = random.Random(7)
+    prefixes = [[rng.randrange(1, 1000) for _ in range(24)] for _ in range(3)]  # shared by some prompts
+    prompts = [rng.choice(prefixes)[:rng.randint(0, 24)] + [rng.randrange(1, 1000) for _ in range(rng.randint(1, 36))]
+               for _ in range(18)]
+    params = [SamplingParams(max_tokens=rng.randint(1, 30), temperature=rng.choice([0.0, 0.9]), seed=i,
+                             service_class=rng.choice(list(ServiceClass))) for i in range(18)]
+
+    def run() -> tuple[list, list]:
+        llm = LLM(model_dir, num_pages=14, swap_space=4 * page_bytes / 2**30, **shape)
+        state, pool, mirror = llm.engine.state, llm.engine.pool, llm.engine.mirror
+        steps = []
+
+        def record() -> None:
+            # The tables' last column takes masked-off writes: left out.
+            steps.append([t.clone() for t in (
+                state.block_table[:, :-1], state.pages_held, state.num_computed, state.rotated,
+                state.host_table[:, :-1], state.host_held, state.preemptions, state.cached_tokens, pool.num_free,
+                mirror.free.num_free, pool.prefix_cache.refs, pool.prefix_cache.hash, mirror.pages_moved,
+                state.num_recomputes)])
+
+        churned = churn(llm._driver, prompts, params, random.Random(1), record)
+        return [churned.tokens, churned.finishes], steps
+
+    skipping = run()
+    for module in (scheduler, commit):
+        monkeypatch.setattr(module, "none_set", lambda *masks: False)
+    every_part = run()
+    assert skipping[0] == every_part[0]
+    assert len(skipping[1]) == len(every_part[1])
+    for i, (a, b) in enumerate(zip(skipping[1], every_part[1], strict=True)):
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True)), f"step {i}"
+    last = every_part[1][-1]
+    assert int(last[12][0]) > 0 and int(last[13]) > 0  # it rotated out, and recomputed
+    assert any(int(step[7].sum()) > 0 for step in every_part[1])  # prompts found cached pages

@@ -11,7 +11,7 @@ from blink.engine.core.kv_cache import PagePool
 from blink.engine.core.rotation import HostMirror
 from blink.engine.core.sampler import TORCH_SAMPLER, SampleOutput, Sampler
 from blink.engine.core.scheduler import StepPlan, advance, max_new_pages
-from blink.engine.core.state import Slots, SlotStatus
+from blink.engine.core.state import Slots, SlotStatus, none_set
 from blink.shared.slot_table import Finish
 
 
@@ -59,9 +59,10 @@ def commit(state: Slots, pool: PagePool, mirror: HostMirror | None, plan: StepPl
            prompt: PromptScores | None = None) -> StepOutput:
     S = state.num_slots
     advance(state, plan)
-    if pool.prefix_cache is not None:  # the prompt pages this step filled can be found from now on
-        pool.prefix_cache.register(state.page_hashes, state.prompt_len, state.num_computed - plan.take,
-                                   state.num_computed, state.block_table,
+    before = state.num_computed - plan.take
+    if pool.prefix_cache is not None and not none_set(before < state.prompt_len):
+        # The prompt pages this step filled can be found from now on.
+        pool.prefix_cache.register(state.page_hashes, state.prompt_len, before, state.num_computed, state.block_table,
                                    max_new_pages(plan.token_slot.shape[0], pool.page_size))
     slot, sampled = plan.sample_slot[:rows], plan.sample_valid[:rows]
     # max_tokens 0 (the prompt's logprobs only): the row ends its request without a token.
@@ -87,10 +88,11 @@ def commit(state: Slots, pool: PagePool, mirror: HostMirror | None, plan: StepPl
     finished = reason.ne(Finish.NONE)  # ne, eq: see Slots.status_is
     state.finish_reason.copy_(torch.where(finished, reason, state.finish_reason))
     state.status.masked_fill_(finished, SlotStatus.FINISHED)
-    pool.release(finished, state.block_table, state.pages_held)
-    if mirror:  # a request cancelled while rotated out
-        mirror.free.release(finished, state.host_table, state.host_held)
-        state.rotated &= ~finished
+    if not none_set(finished):
+        pool.release(finished, state.block_table, state.pages_held)
+        if mirror:  # a request cancelled while rotated out
+            mirror.free.release(finished, state.host_table, state.host_held)
+            state.rotated &= ~finished
 
     def per_slot(x: torch.Tensor | None, fill: float) -> torch.Tensor | None:
         return None if x is None else _per_slot(S, target, x, fill)

@@ -18,7 +18,7 @@ from blink.engine.core.kv_cache import NULL_PAGE, PagePool
 from blink.engine.core.policy import Policy, ahead, lexsort
 from blink.engine.core.prefix_cache import PrefixCache
 from blink.engine.core.rotation import HostMirror, PageMoves
-from blink.engine.core.state import Slots, SlotStatus
+from blink.engine.core.state import Slots, SlotStatus, none_set
 
 QUERY_BLOCK = 64  # prefill chunks are attended in blocks of this many queries
 
@@ -87,7 +87,7 @@ def plan(state: Slots, pool: PagePool, token_budget: int, policy: Policy, mirror
     fresh = resident & (state.num_computed == 0) & (state.pages_held == 0)
     precedence = lexsort(policy.keep_keys(state), first=torch.zeros_like(resident))  # the policy's order alone
     held_back = fresh & _hold_new(state, policy, mirror, precedence)
-    if pool.prefix_cache is not None:
+    if pool.prefix_cache is not None and not none_set(fresh):
         _reuse_prefix(state, pool.prefix_cache, fresh & ~held_back & ~state.cancel)
     live = resident & ~state.paused & ~state.cancel & ~held_back
     demand = torch.where(live, state.seq_len - state.num_computed, 0)
@@ -112,20 +112,22 @@ def plan(state: Slots, pool: PagePool, token_budget: int, policy: Policy, mirror
     victims = lexsort(policy.victim_keys(state), first=resident & state.cancel)
     # With a mirror, room is also kept for the page each sequence running on will start in the next step.
     crossing = ((take > 0) & ((state.num_computed + take) % page == 0)).long() if mirror else torch.zeros_like(take)
-    need, take, evicted, reserve = _make_room(state, pool, need, take, keep, victims, crossing)
-    rotate_out = _rotate_out(state, mirror, evicted, victims) if mirror else torch.zeros_like(evicted)
-    moves_out = _move_out(state, mirror, rotate_out) if mirror else None
-    recompute = evicted & ~rotate_out
-    pool.release(evicted, state.block_table, state.pages_held)
-    state.num_computed.masked_fill_(recompute, 0)
-    preempted = evicted & ~state.cancel  # a cancelled one gave its pages back: it was not preempted
-    state.preemptions += preempted.long()
-    state.num_preemptions += preempted.sum()
-    state.num_recomputes += (recompute & ~state.cancel).sum()
-    pool.allocate(need, state.block_table, state.pages_held, max_new=max_new_pages(token_budget, page))
+    if none_set(need.sum() + crossing.sum() > pool.num_free):  # the free pages cover all: nobody gives any back
+        evicted, reserve = torch.zeros_like(resident), crossing.sum()
+    else:
+        need, take, evicted, reserve = _make_room(state, pool, need, take, keep, victims, crossing)
+    if none_set(evicted):
+        moves_out = _no_pairs(state) if mirror else None
+    else:
+        rotate_out = _rotate_out(state, mirror, evicted, victims) if mirror else torch.zeros_like(evicted)
+        moves_out = _move_out(state, mirror, rotate_out) if mirror else None
+        _evict(state, pool, evicted, recompute=evicted & ~rotate_out)
+    if not none_set(need > 0):
+        pool.allocate(need, state.block_table, state.pages_held, max_new=max_new_pages(token_budget, page))
     if mirror:
-        come_back = running & state.rotated & ~state.cancel & ~state.paused & ~rotate_out & ~evicted.any()
-        moves_in = _move_in(state, pool, mirror, come_back, keep, reserve, token_budget)
+        come_back = running & state.rotated & ~state.cancel & ~state.paused & ~evicted.any()
+        moves_in = (_no_pairs(state) if none_set(come_back)
+                    else _move_in(state, pool, mirror, come_back, keep, reserve, token_budget))
         moves = PageMoves(moves_out[0], moves_out[1], moves_in[0], moves_in[1])
         moved = torch.stack([moves_out[2], moves_in[2]])
         mirror.pages_moved += moved
@@ -157,6 +159,16 @@ def plan(state: Slots, pool: PagePool, token_budget: int, policy: Policy, mirror
     sizes = torch.cat([torch.stack([ends[-1], max_context, num_decodes, chunk_rows.count]), moved, scored])
     return StepPlan(take, token_slot, token_pos, token_valid, input_ids, decode_rows, chunk_rows, sample_slot,
                     sample_token, sample_valid, entries, moves, sizes)
+
+
+def _evict(state: Slots, pool: PagePool, evicted: torch.Tensor, recompute: torch.Tensor) -> None:
+    """The evicted slots give their pages back; those not rotated out compute from the start again."""
+    pool.release(evicted, state.block_table, state.pages_held)
+    state.num_computed.masked_fill_(recompute, 0)
+    preempted = evicted & ~state.cancel  # a cancelled one gave its pages back: it was not preempted
+    state.preemptions += preempted.long()
+    state.num_preemptions += preempted.sum()
+    state.num_recomputes += (recompute & ~state.cancel).sum()
 
 
 def _reuse_prefix(state: Slots, cache: PrefixCache, starting: torch.Tensor) -> None:
@@ -294,7 +306,7 @@ def _hold_new(state: Slots, policy: Policy, mirror: HostMirror | None, precedenc
     while a rotated request waits to come back (pages they took would keep it out: it had starved behind a stream
     of later arrivals): all while the mirror is nearly full, else those the policy puts behind it. Rotated requests
     that wait for their readers hold nothing back: a reader that never reads would hold back every new request."""
-    if mirror is None:
+    if mirror is None or none_set(state.rotated):
         return torch.zeros_like(state.rotated)
     waiting = state.rotated & state.status_is(SlotStatus.RUNNING) & ~state.cancel & ~state.paused
     rank = _positions(precedence)
@@ -338,6 +350,13 @@ def _move_in(state: Slots, pool: PagePool, mirror: HostMirror, candidates: torch
     state.pages_in += pages
     state.rotated &= ~back
     return moves
+
+
+def _no_pairs(state: Slots):
+    """What `_pairs` gives when no slot moves."""
+    none = torch.zeros(state.num_slots * (state.block_table.shape[1] - 1), dtype=torch.int64,
+                       device=state.block_table.device)
+    return none, none, none.new_zeros(())
 
 
 def _pairs(which: torch.Tensor, src_table: torch.Tensor, dst_table: torch.Tensor, count: torch.Tensor):

@@ -14,6 +14,16 @@ import torch
 from blink.shared.request_schema import FIELDS, MAX_LOGIT_BIAS, MAX_STOP_IDS
 
 
+def none_set(*masks: torch.Tensor) -> bool:
+    """Whether no element of these masks is set, said only where looking is free: eager on the CPU. Under
+    torch.compile, and on a GPU (a sync there, and none may happen under capture), it says False: the work it guards
+    runs and does nothing. The host mode's plan and commit skip so what an idle part of a step would do for nothing,
+    a few microseconds of the CPU's dispatch for each of its ops."""
+    if masks[0].device.type != "cpu" or torch.compiler.is_compiling():
+        return False
+    return not any(bool(m.any()) for m in masks)
+
+
 class SlotStatus(IntEnum):
     """A slot as the engine sees it; the slot table's words for the same moments (blink.shared.slot_table.SlotState:
     FREE, SUBMITTED, ADMITTED, FINISHED), with RUNNING once a step has planned it."""

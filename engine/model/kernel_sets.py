@@ -78,8 +78,8 @@ def split_heads(qkv: torch.Tensor, w: LayerWeights, cfg: ModelConfig,
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q, k and v as [B, heads, head_dim] views of the fused projection, q and k through their norms where the
     model has them (norm: the kernel set's)."""
-    q, k, v = (part.unflatten(-1, (-1, cfg.head_dim))
-               for part in qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1))
+    heads = cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads  # side by side in the projection's output
+    q, k, v = qkv.unflatten(-1, (-1, cfg.head_dim)).split(heads, dim=1)
     if w.q_norm is not None:
         q, k = norm(q, w.q_norm, cfg.rms_norm_eps), norm(k, w.k_norm, cfg.rms_norm_eps)
     return q, k, v
