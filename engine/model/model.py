@@ -139,9 +139,9 @@ class Transformer:
         tokens = Tokens(positions, batch, kernels.rope(self.cos, self.sin, positions))
         x = F.embedding(input_ids, self.embed)
         delta = None  # each sublayer's output, added to x by the next norm
-        for i, w in enumerate(self.layers):
+        for w, k_layer, v_layer in zip(self.layers, k_cache.unbind(0), v_cache.unbind(0), strict=True):
             x, h = self._add_norm(x, delta, w.input_norm)
-            attn = kernels.attention(linear(h, w.qkv, w.qkv_bias), w, cfg, tokens, k_cache[i], v_cache[i], self.scale)
+            attn = kernels.attention(linear(h, w.qkv, w.qkv_bias), w, cfg, tokens, k_layer, v_layer, self.scale)
             x, h = self._add_norm(x, self._sum(linear(attn.reshape(-1, cfg.q_size), w.o_proj, w.o_proj_bias)),
                                   w.post_norm)
             if w.moe is not None:
