@@ -3,8 +3,9 @@
 plan() admits submitted slots, hands out the token budget (in the policy's order; decodes before prefill chunks),
 makes room when pages run short (victims give their pages back: rotated out to the host mirror, or dropped for
 recompute when the mirror is full or absent), brings rotated requests back when pages free, allocates pages and
-lays the batch's tokens out flat. It never reads a tensor back to the host; the only numbers the host may read
-are `sizes`, to pick the forward's buckets and to run the page copies.
+lays the batch's tokens out flat. On a device it never reads a tensor back to the host (eager on the CPU, where a
+read is free, it looks to skip parts with nothing to do: state.none_set); the only numbers the host must read are
+`sizes`, to pick the forward's buckets and to run the page copies.
 """
 
 from __future__ import annotations
