@@ -372,6 +372,25 @@ def test_bench_step_counts_what_a_step_does_outside_the_model(capsys):
     assert gigabytes[("8", "mixed")] > gigabytes[("8", "greedy")]
 
 
+def test_bench_projections_times_every_form_this_machine_has(tmp_path, capsys):
+    """A small `blink bench projections`: plain products always, the others where the CPU has them, the engine's
+    pick among them; every form's samples saved."""
+    import torch
+
+    from blink.bench.cli import main
+    from blink.engine.model import linear
+
+    assert main(["projections", "--dtypes", "float32", "--rows", "1,7", "--rounds", "2", "--layers", "1", "--vocab",
+                 "128", "--result-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    saved = json.loads(next(tmp_path.glob("projections-*.json")).read_text())["ms_per_step"]["float32"]
+    w = torch.ones(128, 768)
+    expected = ["plain"] + ["onednn"] * linear.can_pack(w) + ["blocked"] * linear.blocked_takes(w)
+    assert saved["forms"] == expected and saved["engine_form"] in expected
+    assert all(len(saved["rows"][rows][form]) == 2 for rows in ("1", "7") for form in expected)
+    assert out.count(" rows ") == 2 * len(expected)
+
+
 def test_vllm_bench_serve_flags(tmp_path, tokenizer_dir, capsys):
     """A vLLM `bench serve` command line, as a user types it from habit: the random dataset (sent as tokens, so each
     prompt is exactly the length drawn), the figures asked for, vLLM's keys in the file, appended runs."""

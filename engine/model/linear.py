@@ -37,9 +37,9 @@ PACKED_DTYPES = (torch.float32, torch.bfloat16)
 def prepare(weight: torch.Tensor) -> torch.Tensor:
     """The weight as `linear` runs it fastest here: plain where the AMX kernel takes it, `block`ed where the AVX-512
     kernel does, else `pack`ed where that pays, else as it is."""
-    if _amx_takes(weight):
+    if amx_takes(weight):
         return weight
-    if _blocks_take(weight):
+    if blocked_takes(weight):
         return block(weight)
     return pack(weight) if can_pack(weight) else weight
 
@@ -62,7 +62,7 @@ def amx_ops():
     return ops if ops is not None and ops.amx_ready() else None
 
 
-def _amx_takes(weight: torch.Tensor) -> bool:
+def amx_takes(weight: torch.Tensor) -> bool:
     return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.dim() == 2
             and weight.shape[0] % 16 == 0 and weight.shape[1] % 32 == 0 and weight.is_contiguous()
             and amx_ops() is not None)
@@ -78,7 +78,7 @@ def blocked_ops(dtype: torch.dtype):
     return ops if ops is not None and dtype in PACKED_DTYPES and ops.blocked_linear_ready(dtype) else None
 
 
-def _blocks_take(weight: torch.Tensor) -> bool:
+def blocked_takes(weight: torch.Tensor) -> bool:
     return (weight.device.type == "cpu" and weight.dim() == 2 and weight.shape[0] % BLOCK == 0
             and weight.shape[1] % _per_word(weight.dtype) == 0 and blocked_ops(weight.dtype) is not None)
 
@@ -125,7 +125,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return blocked_ops(weight.dtype).blocked_linear(x, weight, bias)
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-    if x.dtype == torch.bfloat16 and x.dim() == 2 and _amx_takes(weight):
+    if x.dtype == torch.bfloat16 and x.dim() == 2 and amx_takes(weight):
         return amx_ops().amx_linear(x, weight, bias)
     parts = torch.get_num_threads()
     n = weight.shape[0]
