@@ -5,8 +5,8 @@ Measured on this project's 2-core VMs, all the projections of a token of a 125M 
 - On a CPU with AVX-512 (AVX512-BF16 for bfloat16): Blink's own kernel (`blocked_linear`,
   engine/kernels/blocked_linear.cpp) on the weight laid out once in blocks of 64 outputs (`block`), instead of
   oneDNN's packed layout. On the EPYC, side by side: bfloat16 1 row 10.9 -> 5.3 ms (the weights read at about the
-  speed of a plain read, oneDNN at half of it), 16 rows 17.2 -> 12.2, a 512-token prefill 303 -> 286; float32 1 row
-  19.1 -> 10.1, 16 rows 32.6 -> 25.2, 512 rows 841 -> 717.
+  speed of a plain read, oneDNN at half of it), 16 rows 17.2 -> 12.2; float32 1 row 19.1 -> 10.1, 16 rows 32.6 ->
+  25.2. A 512-token prefill runs at 0.8-1.1x oneDNN's speed from one sitting to the next (`blink bench projections`).
 - bfloat16 on a CPU with AMX tiles (Sapphire Rapids and later): Blink's AMX kernel (`amx_linear`,
   engine/kernels/amx_linear.cpp) on the plain weight, whatever the row count, instead of oneDNN's packed layout:
   1 row 11.4 -> 8.8 ms, 16 rows 10.8 -> 9.7, a 512-token prefill 142 -> 128; 48-128 rows are where oneDNN's packed
