@@ -63,6 +63,7 @@ def amx_ops():
 
 
 def amx_takes(weight: torch.Tensor) -> bool:
+    """Whether the AMX kernel runs products with this weight as it is."""
     return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.dim() == 2
             and weight.shape[0] % 16 == 0 and weight.shape[1] % 32 == 0 and weight.is_contiguous()
             and amx_ops() is not None)
@@ -79,8 +80,10 @@ def blocked_ops(dtype: torch.dtype):
 
 
 def blocked_takes(weight: torch.Tensor) -> bool:
-    return (weight.device.type == "cpu" and weight.dim() == 2 and weight.shape[0] % BLOCK == 0
-            and weight.shape[1] % _per_word(weight.dtype) == 0 and blocked_ops(weight.dtype) is not None)
+    """Whether the AVX-512 kernel runs products with this weight once it is `block`ed."""
+    return (weight.device.type == "cpu" and weight.dim() == 2 and weight.is_contiguous()
+            and weight.shape[0] % BLOCK == 0 and weight.shape[1] % _per_word(weight.dtype) == 0
+            and blocked_ops(weight.dtype) is not None)
 
 
 def _per_word(dtype: torch.dtype) -> int:
