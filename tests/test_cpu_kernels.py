@@ -62,6 +62,30 @@ def test_rope_and_cache_are_the_reference_bit_for_bit(ops, dtype, heads, kv_head
     assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_decode_step_in_one_call_is_the_separate_ops_bit_for_bit(ops, dtype):
+    """decode_step_attention (the fused projection's output in, the attention's out, rows of decodes only) and
+    silu_and_mul give what the separate ops give, bit for bit, padding rows left zero."""
+    kv_heads, group, head_dim, page_size = 2, 3, 16, 4
+    q, k, v, k_cache, v_cache, table, write_rows, decode_rows, _ = (
+        t.cpu() if isinstance(t, torch.Tensor) else t
+        for t in _scene([(37, 1), (5, 1), (63, 1), (64, 1)], page_size, kv_heads, group, head_dim, dtype))
+    rows = type(decode_rows)(*(t.cpu() for t in vars(decode_rows).values()))
+    B, heads = q.shape[0], kv_heads * group
+    qkv = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], 1)
+    cos, sin = step_rope(*_rope_tables(128, head_dim, dtype), torch.randint(0, 128, (B,)))
+    scale, args = head_dim ** -0.5, (table, rows.slot, rows.start, rows.first_pos, rows.count)
+    caches = k_cache.clone(), v_cache.clone()
+    roped = ops.rope_and_cache(q, k, v, cos, sin, write_rows, *caches)
+    expected = q.new_zeros(B + 1, heads, head_dim)
+    ops.decode_attention(roped, *caches, *args, scale, 0, expected)
+    got = ops.decode_step_attention(qkv, heads, kv_heads, cos, sin, write_rows, k_cache, v_cache, *args, scale, 0)
+    assert torch.equal(got, expected[:B]) and torch.equal(k_cache, caches[0]) and torch.equal(v_cache, caches[1])
+    assert not got[int(rows.count):].any()  # the scene's padding tokens: no row of theirs
+    gate_up = torch.randn(5, 2 * 40).to(dtype)
+    assert torch.equal(ops.silu_and_mul(gate_up), kernel_sets.silu_and_mul(gate_up))
+
+
 def _check_attention(ops, sequences, page_size, kv_heads, group, dtype, window=None, head_dim=16):
     """Decode rows through the kernel, chunks through the reference's gathers, against the reference for all."""
     q, k, v, k_cache, v_cache, table, write_rows, decode_rows, chunk_rows = (

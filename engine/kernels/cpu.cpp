@@ -7,6 +7,8 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/silu.h>
+#include <ATen/ops/zeros.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
@@ -278,6 +280,32 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
   });
 }
 
+// A step of decode rows only, from the fused projection's output to the attention's: qkv [B, (Hq + 2 Hkv) * D]
+// split into heads, q and k rotated, k and v written to the cache, and each row attended. Rows no decode row covers
+// (a bucket's padding) stay zero, as the reference leaves them. The same kernels as the separate ops, in one call:
+// at batch 1 each op from Python costs more than its work.
+at::Tensor decode_step_attention(const at::Tensor& qkv, int64_t Hq, int64_t Hkv, const at::Tensor& cos,
+                                 const at::Tensor& signed_sin, const at::Tensor& write_rows, at::Tensor& k_cache,
+                                 at::Tensor& v_cache, const at::Tensor& block_table, const at::Tensor& slot,
+                                 const at::Tensor& token, const at::Tensor& position, const at::Tensor& count,
+                                 double scale, int64_t window) {
+  const int64_t B = qkv.size(0), D = k_cache.size(3);
+  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (Hq + 2 * Hkv) * D,
+              "blink_cpu::decode_step_attention: qkv of [B, (Hq + 2 Hkv) * head_dim]");
+  const at::Tensor heads = qkv.view({B, Hq + 2 * Hkv, D});
+  const at::Tensor q = rope_and_cache(heads.narrow(1, 0, Hq), heads.narrow(1, Hq, Hkv), heads.narrow(1, Hq + Hkv, Hkv),
+                                      cos, signed_sin, write_rows, k_cache, v_cache);
+  auto out = at::zeros({B, Hq, D}, q.options());
+  decode_attention(q, k_cache, v_cache, block_table, slot, token, position, count, scale, window, out);
+  return out;
+}
+
+// silu(gate) * up over rows of [gate | up] (the fused projection's output), by torch's own two ops: one call.
+at::Tensor silu_and_mul(const at::Tensor& gate_up) {
+  const int64_t n = gate_up.size(-1) / 2;
+  return at::silu(gate_up.narrow(-1, 0, n)).mul_(gate_up.narrow(-1, n, n));
+}
+
 }  // namespace
 
 TORCH_LIBRARY(blink_cpu, m) {
@@ -289,4 +317,9 @@ TORCH_LIBRARY(blink_cpu, m) {
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor slot, Tensor token, "
         "Tensor position, Tensor count, float scale, int window, Tensor(a!) out) -> ()",
         &decode_attention);
+  m.def("decode_step_attention(Tensor qkv, int Hq, int Hkv, Tensor cos, Tensor signed_sin, Tensor write_rows, "
+        "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor block_table, Tensor slot, Tensor token, Tensor position, "
+        "Tensor count, float scale, int window) -> Tensor",
+        &decode_step_attention);
+  m.def("silu_and_mul(Tensor gate_up) -> Tensor", &silu_and_mul);
 }

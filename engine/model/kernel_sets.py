@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import torch
+import torch.nn.functional as F
 
 from blink.engine.core.sampler import TORCH_SAMPLER, Sampler
 from blink.engine.core.scheduler import QUERY_BLOCK, StepPlan
@@ -60,6 +61,8 @@ class KernelSet(Protocol):
     def add_norm(self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]: ...
 
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
+
     def attention(self, qkv: torch.Tensor, w: LayerWeights, cfg: ModelConfig, tokens: Tokens, k_cache: torch.Tensor,
                   v_cache: torch.Tensor, scale: float) -> torch.Tensor: ...
 
@@ -71,6 +74,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(x.dtype)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """The gated MLP's activation over its fused projection's output [B, 2 * intermediate]: silu(gate) * up."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def split_heads(qkv: torch.Tensor, w: LayerWeights, cfg: ModelConfig,
@@ -113,6 +122,9 @@ class TorchKernels:
         x = x + delta
         return x, rms_norm(x, weight, eps)
 
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return silu_and_mul(gate_up)
+
     def attention(self, qkv: torch.Tensor, w: LayerWeights, cfg: ModelConfig, tokens: Tokens, k_cache: torch.Tensor,
                   v_cache: torch.Tensor, scale: float) -> torch.Tensor:
         # Queries and keys rotate together: they lie side by side in the projection's output.
@@ -151,10 +163,18 @@ class CpuKernels(TorchKernels):
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         return self._ops.add_rms_norm(x, delta, weight, eps)
 
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self._ops.silu_and_mul(gate_up)
+
     def attention(self, qkv: torch.Tensor, w: LayerWeights, cfg: ModelConfig, tokens: Tokens, k_cache: torch.Tensor,
                   v_cache: torch.Tensor, scale: float) -> torch.Tensor:
-        q, k, v = split_heads(qkv, w, cfg, self.norm)
         batch = tokens.batch
+        if w.q_norm is None and not batch.groups and len(batch.rows) == 1:  # decode rows only: one call for all
+            (rows, _), = batch.rows
+            return self._ops.decode_step_attention(
+                qkv, cfg.num_heads, cfg.num_kv_heads, *tokens.rope, batch.write_rows, k_cache, v_cache,
+                batch.block_table, rows.slot, rows.start, rows.first_pos, rows.count, scale, self.sliding_window or 0)
+        q, k, v = split_heads(qkv, w, cfg, self.norm)
         q = self._ops.rope_and_cache(q, k, v, *tokens.rope, batch.write_rows, k_cache, v_cache)
         out = q.new_zeros(q.shape[0] + 1, *q.shape[1:])  # index B is the trash row of the chunks' padding
         for rows, _ in batch.rows:
@@ -200,6 +220,9 @@ class TritonKernels:
     def add_norm(self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         return self._norm.add_rms_norm(x, delta, weight, eps)
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return silu_and_mul(gate_up)
 
     def attention(self, qkv: torch.Tensor, w: LayerWeights, cfg: ModelConfig, tokens: Tokens, k_cache: torch.Tensor,
                   v_cache: torch.Tensor, scale: float) -> torch.Tensor:

@@ -147,8 +147,7 @@ class Transformer:
             if w.moe is not None:
                 delta = self._sum(kernels.moe_mlp(h, w.moe, cfg))
             else:
-                gate, up = linear(h, w.gate_up).chunk(2, dim=-1)
-                delta = self._sum(linear(F.silu(gate) * up, w.down))
+                delta = self._sum(linear(kernels.silu_and_mul(linear(h, w.gate_up)), w.down))
         return x if delta is None else x + delta
 
     def _add_norm(self, x: torch.Tensor, delta: torch.Tensor | None,
