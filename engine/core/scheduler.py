@@ -110,25 +110,23 @@ def plan(state: Slots, pool: PagePool, token_budget: int, policy: Policy, mirror
     # A cancelled request ends in this step's commit: its pages are the first to give, not kept at its precedence
     # while another is preempted.
     keep = ahead(precedence, resident & ~state.cancel)
-    victims = lexsort(policy.victim_keys(state), first=resident & state.cancel)
     # With a mirror, room is also kept for the page each sequence running on will start in the next step.
     crossing = ((take > 0) & ((state.num_computed + take) % page == 0)).long() if mirror else torch.zeros_like(take)
     if none_set(need.sum() + crossing.sum() > pool.num_free):  # the free pages cover all: nobody gives any back
         evicted, reserve = torch.zeros_like(resident), crossing.sum()
     else:
+        victims = lexsort(policy.victim_keys(state), first=resident & state.cancel)
         need, take, evicted, reserve = _make_room(state, pool, need, take, keep, victims, crossing)
     if none_set(evicted):
         moves_out = _no_pairs(state) if mirror else None
-    else:
+    else:  # _make_room ran: only it evicts
         rotate_out = _rotate_out(state, mirror, evicted, victims) if mirror else torch.zeros_like(evicted)
         moves_out = _move_out(state, mirror, rotate_out) if mirror else None
         _evict(state, pool, evicted, recompute=evicted & ~rotate_out)
     if not none_set(need > 0):
         pool.allocate(need, state.block_table, state.pages_held, max_new=max_new_pages(token_budget, page))
     if mirror:
-        come_back = running & state.rotated & ~state.cancel & ~state.paused & ~evicted.any()
-        moves_in = (_no_pairs(state) if none_set(come_back)
-                    else _move_in(state, pool, mirror, come_back, keep, reserve, token_budget))
+        moves_in = _come_back(state, pool, mirror, running, evicted, keep, reserve, token_budget)
         moves = PageMoves(moves_out[0], moves_out[1], moves_in[0], moves_in[1])
         moved = torch.stack([moves_out[2], moves_in[2]])
         mirror.pages_moved += moved
@@ -334,6 +332,17 @@ def _move_out(state: Slots, mirror: HostMirror, out: torch.Tensor):
     state.pages_out += pages
     state.rotated |= out
     return _pairs(out, state.block_table, state.host_table, pages)
+
+
+def _come_back(state: Slots, pool: PagePool, mirror: HostMirror, running: torch.Tensor, evicted: torch.Tensor,
+               keep: torch.Tensor, reserve: torch.Tensor | int, token_budget: int):
+    """The page moves of rotated requests coming back; none in a step that evicts."""
+    if none_set(state.rotated):
+        return _no_pairs(state)
+    candidates = running & state.rotated & ~state.cancel & ~state.paused & ~evicted.any()
+    if none_set(candidates):
+        return _no_pairs(state)
+    return _move_in(state, pool, mirror, candidates, keep, reserve, token_budget)
 
 
 def _move_in(state: Slots, pool: PagePool, mirror: HostMirror, candidates: torch.Tensor, keep: torch.Tensor,
