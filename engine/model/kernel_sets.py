@@ -4,7 +4,8 @@
 layer reads on the host which experts run, so a device mode cannot capture it.
 `CpuKernels` is the CPU's choice: the reference with its chains of small ops, each a few microseconds of dispatch
 there, fused in C++ (blink.engine.kernels.cpu: norms, RoPE written into the cache, one-query attention straight from
-the pages); prefill chunks still attend through the reference's gathers.
+the pages, a decode-only step's attention from the projection's output in one call, the MLP's activation in one);
+prefill chunks still attend through the reference's gathers.
 `TritonKernels` is CUDA's: fused norms, RoPE written into the cache, paged attention over row lists the kernels
 read on the device, grouped experts and the fused sampler; without CUDA it runs in Triton's interpreter (the
 tests check it against the reference that way). A new backend is a class with these methods, named in `KERNEL_SETS`.
