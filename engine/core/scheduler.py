@@ -364,9 +364,9 @@ def _move_in(state: Slots, pool: PagePool, mirror: HostMirror, candidates: torch
 
 def _no_pairs(state: Slots):
     """What `_pairs` gives when no slot moves."""
-    none = torch.zeros(state.num_slots * (state.block_table.shape[1] - 1), dtype=torch.int64,
-                       device=state.block_table.device)
-    return none, none, none.new_zeros(())
+    src, dst = torch.zeros(2, state.num_slots * (state.block_table.shape[1] - 1), dtype=torch.int64,
+                           device=state.block_table.device)
+    return src, dst, src.new_zeros(())
 
 
 def _pairs(which: torch.Tensor, src_table: torch.Tensor, dst_table: torch.Tensor, count: torch.Tensor):
