@@ -43,6 +43,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(blink-compiled: one more system in the rotation)")
     p.add_argument("--reference-kernels", action="store_true", help="also Blink with the torch reference in place "
                    "of the CPU's C++ kernels (blink-torch-kernels: one more system in the rotation)")
+    p.add_argument("--small-pages", action="store_true", help="also Blink with its weights and KV cache in torch's "
+                   "4 KiB pages, not huge pages (BLINK_HUGE_PAGES=0; blink-4k-pages: one more system in the rotation)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--result-dir", type=Path, default=Path("."))
 
@@ -58,16 +60,24 @@ def read_bandwidth() -> float:
     return data.numel() * data.element_size() / best
 
 
+# Blink besides its defaults, one more system in the rotation each: the flag that adds it -> (its name, the
+# environment it starts in, engine options).
+VARIANTS = {
+    "compile_bookkeeping": ("blink-compiled", {}, {"compile_bookkeeping": True}),
+    "reference_kernels": ("blink-torch-kernels", {"BLINK_KERNELS": "torch"}, {}),
+    "small_pages": ("blink-4k-pages", {"BLINK_HUGE_PAGES": "0"}, {}),
+}
+
+
 class BlinkDecoder:
-    def __init__(self, model_dir: Path, dtype: str, batch: int, compile_bookkeeping: bool = False,
-                 reference_kernels: bool = False):
+    def __init__(self, model_dir: Path, dtype: str, batch: int, name: str = "blink",
+                 env: dict[str, str] | None = None, options: dict | None = None):
         from blink.engine import LLM, SamplingParams
 
-        self.name = ("blink-compiled" if compile_bookkeeping else "blink-torch-kernels" if reference_kernels
-                     else "blink")
-        with environment(**({"BLINK_KERNELS": "torch"} if reference_kernels else {})):
+        self.name = name
+        with environment(**(env or {})):
             self.llm = LLM(str(model_dir), max_num_seqs=batch, max_num_batched_tokens=512, device="cpu",
-                           dtype=dtype, compile_bookkeeping=compile_bookkeeping)
+                           dtype=dtype, **(options or {}))
         self.kernels = self.llm.engine.model.kernels.name
         self.params = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
 
@@ -115,12 +125,10 @@ def benchmark(args: argparse.Namespace, model_dir: Path) -> None:
     prompts = torch.randint(0, PROMPT_VOCAB, (args.batch, args.context), generator=gen).tolist()
     systems = {d: [BlinkDecoder(model_dir, d, args.batch), TransformersDecoder(model_dir, d, args.batch)]
                for d in dtypes}
-    if args.compile_bookkeeping:
-        for d in dtypes:
-            systems[d].append(BlinkDecoder(model_dir, d, args.batch, compile_bookkeeping=True))
-    if args.reference_kernels:
-        for d in dtypes:
-            systems[d].append(BlinkDecoder(model_dir, d, args.batch, reference_kernels=True))
+    for flag, (name, env, options) in VARIANTS.items():
+        if getattr(args, flag):
+            for d in dtypes:
+                systems[d].append(BlinkDecoder(model_dir, d, args.batch, name, env, options))
     weight_bytes = {d: sum(p.numel() for p in systems[d][1].model.parameters()) * getattr(torch, d).itemsize
                     for d in dtypes}
     for d in dtypes:  # warm-up: weights in memory, first-call costs paid (compiling: every bucket measured)
@@ -170,7 +178,7 @@ def report(medians: dict, samples: dict, batch: int) -> None:
                 spread = samples[d][fig][system]
                 print(f"    {system:<20} {value:9.2f}  [{min(spread):.2f}, {max(spread):.2f}]")
         one, many = figs["batch1_ms_per_token"], figs[f"batch{batch}_tokens_per_s"]
-        for blink in (name for name in ("blink", "blink-compiled", "blink-torch-kernels") if name in one):
+        for blink in (name for name in ("blink", *(v[0] for v in VARIANTS.values())) if name in one):
             for other in ("transformers", "llama.cpp", "memory"):
                 base = one.get(other) or figs["floor_ms_per_token"].get(other)
                 if base:

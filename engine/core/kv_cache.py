@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from blink.engine.model import huge_pages
 from blink.engine.model.config import ModelConfig
 
 if TYPE_CHECKING:
@@ -61,9 +62,10 @@ class PagePool:
         self.num_pages = num_pages
         self.page_size = page_size
         shape = (cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
-        # Zeroed so padding tokens that read never-written rows still see finite values.
-        self.k = torch.zeros(shape, dtype=cfg.dtype, device=device)
-        self.v = torch.zeros(shape, dtype=cfg.dtype, device=device)
+        # Zeroed so padding tokens that read never-written rows still see finite values; on the CPU in huge pages, as
+        # decode attention streams them (blink.engine.model.huge_pages).
+        self.k = huge_pages.zeros(shape, cfg.dtype, device)
+        self.v = huge_pages.zeros(shape, cfg.dtype, device)
         self.prefix_cache = prefix_cache
         self.free = prefix_cache or FreeList(num_pages, device)
 

@@ -31,17 +31,20 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from blink.engine.model import huge_pages
+
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def prepare(weight: torch.Tensor) -> torch.Tensor:
     """The weight as `linear` runs it fastest here: plain where the AMX kernel takes it, `block`ed where the AVX-512
-    kernel does, else `pack`ed where that pays, else as it is."""
+    kernel does, else `pack`ed where that pays, else as it is; on the CPU, in huge pages but where oneDNN packs it
+    (blink.engine.model.huge_pages)."""
     if amx_takes(weight):
-        return weight
+        return huge_pages.moved(weight)
     if blocked_takes(weight):
         return block(weight)
-    return pack(weight) if can_pack(weight) else weight
+    return pack(weight) if can_pack(weight) else huge_pages.moved(weight)
 
 
 @functools.cache
@@ -95,7 +98,8 @@ def block(weight: torch.Tensor) -> torch.Tensor:
     word of k (a copy)."""
     n, k = weight.shape
     e = _per_word(weight.dtype)
-    return weight.view(n // BLOCK, BLOCK, k // e, e).transpose(1, 2).contiguous()
+    blocked = weight.view(n // BLOCK, BLOCK, k // e, e).transpose(1, 2)
+    return huge_pages.empty(blocked.shape, weight.dtype).copy_(blocked)
 
 
 def can_pack(weight: torch.Tensor) -> bool:

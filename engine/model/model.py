@@ -107,6 +107,8 @@ class Transformer:
             if w.moe is None:
                 w.gate_up, w.down = prepare(w.gate_up), prepare(w.down)
         self.lm_head = prepare(self.lm_head)
+        if cfg.tie_word_embeddings and self.lm_head.layout == torch.strided and self.lm_head.dim() == 2:
+            self.embed = self.lm_head  # still plain (moved into huge pages, maybe): one copy serves both
         self.cos, self.sin = rope_tables(cfg, max_len, device)
         self.scale = cfg.head_dim ** -0.5
         self.kernels = kernel_sets.choose(cfg, device)

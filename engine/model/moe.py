@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from blink.engine.model import huge_pages
 from blink.engine.model.config import MoeConfig
 from blink.engine.model.linear import linear
 
@@ -53,15 +54,16 @@ def tensor_names(moe: MoeConfig, layer: int) -> list[str]:
 
 
 def load(moe: MoeConfig, layer: int, get: Callable[[str], torch.Tensor]) -> MoeWeights:
-    """Stacks one layer's experts, so the layer indexes them rather than holding a Python object per expert."""
+    """Stacks one layer's experts, so the layer indexes them rather than holding a Python object per expert (on the
+    CPU in huge pages: blink.engine.model.huge_pages)."""
     prefix, gate, up, down = _EXPERT_NAMES[moe.naming]
     p = f"model.layers.{layer}.{prefix}"
     experts = range(moe.num_experts)
     weights = MoeWeights(
         router=get(p + "gate.weight"),
-        gate_up=torch.stack([torch.cat([get(f"{p}experts.{e}.{gate}.weight"), get(f"{p}experts.{e}.{up}.weight")])
-                             for e in experts]),
-        down=torch.stack([get(f"{p}experts.{e}.{down}.weight") for e in experts]),
+        gate_up=huge_pages.moved(torch.stack([torch.cat([get(f"{p}experts.{e}.{gate}.weight"),
+                                                         get(f"{p}experts.{e}.{up}.weight")]) for e in experts])),
+        down=huge_pages.moved(torch.stack([get(f"{p}experts.{e}.{down}.weight") for e in experts])),
     )
     if moe.shared_intermediate_size:
         s = p + "shared_expert."
