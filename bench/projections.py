@@ -3,10 +3,12 @@
 
 The forms: `plain` (F.linear on the weight as checkpoints hold it), `onednn` (oneDNN's packed layout), `blocked`
 (Blink's AVX-512 kernel) and `amx` (Blink's AMX kernel), each where this CPU and torch have it; `prepare` says which
-one the engine picks. The weights are random, of the shapes of `blink bench offline`'s 125M Llama unless
---layers/--vocab say otherwise; a step's projections are the fused qkv, o, gate-up and down of every layer, then
-the output embedding. Prints medians with their range and the bandwidth they read the weights at, and each form's
-time against oneDNN's; saves JSON under --result-dir; asserts nothing.
+one the engine picks. Blink's two are in huge pages, as the engine holds them (blink.engine.model.huge_pages), and
+again in torch's 4 KiB pages (`blocked-4k`, `amx-4k`). The weights are random, of the shapes of `blink bench
+offline`'s 125M Llama unless --layers/--vocab say otherwise; a step's projections are the fused qkv, o, gate-up and
+down of every layer, then the output embedding. Prints medians with their range and the bandwidth they read the
+weights at, and each form's time against oneDNN's (and a 4 KiB form's against its huge pages); saves JSON under
+--result-dir; asserts nothing.
 
     blink bench projections                    # float32 and bfloat16, 1 to 512 rows, about a minute on 2 cores
 """
@@ -24,6 +26,7 @@ import torch.nn.functional as F
 
 from blink.bench.machine import blink_source, machine, save
 from blink.bench.offline import MODEL_SHAPE
+from blink.engine.model import huge_pages
 from blink.engine.model import linear as projections
 
 Weight = torch.Tensor
@@ -32,8 +35,12 @@ FORMS: dict[str, tuple[Callable[[Weight], bool], Callable[[Weight], Weight], Cal
     "plain": (lambda w: True, lambda w: w, F.linear),
     "onednn": (projections.can_pack, projections.pack, projections.linear),
     "blocked": (projections.blocked_takes, projections.block, projections.linear),
-    "amx": (projections.amx_takes, lambda w: w, projections.linear),
+    "amx": (projections.amx_takes, huge_pages.moved, projections.linear),
+    # the engine's forms again in torch's 4 KiB pages (a clone is torch's memory), against their huge pages
+    "blocked-4k": (projections.blocked_takes, lambda w: projections.block(w).clone(), projections.linear),
+    "amx-4k": (projections.amx_takes, lambda w: w, projections.linear),
 }
+SMALL_PAGES = "-4k"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -101,4 +108,6 @@ def _report(m: int, samples: dict[str, list[float]], nbytes: int) -> None:
     for name, med in medians.items():
         spread = f"[{min(samples[name]) * 1e3:.2f}, {max(samples[name]) * 1e3:.2f}]"
         against = f"  {base / med:.2f}x oneDNN's speed" if base and name != "onednn" else ""
+        if name.endswith(SMALL_PAGES):
+            against += f", its huge pages {med / medians[name.removesuffix(SMALL_PAGES)]:.2f}x as fast"
         print(f"  {m:4d} rows  {name:8s} {med * 1e3:8.2f} ms {spread:>18}  {nbytes / med / 1e9:5.1f} GB/s{against}")

@@ -385,10 +385,13 @@ def test_bench_projections_times_every_form_this_machine_has(tmp_path, capsys):
     out = capsys.readouterr().out
     saved = json.loads(next(tmp_path.glob("projections-*.json")).read_text())["ms_per_step"]["float32"]
     w = torch.ones(128, 768)
-    expected = ["plain"] + ["onednn"] * linear.can_pack(w) + ["blocked"] * linear.blocked_takes(w)
+    has = {"plain": True, "onednn": linear.can_pack(w), "blocked": linear.blocked_takes(w), "amx": linear.amx_takes(w)}
+    expected = [form for form in ("plain", "onednn", "blocked", "amx", "blocked-4k", "amx-4k")
+                if has[form.removesuffix("-4k")]]  # Blink's forms also in 4 KiB pages
     assert saved["forms"] == expected and saved["engine_form"] in expected
     assert all(len(saved["rows"][rows][form]) == 2 for rows in ("1", "7") for form in expected)
     assert out.count(" rows ") == 2 * len(expected)
+    assert out.count("its huge pages") == 2 * sum(form.endswith("-4k") for form in expected)
 
 
 def test_vllm_bench_serve_flags(tmp_path, tokenizer_dir, capsys):

@@ -4,13 +4,13 @@ A batch-1 decode step reads every weight once. In 4 KiB pages that is a TLB miss
 machine each miss walks two page tables. Linux hands transparent huge pages, in the `madvise` mode most
 distributions ship, only to memory that asks: an anonymous mapping advised MADV_HUGEPAGE, which torch's allocator
 does not do unless THP_MEM_ALLOC_ENABLE is set before its first allocation. So the tensors that are streamed get a
-mapping of their own, advised. Measured on the 2-core EPYC VM (AVX512-BF16), side by side in one process: all the
-projections of a token of a 125M Llama in bfloat16 0.83-0.87x the time, a whole decoded token 0.96x (bfloat16) and
-0.90x (float32).
+mapping of their own, advised. Measured on the 2-core EPYC VM (AVX512-BF16), side by side in one process
+(`blink bench projections`, `blocked` against `blocked-4k`): all the projections of a token of a 125M Llama 1.14x
+as fast in bfloat16 at 1 row, 1.06x at 16; 1.03x and 1.02x in float32; a few percent to 15% from one sitting to
+the next.
 
-Tensors under 2 MiB stay in torch's memory (a huge page would hold more padding than data), as do other devices;
-where the kernel has no transparent huge pages (or they are `never`), the mapping stays in 4 KiB pages: the same
-memory, no faster.
+Tensors under 1 MiB stay in torch's memory, as do other devices' tensors, and all of them where the kernel has no
+transparent huge pages (or they are `never`) or BLINK_HUGE_PAGES=0 says so.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 HUGE_PAGE = 2 << 20
+SMALLEST = HUGE_PAGE // 2  # less stays in torch's memory: its huge page would hold more padding than data
 THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
@@ -43,7 +44,7 @@ def _kernel_offers() -> bool:
 
 
 def empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised contiguous CPU tensor, in huge pages where it fills at least one."""
+    """An uninitialised contiguous CPU tensor, in huge pages where it takes half of one or more."""
     mapped = _mapped(torch.Size(shape), dtype)
     return torch.empty(shape, dtype=dtype) if mapped is None else mapped
 
@@ -61,9 +62,9 @@ def moved(t: torch.Tensor) -> torch.Tensor:
 
 
 def _mapped(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor | None:
-    """A tensor in a mapping of its own advised MADV_HUGEPAGE (zeros); None under a huge page, or without them."""
+    """A tensor in a mapping of its own advised MADV_HUGEPAGE (zeros); None if small, or without huge pages."""
     nbytes = shape.numel() * dtype.itemsize
-    if nbytes < HUGE_PAGE or not available():
+    if nbytes < SMALLEST or not available():
         return None
     span = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
     region = mmap.mmap(-1, span + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # a page more: to align
