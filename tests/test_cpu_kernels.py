@@ -115,6 +115,11 @@ def _check_attention(ops, sequences, page_size, kv_heads, group, dtype, window=N
     (torch.float32, 32, 2, 3, None, 24),
     (torch.bfloat16, 4, 2, 2, None, 16),
     (torch.bfloat16, 16, 2, 4, 24, 64),
+    # head sizes with a vector path on AVX-512, query groups over more than one pass over the values
+    (torch.float32, 4, 2, 5, None, 64),
+    (torch.float32, 16, 1, 3, None, 128),
+    (torch.bfloat16, 8, 2, 2, 10, 256),
+    (torch.bfloat16, 16, 1, 1, None, 128),
 ])
 def test_decode_attention_matches_the_reference(ops, dtype, page_size, kv_heads, group, window, head_dim):
     _check_attention(ops, [*SEQUENCES, (300, 1)], page_size, kv_heads, group, dtype, window, head_dim)

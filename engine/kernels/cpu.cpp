@@ -2,7 +2,8 @@
 // torch.ops.blink_cpu). Each replaces a chain of small torch ops in the forward, which on the CPU costs the
 // dispatcher a few microseconds per op whatever the op's size: an RMSNorm was 9 ops, a layer's attention about 30.
 // Numerics follow the torch reference (blink.engine.model.kernel_sets.TorchKernels): elementwise work rounds to the
-// model's dtype where the reference's ops do, reductions and attention run in float32.
+// model's dtype where the reference's ops do, reductions and attention run in float32. One file (over 400 lines):
+// its kernels share the dtype helpers below, and torch's JIT build would not see a change to a header.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -18,6 +19,10 @@
 #include <cstring>
 #include <tuple>
 #include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -185,6 +190,109 @@ inline float exp_nonpositive(float x) {
 
 constexpr int64_t kMaxHeadDim = BLINK_MAX_HEAD_DIM;  // blink.engine.kernels.cpu.MAX_HEAD_DIM
 
+// A sequence's keys (and values) from `first` on, page by page: where key j's head h starts in the caches, with no
+// division per key (a 64-bit division costs more than the key's dot products).
+struct Keys {
+  const int64_t* page_of;  // the sequence's block-table row
+  int64_t page_size, per_token, head;  // cache rows per page, elements per cache row, the head's first element
+  int64_t first, page = 0, in_page = 0;
+  Keys(const int64_t* page_of, int64_t page_size, int64_t per_token, int64_t head, int64_t first)
+      : page_of(page_of), page_size(page_size), per_token(per_token), head(head), first(first) { rewind(); }
+  void rewind() { page = first / page_size, in_page = first % page_size; }
+  int64_t offset() const { return (page_of[page] * page_size + in_page) * per_token + head; }
+  void next() {
+    if (++in_page == page_size) in_page = 0, page++;
+  }
+};
+
+#if defined(__AVX512F__)
+// 16 keys' or values' elements as float32 lanes.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+// exp_nonpositive on 16 lanes: the same operations in the same order, so a lane equals the scalar's result.
+inline __m512 exp_nonpositive16(__m512 x) {
+  const __m512 t = _mm512_max_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _mm512_set1_ps(-126.f));
+  const __m512 whole = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC), f = _mm512_sub_ps(t, whole);
+  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+  for (const float c : {1.339887440266574e-3f, 9.618437357674640e-3f, 5.550332471162809e-2f, 2.402264791363012e-1f,
+                        6.931472028550421e-1f, 1.0f})
+    p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(c));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(whole), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+// One row and key-value head of decode_attention for a head_dim of 16 C, on AVX-512: each key's G dot products as
+// vectors over the head's dimensions, the softmax 16 keys at a time, and the values added into outputs held in
+// registers, up to 16 vectors of them per pass over the values (added through memory, each key's sum waited on the
+// store of the one before: the values' pass ran at a third of the keys' speed). query: [G, D] float32; scores:
+// [G, n]; total: [G].
+template <int C, typename T>
+void attend_avx512(const float* query, int64_t G, const T* kc, const T* vc, Keys keys, int64_t n, float scale,
+                   float* scores, float* total, T* o) {
+  constexpr int64_t D = 16 * C, GB = C >= 16 ? 1 : 16 / C;  // query heads per pass over the values
+  for (int64_t j = 0; j < n; j++, keys.next()) {
+    const T* key = kc + keys.offset();
+    __m512 k[C];
+    for (int c = 0; c < C; c++) k[c] = load16(key + 16 * c);
+    for (int64_t g = 0; g < G; g++) {
+      const float* qg = query + g * D;
+      __m512 dot = _mm512_mul_ps(_mm512_loadu_ps(qg), k[0]);
+      for (int c = 1; c < C; c++) dot = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * c), k[c], dot);
+      scores[g * n + j] = _mm512_reduce_add_ps(dot) * scale;
+    }
+  }
+  for (int64_t g = 0; g < G; g++) {
+    float* sg = scores + g * n;
+    const int64_t whole = n / 16 * 16;
+    float top = -INFINITY;
+    if (whole) {
+      __m512 m = _mm512_loadu_ps(sg);
+      for (int64_t j = 16; j < whole; j += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(sg + j));
+      top = _mm512_reduce_max_ps(m);
+    }
+    for (int64_t j = whole; j < n; j++) top = std::max(top, sg[j]);
+    __m512 sum16 = _mm512_setzero_ps();
+    for (int64_t j = 0; j < whole; j += 16) {
+      const __m512 e = exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(sg + j), _mm512_set1_ps(top)));
+      _mm512_storeu_ps(sg + j, e);
+      sum16 = _mm512_add_ps(sum16, e);
+    }
+    float sum = _mm512_reduce_add_ps(sum16);
+    for (int64_t j = whole; j < n; j++) {
+      sg[j] = exp_nonpositive(sg[j] - top);
+      sum += sg[j];
+    }
+    total[g] = sum;
+  }
+  for (int64_t g0 = 0; g0 < G; g0 += GB) {
+    const int64_t heads = std::min(GB, G - g0);
+    __m512 acc[GB][C];
+    for (int64_t g = 0; g < GB; g++)
+      for (int c = 0; c < C; c++) acc[g][c] = _mm512_setzero_ps();
+    keys.rewind();
+    for (int64_t j = 0; j < n; j++, keys.next()) {
+      const T* value = vc + keys.offset();
+      __m512 v[C];
+      for (int c = 0; c < C; c++) v[c] = load16(value + 16 * c);
+      for (int64_t g = 0; g < GB; g++) {
+        if (g == heads) break;
+        const __m512 p = _mm512_set1_ps(scores[(g0 + g) * n + j]);
+        for (int c = 0; c < C; c++) acc[g][c] = _mm512_fmadd_ps(p, v[c], acc[g][c]);
+      }
+    }
+    for (int64_t g = 0; g < heads; g++) {
+      alignas(64) float sums[D];
+      for (int c = 0; c < C; c++) _mm512_store_ps(sums + 16 * c, acc[g][c]);
+      for (int64_t d = 0; d < D; d++) o[(g0 + g) * D + d] = store<T>(sums[d] / total[g0 + g]);
+    }
+  }
+}
+#endif
+
 // One-query rows straight from the cache pages, in float32 (the reference upcasts its decodes too): for each row
 // r < count (a scalar tensor: the plan's), the token at `token[r]` attends to its sequence's keys up to
 // `position[r]` (the last `window` of them when window > 0) and its result is written to out[token[r]]. Row and
@@ -234,6 +342,16 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
         const T* qh = qp + (b * Hq + h * G) * D;
         for (int64_t i = 0; i < G * D; i++) query[i] = load(qh[i]);
         scores.resize(G * n);
+        T* o = op + (b * Hq + h * G) * D;
+#if defined(__AVX512F__)
+        if ((D == 64 || D == 128 || D == 256)) {  // the head sizes of most models; the loops below take any other
+          const Keys keys(page_of, page_size, Hkv * D, h * D, first);
+          if (D == 64) attend_avx512<4>(query.data(), G, kc, vc, keys, n, softmax_scale, scores.data(), total.data(), o);
+          if (D == 128) attend_avx512<8>(query.data(), G, kc, vc, keys, n, softmax_scale, scores.data(), total.data(), o);
+          if (D == 256) attend_avx512<16>(query.data(), G, kc, vc, keys, n, softmax_scale, scores.data(), total.data(), o);
+          continue;
+        }
+#endif
         // Each key and value is converted once into `row`, which the query heads then share: read through the
         // cache's pointer per head, the loops ran 2.5x slower at 512 keys.
         for (int64_t j = 0; j < n; j++) {
@@ -271,7 +389,6 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
             for (int64_t d = 0; d < D; d++) ag[d] += p * row[d];
           }
         }
-        T* o = op + (b * Hq + h * G) * D;
         for (int64_t g = 0; g < G; g++)
 #pragma omp simd
           for (int64_t d = 0; d < D; d++) o[g * D + d] = store<T>(acc[g * D + d] / total[g]);
