@@ -8,8 +8,10 @@ import threading
 import time
 
 import structlog
+import torch
 import zmq
 
+from blink.engine.device import resolve_device
 from blink.engine.drive import modes as drive_modes
 from blink.engine.drive.driver import Driver, Fenced
 from blink.engine.drive.follower import follow
@@ -60,6 +62,9 @@ class EngineService:
             load_format=settings.load_format, enable_prefix_caching=settings.enable_prefix_caching,
             compile_bookkeeping=settings.compile_bookkeeping, tensor_parallel_size=settings.tensor_parallel_size,
         )
+        # Which drive modes can run here is known before the model loads (minutes for a large one): a mode asked
+        # for that cannot is refused first.
+        self._modes = self._drive_modes(resolve_device(settings.device))
         self.ranks = None  # with tensor parallelism, the other ranks: this process is rank 0
         if settings.tensor_parallel_size > 1:
             options = agreed(settings.model, {**options, "distributed_init_method": free_init_method()})
@@ -86,17 +91,22 @@ class EngineService:
         )
         log.info("drive mode", mode=self.driver.mode, kv_host_pages=self.info.kv_host_pages, **self.info.policies())
 
-    def _build_driver(self) -> Driver:
-        """The best drive mode that starts here, falling back with the reason logged; or the one asked for, which
-        starts or stops the engine with the reason."""
+    def _drive_modes(self, device: torch.device) -> list[str]:
+        """The drive modes to try on `device`, best first, the others logged with the reason; none is an error."""
         requested = self.settings.drive
-        modes, passed_over = drive_modes.candidates(requested, self.engine.device, self.settings.tensor_parallel_size,
+        modes, passed_over = drive_modes.candidates(requested, device, self.settings.tensor_parallel_size,
                                                     self.settings.compile_bookkeeping)
         for reason in passed_over:
             log.info("drive mode unavailable", reason=reason)
         if not modes:
             raise RuntimeError(f"--drive {requested} cannot run here: {'; '.join(passed_over)}")
-        for mode in modes:
+        return modes
+
+    def _build_driver(self) -> Driver:
+        """The best drive mode that starts here, falling back with the reason logged; or the one asked for, which
+        starts or stops the engine with the reason."""
+        requested = self.settings.drive
+        for mode in self._modes:
             try:
                 driver = drive_modes.build(mode, self.engine, self.table, self.ranks)
             except Exception as e:  # a capture or a build that fails here must not keep the engine down
@@ -107,7 +117,7 @@ class EngineService:
             for limitation in driver.limitations:
                 log.warning("drive mode limitation", mode=mode, limitation=limitation)
             return driver
-        raise RuntimeError(f"no drive mode started (tried {', '.join(modes)})")
+        raise RuntimeError(f"no drive mode started (tried {', '.join(self._modes)})")
 
     def _rdma_target(self) -> tuple[TableTarget | None, str]:
         """The table registered for remote access, when the deployment may use rdma; else why not."""

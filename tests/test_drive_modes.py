@@ -51,6 +51,7 @@ def test_serve_asked_for_persistent_on_the_cpu_refuses_to_start_and_says_why(tmp
     assert out.returncode != 0
     assert "--drive persistent cannot run here" in out.stdout + out.stderr
     assert "needs a CUDA device" in out.stdout + out.stderr
+    assert "engine ready" not in out.stdout + out.stderr  # refused before the model loaded
 
 
 def test_serve_on_auto_falls_back_to_the_host_mode_and_reports_it(tmp_path):
