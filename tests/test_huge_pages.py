@@ -16,17 +16,20 @@ from blink.engine.model.linear import blocked_takes, linear, prepare
 needs_thp = pytest.mark.skipif(not huge_pages.available(), reason="needs Linux transparent huge pages (not `never`)")
 
 
-def thp_eligible(t: torch.Tensor) -> bool:
-    """Whether the kernel's map of this process says the mapping holding t's data may take huge pages."""
-    at = t.data_ptr()
-    eligible, inside = None, False
+def mapping_field(t: torch.Tensor, field: str) -> str:
+    """A field of the kernel's map of this process for the mapping holding t's data (its first word)."""
+    at, inside = t.data_ptr(), False
     for line in Path("/proc/self/smaps").read_text().splitlines():
         if m := re.match(r"([0-9a-f]+)-([0-9a-f]+) ", line):
             inside = int(m[1], 16) <= at < int(m[2], 16)
-        elif inside and line.startswith("THPeligible:"):
-            eligible = line.split()[1] == "1"
-    assert eligible is not None, "no mapping (or no THPeligible field) holds the tensor"
-    return eligible
+        elif inside and line.startswith(field + ":"):
+            return line.split()[1]
+    raise AssertionError(f"no mapping (or no {field} field) holds the tensor")
+
+
+def thp_eligible(t: torch.Tensor) -> bool:
+    """Whether the mapping holding t's data may take huge pages."""
+    return mapping_field(t, "THPeligible") == "1"
 
 
 @needs_thp
@@ -69,4 +72,6 @@ def test_prepared_weights_and_the_kv_pool_lie_in_advised_memory():
     kv = SimpleNamespace(num_layers=2, num_kv_heads=2, head_dim=64, dtype=torch.float32)  # 2 MiB per cache
     pool = PagePool(kv, num_pages=256, page_size=16, device=torch.device("cpu"))
     assert thp_eligible(pool.k) and thp_eligible(pool.v)
+    # resident from the start: a page first touched inside a step would fault on the per-token path
+    assert int(mapping_field(pool.v, "Rss")) * 1024 >= pool.v.nbytes
     assert torch.count_nonzero(pool.k) == 0

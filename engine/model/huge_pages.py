@@ -28,8 +28,8 @@ THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
 def available() -> bool:
-    """Whether advised mappings get huge pages here (Linux with transparent huge pages not `never`), and
-    BLINK_HUGE_PAGES=0 does not keep torch's memory instead (khugepaged's and compaction's work is the host's)."""
+    """Whether tensors go to advised mappings: on Linux with transparent huge pages not `never`, unless
+    BLINK_HUGE_PAGES=0 (for a host where khugepaged's and compaction's work is unwelcome)."""
     return os.environ.get("BLINK_HUGE_PAGES", "1") != "0" and _kernel_offers()
 
 
@@ -50,13 +50,15 @@ def empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tens
 
 
 def zeros(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """torch.zeros, in huge pages on the CPU (a fresh anonymous mapping reads as zeros)."""
+    """torch.zeros, in huge pages on the CPU. Written now, though a fresh mapping reads as zeros: a page first touched
+    inside a step would fault there (zeroing 2 MiB, compacting memory to find them) on the per-token path."""
     mapped = _mapped(torch.Size(shape), dtype) if device.type == "cpu" else None
-    return torch.zeros(shape, dtype=dtype, device=device) if mapped is None else mapped
+    return torch.zeros(shape, dtype=dtype, device=device) if mapped is None else mapped.zero_()
 
 
 def moved(t: torch.Tensor) -> torch.Tensor:
-    """A CPU tensor's copy in huge pages (contiguous); anything else as it is."""
+    """A CPU tensor copied into huge pages (contiguous); a small one, another device's, or any while huge pages are
+    off, as it is."""
     mapped = _mapped(t.shape, t.dtype) if t.device.type == "cpu" and t.layout == torch.strided else None
     return t if mapped is None else mapped.copy_(t)
 
