@@ -190,8 +190,7 @@ inline float exp_nonpositive(float x) {
 
 constexpr int64_t kMaxHeadDim = BLINK_MAX_HEAD_DIM;  // blink.engine.kernels.cpu.MAX_HEAD_DIM
 
-// A sequence's keys (and values) from `first` on, page by page: where key j's head h starts in the caches, with no
-// division per key (a 64-bit division costs more than the key's dot products).
+// A sequence's keys (and values) from `first` on, page by page: where each key's head h starts in the caches.
 struct Keys {
   const int64_t* page_of;  // the sequence's block-table row
   int64_t page_size, per_token, head;  // cache rows per page, elements per cache row, the head's first element
@@ -344,11 +343,12 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
         scores.resize(G * n);
         T* o = op + (b * Hq + h * G) * D;
 #if defined(__AVX512F__)
-        if ((D == 64 || D == 128 || D == 256)) {  // the head sizes of most models; the loops below take any other
+        if (D == 64 || D == 128 || D == 256) {  // the head sizes of most models; the loops below take any other
           const Keys keys(page_of, page_size, Hkv * D, h * D, first);
-          if (D == 64) attend_avx512<4>(query.data(), G, kc, vc, keys, n, softmax_scale, scores.data(), total.data(), o);
-          if (D == 128) attend_avx512<8>(query.data(), G, kc, vc, keys, n, softmax_scale, scores.data(), total.data(), o);
-          if (D == 256) attend_avx512<16>(query.data(), G, kc, vc, keys, n, softmax_scale, scores.data(), total.data(), o);
+          float *s = scores.data(), *sums = total.data();
+          if (D == 64) attend_avx512<4>(query.data(), G, kc, vc, keys, n, softmax_scale, s, sums, o);
+          if (D == 128) attend_avx512<8>(query.data(), G, kc, vc, keys, n, softmax_scale, s, sums, o);
+          if (D == 256) attend_avx512<16>(query.data(), G, kc, vc, keys, n, softmax_scale, s, sums, o);
           continue;
         }
 #endif
