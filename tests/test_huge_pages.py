@@ -75,3 +75,13 @@ def test_prepared_weights_and_the_kv_pool_lie_in_advised_memory():
     # resident from the start: a page first touched inside a step would fault on the per-token path
     assert int(mapping_field(pool.v, "Rss")) * 1024 >= pool.v.nbytes
     assert torch.count_nonzero(pool.k) == 0
+
+
+def test_a_mapping_refused_leaves_the_tensor_in_torchs_memory(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(huge_pages.mmap, "mmap", refuse)
+    big = torch.randn(1024, 1024)
+    assert huge_pages.moved(big) is big
+    assert torch.count_nonzero(huge_pages.zeros((1024, 1024), torch.float32, torch.device("cpu"))) == 0

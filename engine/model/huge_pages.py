@@ -69,8 +69,11 @@ def _mapped(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor | None:
     if nbytes < SMALLEST or not available():
         return None
     span = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
-    region = mmap.mmap(-1, span + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # a page more: to align
-    region.madvise(mmap.MADV_HUGEPAGE)
+    try:
+        region = mmap.mmap(-1, span + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # a page more: to align
+        region.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:  # no mapping to be had, or a kernel built without THP: torch's memory, as elsewhere
+        return None
     raw = torch.frombuffer(region, dtype=torch.uint8)  # holds the mapping for as long as a view of it lives
     start = -raw.data_ptr() % HUGE_PAGE
     return raw[start:start + nbytes].view(dtype).view(shape)
