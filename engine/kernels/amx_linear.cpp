@@ -23,6 +23,11 @@
 #include <unistd.h>
 #endif
 
+namespace blink_cpu {
+// blocked_linear.cpp's: the bias as float32, checked.
+at::Tensor projection_bias(const c10::optional<at::Tensor>& bias, int64_t outputs, const char* op);
+}  // namespace blink_cpu
+
 namespace {
 
 constexpr int64_t TILE = 16;       // rows of every tile, and the outputs (or rows of x) one tile holds
@@ -132,14 +137,10 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& w, const c10::optio
               "blink_cpu::amx_linear: bfloat16 x and a contiguous bfloat16 weight");
   TORCH_CHECK(w.size(0) % TILE == 0 && w.size(1) % TILE_K == 0,
               "blink_cpu::amx_linear: a weight of whole tiles (outputs by 16, inputs by 32), got ", w.sizes());
-  at::Tensor bias32;
-  if (bias) {
-    TORCH_CHECK(bias->numel() == w.size(0), "blink_cpu::amx_linear: a bias per output");
-    bias32 = bias->to(at::kFloat).contiguous();
-  }
+  const at::Tensor bias32 = blink_cpu::projection_bias(bias, w.size(0), "amx_linear");
   auto out = at::empty({x.size(0), w.size(0)}, x.options());
 #ifdef BLINK_AMX
-  if (x.size(0) > 0) linear_tiles(x.contiguous(), w, bias ? bias32.data_ptr<float>() : nullptr, out);
+  if (x.size(0) > 0) linear_tiles(x.contiguous(), w, bias32.defined() ? bias32.data_ptr<float>() : nullptr, out);
 #endif
   return out;
 }

@@ -22,6 +22,18 @@
 #include <immintrin.h>
 #endif
 
+namespace blink_cpu {
+
+// A projection's bias as float32 for a kernel's epilogue (undefined without one), checked against its outputs. The
+// AMX kernel (amx_linear.cpp, built into the same library) declares and calls it too.
+at::Tensor projection_bias(const c10::optional<at::Tensor>& bias, int64_t outputs, const char* op) {
+  if (!bias) return {};
+  TORCH_CHECK(bias->numel() == outputs, "blink_cpu::", op, ": a bias per output");
+  return bias->to(at::kFloat).contiguous();
+}
+
+}  // namespace blink_cpu
+
 namespace {
 
 constexpr int64_t BLOCK = 64;     // outputs of a block: four vectors of 16 float32 sums
@@ -121,15 +133,11 @@ at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& w, const c10::o
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == dtype && x.size(1) == w.size(1) * words_per,
               "blink_cpu::blocked_linear: x [M, K] in the weight's dtype, K = ", w.size(1) * words_per);
   const int64_t N = w.size(0) * BLOCK;
-  at::Tensor bias32;
-  if (bias) {
-    TORCH_CHECK(bias->numel() == N, "blink_cpu::blocked_linear: a bias per output");
-    bias32 = bias->to(at::kFloat).contiguous();
-  }
+  const at::Tensor bias32 = blink_cpu::projection_bias(bias, N, "blocked_linear");
   auto out = at::empty({x.size(0), N}, x.options());
 #if defined(__AVX512F__)
   if (x.size(0) > 0) {
-    const float* b = bias ? bias32.data_ptr<float>() : nullptr;
+    const float* b = bias32.defined() ? bias32.data_ptr<float>() : nullptr;
     if (dtype == at::kBFloat16) blocked<true>(x.contiguous(), w, b, out);
     else blocked<false>(x.contiguous(), w, b, out);
   }
