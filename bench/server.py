@@ -92,7 +92,8 @@ def running_server(tmp_path, *flags: str, timeout_s: float = 120):
                     break
             except httpx.HTTPError:
                 pass
-            assert time.monotonic() < deadline, "server did not become ready"
+            assert time.monotonic() < deadline, ("server did not become ready: "
+                                                 + (tmp_path / f"serve-{port}.log").read_text()[-6000:])
             time.sleep(0.2)
         yield Server(url, proc, _settings(cmd[4:]))
     finally:
