@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -176,3 +178,16 @@ def test_a_failed_build_is_tried_once_per_process(monkeypatch):
         with pytest.raises(cpu.Unavailable, match="read-only cache"):
             cpu.ops()
     assert len(tries) == 1
+
+
+def test_a_load_killed_midway_leaves_nothing_that_blocks_the_next(ops, tmp_path):
+    """A process killed inside torch's build step leaves torch's lock file behind; a new process loads anyway."""
+    cache = tmp_path / "cache"
+    built = cache / cpu.build_dir().relative_to(cpu.cache_root())
+    shutil.copytree(cpu.build_dir(), built)  # the build as it stands, mtimes kept: nothing to rebuild
+    (built / "lock").touch()  # what a SIGKILL between torch's acquire and release leaves
+    load = "from blink.engine.kernels import cpu; cpu.ops(); print('loaded')"
+    done = subprocess.run([sys.executable, "-c", load], env={**os.environ, "BLINK_CACHE_DIR": str(cache)},
+                          capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == "loaded", done.stderr[-2000:]
+    assert not (built / "lock").exists()

@@ -10,6 +10,8 @@ raises `Unavailable` saying why.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
@@ -64,6 +66,18 @@ def ops():
     return _loaded
 
 
+@contextlib.contextmanager
+def _only_loader(directory: Path):
+    """One process at a time loads (and, if need be, builds) from `directory`. torch's own lock there is a file
+    that every load creates and removes, so a process killed inside a load (an engine the watchdog killed while
+    it started) leaves it behind, and every later load waits on it forever. This lock is the kernel's, released
+    with its holder however it ends; whoever holds it knows a torch lock file it finds is such a leftover."""
+    with open(directory / "load.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        (directory / "lock").unlink(missing_ok=True)
+        yield
+
+
 def _load():
     try:
         import ninja  # the wheel puts the binary beside its module; torch looks for it on PATH
@@ -72,8 +86,9 @@ def _load():
         directory = build_dir()
         directory.mkdir(parents=True, exist_ok=True)
         log.info("cpu kernels: loading (built once per machine, under %s)", directory)
-        cpp_extension.load(name="blink_cpu", sources=[str(source) for source in SOURCES], extra_cflags=FLAGS,
-                           build_directory=str(directory), is_python_module=False, verbose=False)
+        with _only_loader(directory):
+            cpp_extension.load(name="blink_cpu", sources=[str(source) for source in SOURCES], extra_cflags=FLAGS,
+                               build_directory=str(directory), is_python_module=False, verbose=False)
     except Exception as e:  # a missing compiler or ninja surfaces as several exception types
         return Unavailable(f"the CPU kernels could not be built ({type(e).__name__}: {e}); they need a C++ "
                            "compiler and ninja")
