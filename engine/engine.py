@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from blink.engine.core.kv_cache import PagePool
-from blink.engine.core.policy import Policy
+from blink.engine.core.policy import policy_named
 from blink.engine.core.prefix_cache import PrefixCache
 from blink.engine.core.rotation import HostMirror
 from blink.engine.core.state import Slots
@@ -61,7 +61,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a power of two, got {self.page_size}")
-        Policy(self.scheduling_policy)  # raises on an unknown name
+        policy_named(self.scheduling_policy)  # raises on an unknown name
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
         if not 0 <= self.swap_space < float("inf"):
@@ -130,7 +130,7 @@ class Engine:
                            num_slots * pages_per_seq) + 1
         self._mirror_pages = mirror_pages if config.swap_space > 0 and mirror_pages > 1 else 0
         self.step = Step(self.model, self.pool, self.state, list(self.generation.eos_token_ids), budget,
-                         Policy(config.scheduling_policy), self.shard)
+                         policy_named(config.scheduling_policy), self.shard)
         if config.compile_bookkeeping:
             self.step.compile_bookkeeping()
         log.info("engine ready: %s on %s in %s (dtype %s), %d slots, %d-token budget, %d KV pages of %d, context %d, "

@@ -13,7 +13,7 @@ import torch
 
 from blink.engine.core.admission import admit_records
 from blink.engine.core.kv_cache import PagePool
-from blink.engine.core.policy import Policy
+from blink.engine.core.policy import policy_named
 from blink.engine.core.rotation import HostMirror
 from blink.engine.core.scheduler import StepPlan, advance, plan
 from blink.engine.core.state import Slots
@@ -58,7 +58,7 @@ class ModelFreeEngine:
     def step(self) -> StepPlan:
         """Plans one step and advances what it scheduled; returns the plan."""
         s = self.state
-        planned = plan(s, self.pool, self.budget, Policy(self.policy), self.mirror, self.cost, self.prompt_rows)
+        planned = plan(s, self.pool, self.budget, policy_named(self.policy), self.mirror, self.cost, self.prompt_rows)
         advance(s, planned)
         done = (planned.take > 0) & (s.num_computed == s.seq_len)
         s.tokens[done.nonzero()[:, 0], s.seq_len[done]] = 1

@@ -75,7 +75,7 @@ def test_packed_sort_keys_give_the_orders_the_keys_one_by_one_give():
 
     import torch
 
-    from blink.engine.core.policy import POLICIES, Policy, ahead, lexsort
+    from blink.engine.core.policy import POLICIES, ahead, lexsort, policy_named
 
     def one_by_one(keys, first):
         order = torch.arange(first.shape[0])
@@ -104,7 +104,7 @@ def test_packed_sort_keys_give_the_orders_the_keys_one_by_one_give():
                     [-s.service_class, -s.priority, -generated, -s.arrival]),
         }
         for name in POLICIES:
-            policy = Policy(name)
+            policy = policy_named(name)
             packed = (policy.keep_keys(s), policy.budget_keys(s, prefill), policy.victim_keys(s))
             for keys, plain in zip(packed, specs[name], strict=True):
                 assert torch.equal(lexsort(keys, first), one_by_one(plain, first)), name

@@ -70,49 +70,82 @@ def ahead(order: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
     return order[(~first[order]).long().argsort(stable=True)]
 
 
-@dataclass(frozen=True)
 class Policy:
-    name: str = "slo"
+    """What every policy answers; the base's answers are the plain ones (no classes, no SLOs), which `slo`
+    overrides. A policy keeps no state: one per engine, made by `policy_named`."""
 
-    def __post_init__(self) -> None:
-        if self.name not in POLICIES:
-            raise ValueError(f"scheduling policy must be one of {', '.join(POLICIES)}, got {self.name!r}")
+    name: str
 
     def keep_keys(self, s: Slots) -> list[torch.Tensor | Key]:
         """Precedence for pages: who keeps them when they run short."""
-        if self.name == "fcfs":
-            return [s.arrival]
-        if self.name == "priority":
-            return [_priority(s), s.arrival]
+        raise NotImplementedError
+
+    def budget_keys(self, s: Slots, prefill: torch.Tensor) -> list[torch.Tensor | Key]:
+        """Precedence for tokens: decodes before prefill chunks."""
+        return [Key(prefill.long(), 1), *self.keep_keys(s)]
+
+    def victim_keys(self, s: Slots) -> list[torch.Tensor | Key]:
+        """Who gives pages back first: the keepers' order reversed."""
+        return [k.descending() if isinstance(k, Key) else -k for k in self.keep_keys(s)]
+
+    def latency_sensitive(self, s: Slots) -> torch.Tensor:
+        """The slots whose class outranks the rest (none here)."""
+        return torch.zeros_like(s.rotated)
+
+    def token_cap(self, s: Slots, decoding: torch.Tensor, cost: torch.Tensor, budget: int) -> torch.Tensor:
+        """The most tokens a step may run (the whole budget here)."""
+        return torch.full((), budget, device=cost.device)  # a fill, not a host copy: capturable
+
+
+class Fcfs(Policy):
+    name = "fcfs"
+
+    def keep_keys(self, s: Slots) -> list[torch.Tensor | Key]:
+        return [s.arrival]
+
+
+class Priority(Policy):
+    name = "priority"
+
+    def keep_keys(self, s: Slots) -> list[torch.Tensor | Key]:
+        return [_priority(s), s.arrival]
+
+
+class Slo(Policy):
+    name = "slo"
+
+    def keep_keys(self, s: Slots) -> list[torch.Tensor | Key]:
         return [Key(s.service_class, 1), _priority(s), s.ttft_deadline, s.arrival]
 
     def budget_keys(self, s: Slots, prefill: torch.Tensor) -> list[torch.Tensor | Key]:
-        """Precedence for tokens: decodes before prefill chunks, inside the class for `slo`."""
-        keys = self.keep_keys(s)
-        at = 1 if self.name == "slo" else 0
-        return [*keys[:at], Key(prefill.long(), 1), *keys[at:]]
+        """Decodes before prefill chunks inside each class: a latency-sensitive prefill still goes first."""
+        cls, *rest = self.keep_keys(s)
+        return [cls, Key(prefill.long(), 1), *rest]
 
     def victim_keys(self, s: Slots) -> list[torch.Tensor | Key]:
-        """Who gives pages back first."""
-        if self.name != "slo":
-            return [k.descending() if isinstance(k, Key) else -k for k in self.keep_keys(s)]
         generated = Key(s.seq_len - s.prompt_len, 32)  # below the context limit
         return [Key(s.service_class, 1).descending(), _priority(s).descending(), generated.descending(), -s.arrival]
 
     def latency_sensitive(self, s: Slots) -> torch.Tensor:
-        if self.name != "slo":
-            return torch.zeros_like(s.rotated)
         return s.service_class == 0
 
     def token_cap(self, s: Slots, decoding: torch.Tensor, cost: torch.Tensor, budget: int) -> torch.Tensor:
-        """The most tokens a step may run so that it ends within the tightest TPOT SLO of the sequences decoding
-        in it, by the step-time model cost = [seconds per step, seconds per token, ...]."""
-        if self.name != "slo":
-            return torch.full((), budget, device=cost.device)  # a fill, not a host copy: capturable
+        """Within the tightest TPOT SLO of the sequences decoding in the step, by the step-time model
+        cost = [seconds per step, seconds per token, ...]."""
         tightest = torch.where(decoding, s.tpot_slo, math.inf).amin()
         tokens = ((tightest - cost[0]) / cost[1]).nan_to_num(nan=budget, posinf=budget).floor()
         floor = min(budget, max(s.num_slots, MIN_CAPPED_TOKENS))
         return tokens.clamp(min=floor, max=budget).long()
+
+
+_BY_NAME: dict[str, type[Policy]] = {p.name: p for p in (Fcfs, Priority, Slo)}
+assert tuple(_BY_NAME) == POLICIES, "a policy named in the settings has no class here, or the reverse"
+
+
+def policy_named(name: str) -> Policy:
+    if name not in _BY_NAME:
+        raise ValueError(f"scheduling policy must be one of {', '.join(POLICIES)}, got {name!r}")
+    return _BY_NAME[name]()
 
 
 def _priority(s: Slots) -> Key:
