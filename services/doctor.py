@@ -66,7 +66,13 @@ def _drive_modes() -> list[Capability]:
 def _features() -> list[Capability]:
     prefix = Capability("feature", "prefix-cache", True, "every drive mode: the step looks prompts' page hashes up on "
                         "the engine's device and shares cached KV pages; on unless --no-enable-prefix-caching")
-    return [prefix, *_cpu_kernels()] if importlib.util.find_spec("torch") else [prefix]
+    return [prefix, *_cpu_kernels(), _huge_pages()] if importlib.util.find_spec("torch") else [prefix]
+
+
+def _huge_pages() -> Capability:
+    from blink.engine.model import huge_pages
+
+    return Capability("feature", "huge-pages", huge_pages.available(), huge_pages.describe())
 
 
 def _cpu_kernels() -> list[Capability]:

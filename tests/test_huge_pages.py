@@ -58,6 +58,26 @@ def test_small_tensors_and_the_switch_keep_torchs_memory(monkeypatch):
     monkeypatch.setenv("BLINK_HUGE_PAGES", "0")
     assert not huge_pages.available()
     assert huge_pages.moved(big) is big
+    assert huge_pages.describe() == "off: BLINK_HUGE_PAGES=0: CPU weights and KV pool in 4 KiB pages"
+
+
+def test_doctor_says_what_the_host_offers(monkeypatch, tmp_path):
+    huge_pages._kernel_refuses.cache_clear()
+    monkeypatch.setattr(huge_pages, "THP_SETTING", tmp_path / "enabled")
+    monkeypatch.setattr(huge_pages, "THP_DEFRAG", tmp_path / "defrag")
+    try:
+        (tmp_path / "enabled").write_text("always madvise [never]\n")
+        assert not huge_pages.available() and "`never` on this host" in huge_pages.describe()
+        huge_pages._kernel_refuses.cache_clear()
+        (tmp_path / "enabled").write_text("always [madvise] never\n")
+        (tmp_path / "defrag").write_text("always defer defer+madvise [madvise] never\n")
+        assert huge_pages.available()
+        assert "transparent huge pages madvise, defrag madvise" in huge_pages.describe()
+        huge_pages._kernel_refuses.cache_clear()
+        (tmp_path / "enabled").unlink()
+        assert "offers no transparent huge pages" in huge_pages.describe()
+    finally:
+        huge_pages._kernel_refuses.cache_clear()
 
 
 @needs_thp

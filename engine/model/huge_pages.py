@@ -25,22 +25,48 @@ import torch
 HUGE_PAGE = 2 << 20
 SMALLEST = HUGE_PAGE // 2  # less stays in torch's memory: its huge page would hold more padding than data
 THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+THP_DEFRAG = Path("/sys/kernel/mm/transparent_hugepage/defrag")  # reported: what a fault in advised memory may do
 
 
 def available() -> bool:
     """Whether tensors go to advised mappings: on Linux with transparent huge pages not `never`, unless
     BLINK_HUGE_PAGES=0 (for a host where khugepaged's and compaction's work is unwelcome)."""
-    return os.environ.get("BLINK_HUGE_PAGES", "1") != "0" and _kernel_offers()
+    return why_not() is None
+
+
+def why_not() -> str | None:
+    """Why CPU tensors stay in 4 KiB pages here, or None when they get huge pages."""
+    if os.environ.get("BLINK_HUGE_PAGES", "1") == "0":
+        return "off: BLINK_HUGE_PAGES=0"
+    return _kernel_refuses()
+
+
+def describe() -> str:
+    """What `blink doctor` says: the mode, and where it is on, the host's THP settings."""
+    if (why := why_not()) is not None:
+        return f"{why}: CPU weights and KV pool in 4 KiB pages"
+    return (f"CPU weights and KV pool in 2 MiB pages, advised (transparent huge pages {_setting(THP_SETTING)}, "
+            f"defrag {_setting(THP_DEFRAG)}); BLINK_HUGE_PAGES=0 turns it off")
 
 
 @functools.cache
-def _kernel_offers() -> bool:
+def _kernel_refuses() -> str | None:
     if not hasattr(mmap, "MADV_HUGEPAGE"):
-        return False
+        return "this OS has no MADV_HUGEPAGE"
     try:
-        return "[never]" not in THP_SETTING.read_text()
+        setting = THP_SETTING.read_text()
     except OSError:
-        return False
+        return f"the kernel offers no transparent huge pages ({THP_SETTING} is unreadable)"
+    return "transparent huge pages are `never` on this host" if "[never]" in setting else None
+
+
+def _setting(path: Path) -> str:
+    """The bracketed choice of a THP setting file."""
+    try:
+        text = path.read_text()
+    except OSError:
+        return "unknown"
+    return text[text.find("[") + 1:text.find("]")] if "[" in text else text.strip()
 
 
 def empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
