@@ -165,11 +165,11 @@ class EngineService:
                 self.ranks.close()
 
     def _drive(self) -> None:
-        """The driver steps by itself; this thread only vouches for it to the watchdog: alive while its step count
-        moves, or while it has nothing to do. A driver that stops stepping with work waiting gets no heartbeat,
-        and one that failed ends the service (the watchdog restarts it)."""
+        """The driver steps by itself; this thread only vouches for it to the watchdog: alive while its progress
+        moves, or while it has nothing to do. A driver that stops with work waiting gets no heartbeat, and one that
+        failed ends the service (the watchdog restarts it)."""
         self.driver.start()
-        steps_seen = -1
+        seen = -1
         try:
             while not self._stop.is_set():
                 time.sleep(0.005)
@@ -179,10 +179,10 @@ class EngineService:
                     self.ranks.check()  # the ranks step together or not at all: a lost one fails the engine over
                 if int(self.table.header["epoch"]) != self.info.epoch:
                     raise Fenced(f"the slot table moved to epoch {int(self.table.header['epoch'])}")
-                steps = int(self.table.header["steps"])
-                if steps != steps_seen or self.driver.idle():  # idle: every reader is behind, or nothing to do
+                progress = self.driver.progress()
+                if progress != seen or self.driver.idle():  # idle: every reader is behind, or nothing to do
                     self.table.stamp()
-                steps_seen = steps
+                seen = progress
         finally:
             self.driver.stop()  # after the step in flight: what it wrote is whole
 

@@ -169,6 +169,10 @@ class DeviceDriver:
     def resident(self) -> int:
         return int(self.step.demand[1])
 
+    def progress(self) -> int:
+        """The steps the device counted in the table (its steps are short: no count within one)."""
+        return int(self.table.header["steps"])
+
     def idle(self) -> bool:
         """Nothing to step for (a read of host memory): the device wants no tokens, and the table holds no request
         published and admissible (under the admission limit), nor an admitted one whose reader made room in its

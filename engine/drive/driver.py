@@ -46,3 +46,7 @@ class Driver(Protocol):
     @property
     def failure(self) -> BaseException | None:
         """Why the driver stopped stepping by itself (Fenced: another engine owns the table), else None."""
+
+    def progress(self) -> int:
+        """A count that moves while the driver works: steps taken, and in the host mode the sublayers run inside
+        a step too. The service vouches for a driver whose count moves, to the watchdog."""

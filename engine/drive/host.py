@@ -239,6 +239,10 @@ class HostDriver:
     def resident(self) -> int:
         return len(self.rank.asked)
 
+    def progress(self) -> int:
+        """Steps, and the sublayers run within them: a CPU prefill of seconds is alive while its layers go by."""
+        return int(self.table.header["steps"]) + self.engine.model.sublayers_run
+
     def idle(self) -> bool:
         return self.resident == 0 and not self.table.submitted().size  # (this loop stamps the heartbeat itself)
 

@@ -112,6 +112,10 @@ class Transformer:
         self.cos, self.sin = rope_tables(cfg, max_len, device)
         self.scale = cfg.head_dim ** -0.5
         self.kernels = kernel_sets.choose(cfg, device)
+        # Sublayers (attention, MLP) run, ever: progress inside a step, by which the host mode shows the watchdog that
+        # a step of seconds (a long prefill of a large model on the CPU) is alive. A Python count: in a captured step
+        # it stands still.
+        self.sublayers_run = 0
 
     @classmethod
     def from_checkpoint(cls, model_dir: Path, cfg: ModelConfig, max_len: int, device: torch.device,
@@ -146,10 +150,12 @@ class Transformer:
             attn = kernels.attention(linear(h, w.qkv, w.qkv_bias), w, cfg, tokens, k_layer, v_layer, self.scale)
             x, h = self._add_norm(x, self._sum(linear(attn.reshape(-1, cfg.q_size), w.o_proj, w.o_proj_bias)),
                                   w.post_norm)
+            self.sublayers_run += 1
             if w.moe is not None:
                 delta = self._sum(kernels.moe_mlp(h, w.moe, cfg))
             else:
                 delta = self._sum(linear(kernels.silu_and_mul(linear(h, w.gate_up)), w.down))
+            self.sublayers_run += 1
         return x if delta is None else x + delta
 
     def _add_norm(self, x: torch.Tensor, delta: torch.Tensor | None,
