@@ -126,14 +126,20 @@ def _serve(settings: Settings) -> int:
     until SIGTERM or ^C; then stops, in order, the watchdog, the ingress (which drains) and the engine."""
     import shutil
 
+    from blink.services import listener
     from blink.services.ingress_service import handshake
     from blink.services.watchdog import ENGINE, INGRESS, ProcessSupervisor, Watchdog
     from blink.shared.slot_table import SlotTable
     from blink.shared.sockets import load_keys
     from blink.shared.stopping import StopFlag
 
+    try:  # before the engine loads: a port in use is an error at once
+        http_socket = listener.bind(settings.host, settings.port)
+    except OSError as e:
+        print(f"blink serve: cannot listen on {settings.host}:{settings.port}: {e.strerror or e}", file=sys.stderr)
+        return 1
     keys = load_keys(settings, create=True)  # before the services start: they all read the one it makes
-    supervisor = ProcessSupervisor(settings)
+    supervisor = ProcessSupervisor(settings, http_socket)
     stop = StopFlag().install()
     engine = supervisor.start(ENGINE)
     try:
@@ -144,6 +150,7 @@ def _serve(settings: Settings) -> int:
               f"{ingress.pid}, watchdog deadline {settings.watchdog_deadline} s)", flush=True)
         Watchdog(settings, supervisor).run(stop)
     finally:
+        http_socket.close()  # the draining ingress's copy is the port's last: once it goes, clients are refused
         supervisor.stop(INGRESS, settings.shutdown_timeout + 5)
         supervisor.stop(ENGINE, 30)
         # An engine stopped while it was still starting never installed its handlers to remove the segment.

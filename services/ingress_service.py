@@ -23,6 +23,7 @@ from blink.ingress.slots import SlotClient
 from blink.ingress.state import IngressState
 from blink.ingress.tools import PARSERS
 from blink.ingress.zmq_api import ZmqApi
+from blink.services import listener
 from blink.shared import control, sockets
 from blink.shared.rdma import RdmaUnavailable
 from blink.shared.remote_memory import TransportLost
@@ -131,8 +132,9 @@ async def serve(settings: Settings, keys: sockets.Keys, info: control.EngineInfo
     zmq_api = asyncio.create_task(ZmqApi(state, settings.zmq_endpoint).serve())
     orders = asyncio.create_task(IngressControl(state, settings, keys).serve())
     follower = asyncio.create_task(restart_when_replaced(state))
+    handed = listener.inherited()
     try:
-        await server.serve()
+        await server.serve(sockets=[handed] if handed is not None else None)
     finally:
         zmq_api.cancel()
         orders.cancel()

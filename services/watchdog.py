@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -26,6 +27,7 @@ import structlog
 import zmq
 from pydantic import SecretStr
 
+from blink.services import listener
 from blink.shared import control, sockets
 from blink.shared.cpus import parse_cpus
 from blink.shared.settings import Settings
@@ -50,11 +52,13 @@ class ProcessSupervisor:
     """Owns the engine and ingress processes of `blink serve`: each in its own session, so a terminal's ^C
     reaches only `blink serve`, which stops them in order."""
 
-    def __init__(self, settings: Settings):
+    def __init__(self, settings: Settings, http_socket: socket.socket | None = None):
+        """http_socket: the HTTP port's, held by `blink serve` and handed to each ingress (blink.services.listener)."""
         values = {k: getattr(settings, k) for k in Settings.model_fields}
         self.env = os.environ | {f"BLINK_{k.upper()}": str(v.get_secret_value() if isinstance(v, SecretStr) else v)
                                  for k, v in values.items() if v is not None}
         self.procs: dict[str, subprocess.Popen] = {}
+        self.handed = {INGRESS: http_socket.fileno()} if http_socket is not None else {}  # service: its inherited fd
         self.cpus = {service: parse_cpus(cpus) for service, cpus in
                      ((ENGINE, settings.engine_cpus), (INGRESS, settings.ingress_cpus)) if cpus}
 
@@ -66,8 +70,10 @@ class ProcessSupervisor:
             if cpus:
                 os.sched_setaffinity(0, cpus)
 
-        proc = subprocess.Popen([sys.executable, "-m", "blink.services.cli", service], env=self.env,
-                                start_new_session=True, preexec_fn=prepare)
+        fd = self.handed.get(service)
+        env = self.env if fd is None else self.env | {listener.ENV: str(fd)}
+        proc = subprocess.Popen([sys.executable, "-m", "blink.services.cli", service], env=env,
+                                start_new_session=True, preexec_fn=prepare, pass_fds=() if fd is None else (fd,))
         self.procs[service] = proc
         return proc
 

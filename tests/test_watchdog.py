@@ -10,6 +10,9 @@ import json
 import os
 import shutil
 import signal
+import socket
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -255,10 +258,25 @@ def test_sigkill_the_ingress(server, table):
         for f in futures:
             with pytest.raises(httpx.HTTPError):  # their connections died with the ingress
                 f.result(timeout=30)
+    # blink serve holds the port: a request that comes while the ingress restarts waits for it, and is answered
+    body = {"model": MODEL, "prompt": "after the restart", "max_tokens": 2, "ignore_eos": True}
+    assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).status_code == 200
     wait_ready_and_serving(server)
     restarted = server.request(server.endpoint("ingress"), control.Ping(), timeout_s=5)
     assert restarted.pid != status.pid
     wait_until(lambda: table_empty(table), 10, "the engine to abort the orphans and the ingress to free them")
+
+
+def test_serve_refuses_a_port_in_use_before_it_loads_anything(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "blink.services.cli", "serve", "--port", str(port),
+                               "--runtime-dir", str(tmp_path), "--deployment", f"busy-{port}"],
+                              capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    assert f"cannot listen on 127.0.0.1:{port}" in done.stderr and "engine" not in done.stdout + done.stderr
 
 
 def test_sigterm_to_serve_drains_then_stops_everything_in_order(tmp_path):
