@@ -146,7 +146,8 @@ def _serve(settings: Settings) -> int:
         handshake(settings, keys, timeout_s=settings.engine_start_timeout,
                   alive=lambda: engine.poll() is None and not stop.is_set())
         ingress = supervisor.start(INGRESS)
-        print(f"blink serving at http://{settings.host}:{settings.port}/v1 (engine pid {engine.pid}, ingress pid "
+        port = http_socket.getsockname()[1]  # --port 0: the one the kernel chose
+        print(f"blink serving at http://{settings.host}:{port}/v1 (engine pid {engine.pid}, ingress pid "
               f"{ingress.pid}, watchdog deadline {settings.watchdog_deadline} s)", flush=True)
         Watchdog(settings, supervisor).run(stop)
     finally:
