@@ -335,16 +335,13 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
         const int64_t r = task / Hkv, h = task % Hkv, b = token_p[r], pos = pos_p[r];
         const int64_t* page_of = table_p + slot_p[r] * pages;
         const int64_t first = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0, n = pos + 1 - first;
-        auto offset = [&](int64_t j) {  // of key/value j's head h in the caches
-          return ((page_of[j / page_size] * page_size + j % page_size) * Hkv + h) * D;
-        };
+        Keys keys(page_of, page_size, Hkv * D, h * D, first);
         const T* qh = qp + (b * Hq + h * G) * D;
         for (int64_t i = 0; i < G * D; i++) query[i] = load(qh[i]);
         scores.resize(G * n);
         T* o = op + (b * Hq + h * G) * D;
 #if defined(__AVX512F__)
         if (D == 64 || D == 128 || D == 256) {  // the head sizes of most models; the loops below take any other
-          const Keys keys(page_of, page_size, Hkv * D, h * D, first);
           float *s = scores.data(), *sums = total.data();
           if (D == 64) attend_avx512<4>(query.data(), G, kc, vc, keys, n, softmax_scale, s, sums, o);
           if (D == 128) attend_avx512<8>(query.data(), G, kc, vc, keys, n, softmax_scale, s, sums, o);
@@ -354,8 +351,8 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
 #endif
         // Each key and value is converted once into `row`, which the query heads then share: read through the
         // cache's pointer per head, the loops ran 2.5x slower at 512 keys.
-        for (int64_t j = 0; j < n; j++) {
-          const T* key = kc + offset(first + j);
+        for (int64_t j = 0; j < n; j++, keys.next()) {
+          const T* key = kc + keys.offset();
 #pragma omp simd
           for (int64_t d = 0; d < D; d++) row[d] = load(key[d]);
           for (int64_t g = 0; g < G; g++) {
@@ -378,8 +375,9 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
           total[g] = sum;
         }
         std::fill(acc.begin(), acc.end(), 0.f);
-        for (int64_t j = 0; j < n; j++) {
-          const T* value = vc + offset(first + j);
+        keys.rewind();
+        for (int64_t j = 0; j < n; j++, keys.next()) {
+          const T* value = vc + keys.offset();
 #pragma omp simd
           for (int64_t d = 0; d < D; d++) row[d] = load(value[d]);
           for (int64_t g = 0; g < G; g++) {
