@@ -23,7 +23,9 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from blink.shared.model_cache import DEFAULT_MODEL_NAME, default_model_dir
+from blink.shared.checkpoints import default_model
+from blink.shared.checkpoints.source import resolve
+from blink.shared.model_cache import TINY_MODEL_NAME, tiny_model_dir
 
 SHAREGPT_MEAN_PROMPT, SHAREGPT_MEAN_OUTPUT = 161.0, 338.0
 PROMPT_SIGMA, OUTPUT_SIGMA = 1.1, 0.9  # log-space spread: long tails, as ShareGPT has
@@ -51,10 +53,12 @@ class LengthLimits:
 
 def load_tokenizer(path: str | None, served_model: str) -> Tokenizer:
     """`path` is a tokenizer.json or a checkpoint directory; without one, the served model's own directory when
-    it names one, or the default model's when that is what is served."""
+    it names one, the tiny model's or the default model's when that is what is served."""
     candidates = [Path(path)] if path else [Path(served_model)]
-    if not path and served_model == DEFAULT_MODEL_NAME:
-        candidates.append(default_model_dir())
+    if not path and served_model == TINY_MODEL_NAME:
+        candidates.append(tiny_model_dir())
+    if not path and served_model == default_model.NAME:
+        candidates.append(resolve(None, weights=False).path)
     for candidate in candidates:
         file = candidate / "tokenizer.json" if candidate.is_dir() else candidate
         if file.is_file():

@@ -19,9 +19,9 @@ from pydantic import TypeAdapter
 from blink.engine.drive.driver import Driver
 from blink.engine.drive.modes import build, candidates
 from blink.engine.engine import Engine, EngineConfig
-from blink.engine.model.default_model import ensure_default_model
 from blink.engine.model.dummy import tensor_shape
 from blink.engine.model.model import checkpoint_tensor_names
+from blink.engine.model.tiny_model import ensure_tiny_model
 from blink.shared.slot_table import Request, SlotState, SlotTable
 
 LLAMA3 = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "rms_norm_eps": 1e-5,
@@ -56,7 +56,7 @@ def drive_modes(dry_run: bool) -> list[str]:
 def model_dir(shape: str, dry_run: bool) -> Path:
     """A checkpoint directory of `shape` without weights (the default model's tokenizer); the default model itself
     in a dry run."""
-    default = ensure_default_model()
+    default = ensure_tiny_model()
     if dry_run:
         return default
     target = Path(tempfile.gettempdir()) / f"blink-bench-{shape}"

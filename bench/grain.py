@@ -35,10 +35,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> None:
     if args.model is not None:
         return _measure(args, args.model)
-    from blink.engine.model.default_model import write_default_model
+    from blink.engine.model.tiny_model import write_tiny_model
 
     with tempfile.TemporaryDirectory(prefix="blink-bench-") as tmp:
-        _measure(args, write_default_model(Path(tmp) / "tiny-moe", arch="qwen3-moe"))
+        _measure(args, write_tiny_model(Path(tmp) / "tiny-moe", arch="qwen3-moe"))
 
 
 def _measure(args: argparse.Namespace, model: Path) -> None:

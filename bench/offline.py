@@ -89,7 +89,7 @@ def seed_everything(seed: int) -> None:
 
 def build_checkpoint(model_dir: Path, seed: int) -> None:
     """Writes a random float32 Llama and the engine's tokenizer into model_dir, unless one is already there."""
-    from blink.engine.model.default_model import train_tokenizer
+    from blink.engine.model.tiny_model import train_tokenizer
 
     if (model_dir / "config.json").is_file() and (model_dir / "model.safetensors").is_file():
         return

@@ -72,9 +72,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> None:
     from blink.engine import LLM
-    from blink.engine.model.default_model import ensure_default_model
+    from blink.engine.model.tiny_model import ensure_tiny_model
 
-    model_dir = args.model or ensure_default_model()
+    model_dir = args.model or ensure_tiny_model()
     requests = workload(args.num_requests, args.seed)
     source = blink_source()
     llm = LLM(str(model_dir), max_num_seqs=args.max_num_seqs)

@@ -57,9 +57,9 @@ def run(args: argparse.Namespace) -> Path:
 
 
 async def _main(args: argparse.Namespace) -> Path:
-    from blink.engine.model.default_model import ensure_default_model
+    from blink.engine.model.tiny_model import ensure_tiny_model
 
-    model = args.model or str(ensure_default_model())
+    model = args.model or str(ensure_tiny_model())
     tokenizer = load_tokenizer(model, model)
     vocab = [i for i in range(tokenizer.get_vocab_size()) if i not in set(tokenizer.get_added_tokens_decoder())]
     rng = random.Random(args.seed)

@@ -260,7 +260,7 @@ def _stand_in(vocab: int, context: int):
 
     from safetensors.torch import save_file
 
-    from blink.engine.model.default_model import ensure_default_model, random_weights
+    from blink.engine.model.tiny_model import ensure_tiny_model, random_weights
 
     config = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=vocab, hidden_act="silu",
                   hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
@@ -269,6 +269,6 @@ def _stand_in(vocab: int, context: int):
     with tempfile.TemporaryDirectory(prefix="blink-bench-step-") as tmp:
         target = Path(tmp)
         (target / "config.json").write_text(json.dumps(config))
-        shutil.copy(ensure_default_model() / "tokenizer.json", target / "tokenizer.json")
+        shutil.copy(ensure_tiny_model() / "tokenizer.json", target / "tokenizer.json")
         save_file(random_weights(config), str(target / "model.safetensors"), metadata={"format": "pt"})
         yield target

@@ -7,7 +7,6 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property, partial
-from pathlib import Path
 
 import torch
 
@@ -20,10 +19,10 @@ from blink.engine.core.step import Step
 from blink.engine.device import auto_dtype, available_memory, configure_threads, resolve_device
 from blink.engine.model.checkpoint import load_config, read_generation_defaults
 from blink.engine.model.config import DTYPES, ModelConfig
-from blink.engine.model.default_model import ensure_default_model
 from blink.engine.model.model import LOAD_FORMATS, Transformer
 from blink.engine.model.parallel import Shard
 from blink.engine.ranks import meet
+from blink.shared.checkpoints.source import resolve
 from blink.shared.prefix_hash import prefix_seed
 from blink.shared.slot_table import Geometry
 from blink.shared.tokenizer import Tokenizer
@@ -33,7 +32,8 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class EngineConfig:
-    model: str | None = None  # checkpoint directory; None takes the default model
+    model: str | None = None  # a checkpoint directory, .gguf file or Hub id (source.resolve); None: the default
+    revision: str | None = None  # of a Hub model: a branch, tag or commit (default: main)
     dtype: str = "auto"  # auto (the checkpoint's), float32, bfloat16, float16
     device: str = "auto"
     max_num_seqs: int | None = None  # slot limit S
@@ -86,7 +86,8 @@ class Engine:
             self.device = torch.device("cuda", config.tensor_parallel_rank)
             torch.cuda.set_device(self.device)
         self.shard = _join_ranks(config, self.device, lost_rank)
-        self.model_dir = Path(config.model) if config.model else ensure_default_model()
+        checkpoint = resolve(config.model, revision=config.revision, check=load_config)
+        self.model_dir, self.model_name = checkpoint.path, checkpoint.name
 
         cfg = load_config(self.model_dir)
         dtype = auto_dtype(cfg.dtype, self.device) if config.dtype == "auto" else DTYPES[config.dtype]

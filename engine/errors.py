@@ -1,8 +1,8 @@
 """Errors the engine raises for bad checkpoints and bad requests."""
 
+from blink.shared.checkpoints.errors import CheckpointError
 
-class CheckpointError(ValueError):
-    """A checkpoint directory cannot be loaded: names the file, tensor or field at fault."""
+__all__ = ["CheckpointError", "RequestError"]
 
 
 class RequestError(ValueError):

@@ -67,13 +67,11 @@ def agreed(model: str | None, engine_options: dict) -> dict:
     the CPU's flags, and ranks that disagreed would exchange tensors of different types)."""
     if engine_options.get("dtype", "auto") != "auto":
         return engine_options
-    from pathlib import Path
-
     from blink.engine.device import auto_dtype, resolve_device
     from blink.engine.model.checkpoint import load_config
-    from blink.engine.model.default_model import ensure_default_model
+    from blink.shared.checkpoints.source import resolve
 
-    cfg = load_config(Path(model) if model else ensure_default_model())
+    cfg = load_config(resolve(model, revision=engine_options.get("revision"), check=load_config).path)
     dtype = auto_dtype(cfg.dtype, resolve_device(engine_options.get("device", "auto")))
     return {**engine_options, "dtype": str(dtype).removeprefix("torch.")}
 

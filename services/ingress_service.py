@@ -7,6 +7,7 @@ import contextlib
 import os
 import signal
 import time
+from pathlib import Path
 
 import structlog
 import uvicorn
@@ -25,6 +26,7 @@ from blink.ingress.tools import PARSERS
 from blink.ingress.zmq_api import ZmqApi
 from blink.services import listener
 from blink.shared import control, sockets
+from blink.shared.checkpoints.source import resolve
 from blink.shared.rdma import RdmaUnavailable
 from blink.shared.remote_memory import TransportLost
 from blink.shared.settings import Settings
@@ -106,6 +108,14 @@ def connect(settings: Settings, keys: sockets.Keys, info: control.EngineInfo) ->
                             settings.watchdog_deadline)
 
 
+def tokenizer_dir(settings: Settings, info: control.EngineInfo) -> Path:
+    """The engine's checkpoint directory where this host has it; on another host, --model resolved here, its
+    tokenizer's files only."""
+    if Path(info.model_dir).is_dir():
+        return Path(info.model_dir)
+    return resolve(settings.model, weights=False, revision=settings.revision).path
+
+
 async def serve(settings: Settings, keys: sockets.Keys, info: control.EngineInfo) -> None:
     client = connect(settings, keys, info)
     client.start()
@@ -117,8 +127,7 @@ async def serve(settings: Settings, keys: sockets.Keys, info: control.EngineInfo
             return None
         return reply if isinstance(reply, control.EngineStatus) else None
 
-    # On another host the engine's model directory may not exist: --model names a local copy of the tokenizer.
-    state = IngressState(info=info, tokenizer=Tokenizer(settings.model or info.model_dir), client=client,
+    state = IngressState(info=info, tokenizer=Tokenizer(tokenizer_dir(settings, info)), client=client,
                          metrics=Metrics(info.model, info.drive, client.transport, info.policies()),
                          max_request_bytes=settings.max_request_bytes, request_timeout_s=settings.request_timeout,
                          api_key=settings.api_key, heartbeat_deadline_s=settings.watchdog_deadline,

@@ -1,12 +1,13 @@
-"""Where Blink keeps what it makes once per machine: the default model (found there by tools without the engine:
-the ingress, `blink bench`), the CPU kernels' build, llama.cpp for `blink bench cpu`."""
+"""Where Blink keeps what it makes once per machine: models fetched and converted (blink.shared.checkpoints), the
+tiny random model for tests and benchmarks (found there by tools without the engine: `blink bench`), the CPU
+kernels' build, llama.cpp for `blink bench cpu`."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-DEFAULT_MODEL_NAME = "blink-tiny-llama-v1"
+TINY_MODEL_NAME = "blink-tiny-llama-v1"
 
 
 def cache_root() -> Path:
@@ -15,5 +16,5 @@ def cache_root() -> Path:
     return Path(cache) if cache else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "blink"
 
 
-def default_model_dir() -> Path:
-    return cache_root() / "models" / DEFAULT_MODEL_NAME
+def tiny_model_dir() -> Path:
+    return cache_root() / "models" / TINY_MODEL_NAME

@@ -82,12 +82,12 @@ def recorded_launches(names: tuple[str, ...]) -> list[Launch]:
     """One device step of the default model on the CPU, with these exchange kernels recorded instead of run."""
     from blink.engine.drive.device_step import DeviceStep
     from blink.engine.engine import Engine, EngineConfig
-    from blink.engine.model.default_model import ensure_default_model
+    from blink.engine.model.tiny_model import ensure_tiny_model
     from blink.shared.slot_table import SlotTable
 
     launches: list[Launch] = []
     kernels = {name: getattr(exchange, name) for name in names}
-    engine = Engine(EngineConfig(model=str(ensure_default_model()), device="cpu", max_num_seqs=4, swap_space=0))
+    engine = Engine(EngineConfig(model=str(ensure_tiny_model()), device="cpu", max_num_seqs=4, swap_space=0))
     table = SlotTable.create(f"compile-{uuid.uuid4().hex[:10]}", engine.geometry(window=8))
     try:
         for name, kernel in kernels.items():

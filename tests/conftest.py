@@ -54,13 +54,17 @@ CHECKPOINT_KINDS = ["llama-gqa", "llama3-rope", "mistral", "qwen2", "qwen3", "ll
 
 @pytest.fixture(scope="session", autouse=True)
 def _blink_cache(tmp_path_factory):
-    """Keeps the default model the tests generate out of the user's cache."""
+    """Keeps what the tests fetch and generate out of the user's cache, and serves the tiny random model wherever a
+    test names no model (BLINK_MODEL): the real default is tested on its own (test_default_model.py)."""
+    from blink.engine.model.tiny_model import ensure_tiny_model
+
     os.environ.setdefault("BLINK_CACHE_DIR", str(tmp_path_factory.mktemp("blink-cache")))
+    os.environ.setdefault("BLINK_MODEL", str(ensure_tiny_model()))
 
 
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory) -> Path:
-    from blink.engine.model.default_model import train_tokenizer
+    from blink.engine.model.tiny_model import train_tokenizer
 
     path = tmp_path_factory.mktemp("tokenizer")
     train_tokenizer().save(str(path / "tokenizer.json"))

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from blink.bench.server import running_server
-from blink.engine.model.default_model import ensure_default_model
+from blink.engine.model.tiny_model import ensure_tiny_model
 
 pytestmark = pytest.mark.slow  # a whole deployment
 
@@ -19,7 +19,7 @@ MODEL = "blink-tiny-llama-v1"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    ensure_default_model()
+    ensure_tiny_model()
     # A window of 8 entries: a prompt's logprobs pass through it a few at a time.
     with running_server(tmp_path_factory.mktemp("serve"), "--max-num-seqs", "8", "--window", "8") as server:
         yield server
@@ -30,7 +30,7 @@ def teacher():
     """transformers' own forward over the same checkpoint: each prompt token's logprob given those before it."""
     import transformers as tf
 
-    model = tf.AutoModelForCausalLM.from_pretrained(ensure_default_model(), dtype=torch.float32).eval()
+    model = tf.AutoModelForCausalLM.from_pretrained(ensure_tiny_model(), dtype=torch.float32).eval()
 
     def logprobs(ids: list[int]) -> torch.Tensor:
         with torch.no_grad():

@@ -14,7 +14,7 @@ from schemathesis.specs.openapi.checks import (
 )
 
 from blink.bench.server import running_server
-from blink.engine.model.default_model import ensure_default_model
+from blink.engine.model.tiny_model import ensure_tiny_model
 
 pytestmark = pytest.mark.slow  # a whole deployment
 
@@ -23,7 +23,7 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    ensure_default_model()
+    ensure_tiny_model()
     with running_server(tmp_path_factory.mktemp("serve"), "--max-num-seqs", "8", "--max-model-len", "256",
                         "--enable-auto-tool-choice", "--tool-call-parser", "hermes") as server:
         yield server

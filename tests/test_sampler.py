@@ -160,11 +160,11 @@ def test_min_tokens_holds_the_stop_ids_back(llm):
 
 
 def test_min_tokens_holds_stop_strings_back():
-    from blink.engine.model.default_model import ensure_default_model
+    from blink.engine.model.tiny_model import ensure_tiny_model
     from blink.ingress.detokenize import Detokenizer
     from blink.shared.tokenizer import Tokenizer
 
-    tokenizer = Tokenizer(ensure_default_model()).raw
+    tokenizer = Tokenizer(ensure_tiny_model()).raw
     ids = tokenizer.encode("ab ab ab ab ab ab").ids
 
     def first_stop(min_tokens: int) -> int:

@@ -17,7 +17,7 @@ import pytest
 
 from blink.bench.server import free_port, running_server
 from blink.engine import LLM, SamplingParams
-from blink.engine.model.default_model import ensure_default_model
+from blink.engine.model.tiny_model import ensure_tiny_model
 from blink.shared import control
 from blink.shared.slot_table import SlotTable
 from tests.test_watchdog import MODEL, engine_pid, stream, wait_ready_and_serving, wait_until
@@ -29,7 +29,7 @@ PROMPTS = ["Once upon a time", "The engine admits", "Hello, my name is"]
 
 @pytest.fixture(scope="module")
 def zmq_server(tmp_path_factory):
-    ensure_default_model()
+    ensure_tiny_model()
     with running_server(tmp_path_factory.mktemp("zmq"), "--transport", "zmq", "--watchdog-deadline", "2") as s:
         yield s
 

@@ -224,9 +224,9 @@ def test_sigstop_the_engine_is_a_stall(server, table):
 def test_a_step_longer_than_the_deadline_is_alive_while_its_layers_go_by(tmp_path):
     """A prefill step of seconds (a large model on the CPU) is not a stall: the service vouches for the engine while
     the step's sublayers go by. (It was one: a 1.1B Llama's 500-token prompt on two cores failed the engine over.)"""
-    from blink.engine.model.default_model import ensure_default_model
+    from blink.engine.model.tiny_model import ensure_tiny_model
 
-    tiny, model, deadline_s = ensure_default_model(), tmp_path / "model", 0.5
+    tiny, model, deadline_s = ensure_tiny_model(), tmp_path / "model", 0.5
     model.mkdir()
     shutil.copy(tiny / "tokenizer.json", model)
     config = json.loads((tiny / "config.json").read_text())  # wider, deeper: 32 sublayers of ~0.1 s here

@@ -34,6 +34,11 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
+# safetensors' names of the types a weight may be stored in: any other (F8_E4M3, I8, U8) is a quantized weight that
+# a cast would turn into wrong numbers, whatever config.json says.
+FLOAT_TYPES = {"F32", "BF16", "F16"}
+
+
 def load_tensors(model_dir: Path, wanted: set[str], dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Reads the wanted tensors from every shard, cast to dtype; other tensors are left on disk."""
     tensors: dict[str, torch.Tensor] = {}
@@ -41,6 +46,10 @@ def load_tensors(model_dir: Path, wanted: set[str], dtype: torch.dtype) -> dict[
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                 if name in wanted:
+                    stored = f.get_slice(name).get_dtype()
+                    if stored not in FLOAT_TYPES:
+                        raise CheckpointError(f"{file}: {name} is stored as {stored}, a quantized type Blink does not "
+                                              f"load (it loads {', '.join(sorted(FLOAT_TYPES))})")
                     tensors[name] = f.get_tensor(name).to(dtype)
     return tensors
 

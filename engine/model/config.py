@@ -97,6 +97,11 @@ class ModelConfig:
                 f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
             )
         family = SUPPORTED_ARCHITECTURES[arch]
+        quantization = cfg.get("quantization_config") or cfg.get("compression_config")
+        if quantization:
+            method = quantization.get("quant_method") or quantization.get("format") or "unnamed"
+            raise CheckpointError(f"{source}: quantized weights ({method}) are not supported: Blink loads float32, "
+                                  "bfloat16 and float16 checkpoints, and GGUF files (dequantized)")
         if cfg.get("hidden_act", "silu") != "silu":
             raise CheckpointError(f"{source}: unsupported hidden_act {cfg['hidden_act']!r}; supported: silu")
         if cfg.get("mlp_bias", False):

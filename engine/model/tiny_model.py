@@ -1,4 +1,5 @@
-"""The default model: a small random-weight Llama with a byte-level BPE tokenizer trained here.
+"""The tiny model, for tests and benchmarks that need speed: a small random-weight Llama with a byte-level BPE
+tokenizer trained here (the default model is a real one: blink.shared.checkpoints.default_model).
 
 Written deterministically on first use into the user's cache directory and loaded through the same path
 as any Hugging Face checkpoint. `blink model init DIR` writes one anywhere; `--arch qwen3-moe` writes a small
@@ -18,7 +19,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from blink.shared.model_cache import default_model_dir
+from blink.shared.model_cache import tiny_model_dir
 
 SPECIAL_TOKENS = ["<s>", "</s>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
@@ -37,14 +38,14 @@ ARCHS = {
 }
 
 
-def ensure_default_model() -> Path:
-    target = default_model_dir()
+def ensure_tiny_model() -> Path:
+    target = tiny_model_dir()
     if not (target / "model.safetensors").is_file():
-        write_default_model(target)
+        write_tiny_model(target)
     return target
 
 
-def write_default_model(target: Path, arch: str = "llama") -> Path:
+def write_tiny_model(target: Path, arch: str = "llama") -> Path:
     """Writes the checkpoint (an architecture of ARCHS) into a sibling temporary directory, then renames it into
     place."""
     target = Path(target)

@@ -1,4 +1,4 @@
-"""The default model: deterministic, a real Hugging Face checkpoint, served through the normal path."""
+"""The tiny model: deterministic, a real Hugging Face checkpoint, served through the normal path."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import sys
 import pytest
 
 from blink.engine import LLM, SamplingParams
-from blink.engine.model.default_model import write_default_model
+from blink.engine.model.tiny_model import write_tiny_model
 
 
 def test_model_init_writes_the_same_checkpoint_every_time(tmp_path):
-    a = write_default_model(tmp_path / "a")
+    a = write_tiny_model(tmp_path / "a")
     result = subprocess.run([sys.executable, "-m", "blink.services.cli", "model", "init", str(tmp_path / "b")],
                             capture_output=True, text=True, check=True)
     assert result.stdout.strip() == str(tmp_path / "b")
@@ -27,7 +27,7 @@ def test_transformers_reads_it_and_agrees(tmp_path, arch):
     import transformers as tf
 
     if arch == "llama":
-        model_dir = write_default_model(tmp_path / "m")
+        model_dir = write_tiny_model(tmp_path / "m")
     else:  # through the command line, as a user writes one
         subprocess.run([sys.executable, "-m", "blink.services.cli", "model", "init", "--arch", arch,
                         str(tmp_path / "m")], capture_output=True, text=True, check=True)
@@ -44,13 +44,8 @@ def test_transformers_reads_it_and_agrees(tmp_path, arch):
     assert out.token_ids[: len(expected)] == expected
 
 
-def test_no_model_means_the_default_model():
-    out = LLM(num_pages=32).generate("Hello", SamplingParams(max_tokens=3, temperature=0))[0]
-    assert len(out.token_ids) == 3
-
-
 def test_blink_generate_runs(tmp_path):
     result = subprocess.run(
-        [sys.executable, "-m", "blink.services.cli", "generate", "--model", str(write_default_model(tmp_path / "m")),
+        [sys.executable, "-m", "blink.services.cli", "generate", "--model", str(write_tiny_model(tmp_path / "m")),
          "Hi there", "--max-tokens", "4"], capture_output=True, text=True, check=True)
     assert '"tokens": 4' in result.stdout
