@@ -91,8 +91,9 @@ def create_app(state: IngressState) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": state.info.model, "object": "model", "created": 0,
-                                            "owned_by": "blink", "max_model_len": state.info.max_model_len}]}
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "blink",
+                                            "max_model_len": state.info.max_model_len}
+                                           for name in state.info.served_model_names]}
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> Response:

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 import time
+import typing
 from pathlib import Path
 
 from blink.shared.service_class import parse_class
@@ -19,8 +20,16 @@ def add_settings_flags(parser: argparse.ArgumentParser) -> None:
         if field.annotation is bool:  # a switch and its --no- form, as vLLM's --enable-prefix-caching
             parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None,
                                 help=field.description)
+        elif _is_list(field.annotation):  # `--served-model-name a b`, or one JSON array (Settings reads both)
+            parser.add_argument(flag, dest=name, nargs="+", default=None, help=field.description)
         else:
             parser.add_argument(flag, dest=name, default=None, help=field.description)
+
+
+def _is_list(annotation: object) -> bool:
+    """list[...], maybe within Optional or Annotated."""
+    origin = typing.get_origin(annotation)
+    return origin is list or (origin is not None and any(_is_list(a) for a in typing.get_args(annotation)))
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:

@@ -79,7 +79,8 @@ class EngineService:
         self._stop = StopFlag()
         self.info = control.EngineInfo(
             slot_table=settings.deployment, num_slots=geometry.num_slots, epoch=int(self.table.header["epoch"]),
-            model=settings.served_model_name or self.engine.model_dir.name, model_dir=str(self.engine.model_dir),
+            served_model_names=settings.served_model_name or [self.engine.model_dir.name],
+            model_dir=str(self.engine.model_dir),
             max_model_len=self.engine.max_model_len,
             vocab_size=self.engine.model_config.vocab_size,
             eos_token_ids=list(self.engine.generation.eos_token_ids), device=str(self.engine.device),

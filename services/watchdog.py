@@ -48,6 +48,13 @@ class Supervisor(Protocol):
     def restart(self, service: str) -> None: ...
 
 
+def _variable(value: object) -> str:
+    """A setting as its BLINK_* variable: lists and mappings as JSON, which Settings reads back."""
+    if isinstance(value, SecretStr):
+        return value.get_secret_value()
+    return json.dumps(value) if isinstance(value, list | dict) else str(value)
+
+
 class ProcessSupervisor:
     """Owns the engine and ingress processes of `blink serve`: each in its own session, so a terminal's ^C
     reaches only `blink serve`, which stops them in order."""
@@ -55,8 +62,7 @@ class ProcessSupervisor:
     def __init__(self, settings: Settings, http_socket: socket.socket | None = None):
         """http_socket: the HTTP port's, held by `blink serve` and handed to each ingress (blink.services.listener)."""
         values = {k: getattr(settings, k) for k in Settings.model_fields}
-        self.env = os.environ | {f"BLINK_{k.upper()}": str(v.get_secret_value() if isinstance(v, SecretStr) else v)
-                                 for k, v in values.items() if v is not None}
+        self.env = os.environ | {f"BLINK_{k.upper()}": _variable(v) for k, v in values.items() if v is not None}
         self.procs: dict[str, subprocess.Popen] = {}
         self.handed = {INGRESS: http_socket.fileno()} if http_socket is not None else {}  # service: its inherited fd
         self.cpus = {service: parse_cpus(cpus) for service, cpus in

@@ -120,7 +120,7 @@ class EngineInfo(BaseModel):
     slot_table: str
     num_slots: int
     epoch: int
-    model: str
+    served_model_names: list[str] = Field(min_length=1)  # what requests may name; the first is the one reported
     model_dir: str  # where the ingress finds the tokenizer and chat template
     max_model_len: int
     vocab_size: int
@@ -133,6 +133,11 @@ class EngineInfo(BaseModel):
     kv_host_pages: int = 0  # the host mirror KV pages rotate to; 0: recompute only
     prefix_caching: bool = True
     limitations: list[str] = []  # what the drive mode does not do yet (blink.engine.drive.driver.Driver)
+
+    @property
+    def model(self) -> str:
+        """The model's name, as responses, /v1/models and the metrics give it."""
+        return self.served_model_names[0]
 
     def policies(self) -> dict[str, str]:
         """How the engine schedules, in words: the start-up log and blink:engine_info's labels say it."""

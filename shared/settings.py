@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from blink.shared.cpus import CPU_LIST
 from blink.shared.service_class import ClassDefaults, ClassName, ClassSLO
 
 DRIVE_MODES = ("persistent", "graph", "host")  # best first: what `auto` tries (blink.engine.drive.modes)
 SCHEDULING_POLICIES = ("fcfs", "priority", "slo")  # blink.engine.core.policy
+# A list flag or variable: a JSON array, or (flags: one or more words; variables: one word) its items.
+Names = Annotated[list[Annotated[str, Field(min_length=1)]], NoDecode]
 
 
 class Settings(BaseSettings):
@@ -21,7 +24,10 @@ class Settings(BaseSettings):
 
     deployment: str = Field("default", pattern=r"^[A-Za-z0-9_.-]+$", description="names the slot table and sockets")
     model: str | None = Field(None, description="checkpoint directory; the default random model when unset")
-    served_model_name: str | None = None
+    served_model_name: Names | None = Field(None, min_length=1, description="the names the model answers to "
+                                            "(vLLM's; `--served-model-name a b`): requests may name any, responses "
+                                            "and /v1/models report the first (default: the checkpoint's directory "
+                                            "name)")
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     device: str = "auto"
@@ -106,6 +112,20 @@ class Settings(BaseSettings):
         """BLINK_MODEL= (as compose writes an unset ${BLINK_MODEL:-}) means the default, not a model named ''."""
         return None if value == "" else value
 
+    @field_validator("served_model_name", mode="before")
+    @classmethod
+    def _list(cls, value: object) -> object:
+        """A JSON array (`--served-model-name '["a", "b"]'`, a variable), or the items themselves
+        (`--served-model-name a b`, BLINK_SERVED_MODEL_NAME=name); empty, unset (as compose writes an unset
+        variable)."""
+        if value == "":
+            return None
+        if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
+            value = value[0] if value[0].lstrip().startswith("[") else value
+        if isinstance(value, str):
+            return _json(value, "a JSON array") if value.lstrip().startswith("[") else [value]
+        return value
+
     @model_validator(mode="after")
     def _tool_choice_needs_a_parser(self) -> Settings:
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
@@ -173,3 +193,10 @@ class Settings(BaseSettings):
         if self.bind_host is None or not endpoint.startswith("tcp://"):
             return endpoint
         return f"tcp://{self.bind_host}:{endpoint.rsplit(':', 1)[1]}"
+
+
+def _json(text: str, kind: str) -> object:
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"not {kind} ({e})") from None

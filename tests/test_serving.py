@@ -540,8 +540,9 @@ def test_ready_allows_the_engine_the_watchdog_s_deadline_between_heartbeats():
     from blink.shared.tokenizer import Tokenizer
 
     model_dir = ensure_default_model()
-    info = control.EngineInfo(slot_table="t", num_slots=4, epoch=1, model=MODEL, model_dir=str(model_dir),
-                              max_model_len=512, vocab_size=1, eos_token_ids=[], device="cpu", drive="host", pid=0)
+    info = control.EngineInfo(slot_table="t", num_slots=4, epoch=1, served_model_names=[MODEL],
+                              model_dir=str(model_dir), max_model_len=512, vocab_size=1, eos_token_ids=[],
+                              device="cpu", drive="host", pid=0)
 
     async def ready(deadline_s: float) -> int:
         async with _table_client(1, max_waiting=1) as (table, client):

@@ -106,9 +106,9 @@ def served(tmp_path):
 
     thread = threading.Thread(target=engine, daemon=True)
     thread.start()
-    info = EngineInfo(slot_table=table.path.name, num_slots=4, epoch=1, model="m", model_dir=str(model_dir),
-                      max_model_len=512, vocab_size=tokenizer.vocab_size, eos_token_ids=[], device="cpu",
-                      drive="host", pid=0)
+    info = EngineInfo(slot_table=table.path.name, num_slots=4, epoch=1, served_model_names=["m"],
+                      model_dir=str(model_dir), max_model_len=512, vocab_size=tokenizer.vocab_size, eos_token_ids=[],
+                      device="cpu", drive="host", pid=0)
 
     async def client_for(state_options: dict):
         client = SlotClient(table, max_waiting=8)
