@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator, model_validator
 
 from blink.shared.request_schema import MAX_LOGIT_BIAS, MAX_LOGPROBS, EdgeFields, logit_bias_pairs
 from blink.shared.service_class import ClassName
+from blink.shared.settings import RESERVED_TEMPLATE_VARIABLES
 
 MAX_STOP_STRINGS = 8
 MAX_CHOICES = 16  # choices a request may ask for (n, times its prompts)
@@ -144,6 +145,16 @@ class ChatRequest(SamplingFields):
     parallel_tool_calls: StrictBool | None = None  # each call the model writes is returned, as OpenAI's default
     store: Literal[False] | None = Field(None, description="Blink stores no completions: only false is accepted")
     response_format: ResponseFormat | None = None
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="more variables for the chat template (e.g. enable_thinking), over the server's "
+        "--default-chat-template-kwargs (vLLM's)")
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _not_the_request_s_own(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v and (reserved := RESERVED_TEMPLATE_VARIABLES & v.keys()):
+            raise ValueError(f"may not set {', '.join(sorted(reserved))}: the request's own fields give them")
+        return v
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatRequest:

@@ -42,6 +42,8 @@ class IngressState:
     seeds: secrets.SystemRandom = field(default_factory=secrets.SystemRandom)
     classes: ClassDefaults = field(default_factory=ClassDefaults)  # the control plane may replace it
     tool_parser: ToolParser | None = None  # --enable-auto-tool-choice --tool-call-parser's
+    chat_template: str | None = None  # --chat-template's, instead of the tokenizer's
+    default_chat_template_kwargs: dict = field(default_factory=dict)  # under each request's chat_template_kwargs
     workers: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(WORKERS, thread_name_prefix="ingress-work"))
 

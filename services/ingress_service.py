@@ -16,6 +16,7 @@ import zmq
 import zmq.asyncio
 
 from blink.ingress.app import create_app
+from blink.ingress.chat import load_chat_template
 from blink.ingress.header_deadline import with_header_deadline
 from blink.ingress.metrics import Metrics
 from blink.ingress.rdma_link import RdmaLink
@@ -132,7 +133,9 @@ async def serve(settings: Settings, keys: sockets.Keys, info: control.EngineInfo
                          max_request_bytes=settings.max_request_bytes, request_timeout_s=settings.request_timeout,
                          api_key=settings.api_key, heartbeat_deadline_s=settings.watchdog_deadline,
                          engine_status=engine_status, classes=settings.class_defaults(),
-                         tool_parser=PARSERS[settings.tool_call_parser] if settings.enable_auto_tool_choice else None)
+                         tool_parser=PARSERS[settings.tool_call_parser] if settings.enable_auto_tool_choice else None,
+                         chat_template=load_chat_template(settings.chat_template) if settings.chat_template else None,
+                         default_chat_template_kwargs=settings.default_chat_template_kwargs)
     log.info("ingress transport", transport=client.transport, degraded=state.degraded)
     config = uvicorn.Config(create_app(state), host=settings.host, port=settings.port, loop="none",
                             http=with_header_deadline(settings.request_timeout), log_config=None, access_log=False,

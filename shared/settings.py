@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -15,6 +15,8 @@ from blink.shared.service_class import ClassDefaults, ClassName, ClassSLO
 
 DRIVE_MODES = ("persistent", "graph", "host")  # best first: what `auto` tries (blink.engine.drive.modes)
 SCHEDULING_POLICIES = ("fcfs", "priority", "slo")  # blink.engine.core.policy
+# Variables a chat template gets from the request itself, which chat_template_kwargs may not replace.
+RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt"})
 # A list flag or variable: a JSON array, or (flags: one or more words; variables: one word) its items.
 Names = Annotated[list[Annotated[str, Field(min_length=1)]], NoDecode]
 
@@ -97,6 +99,11 @@ class Settings(BaseSettings):
                                           "with --tool-call-parser (vLLM's flags)")
     tool_call_parser: Literal["hermes", "llama3_json"] | None = Field(
         None, description="how the model writes tool calls: hermes (<tool_call> JSON: Hermes, Qwen) or llama3_json")
+    chat_template: str | None = Field(None, description="a Jinja chat template, or a file holding one, used instead "
+                                      "of the checkpoint's (vLLM's; inline, \\n is a newline)")
+    default_chat_template_kwargs: Annotated[dict[str, Any], NoDecode] = Field(
+        default_factory=dict, description="a JSON object of variables every chat template render gets (e.g. "
+        "'{\"enable_thinking\": false}'); a request's chat_template_kwargs override them (vLLM's)")
     default_class: ClassName = Field("latency_sensitive", description="service class of requests that name none")
     ls_ttft_slo_ms: float | None = Field(None, gt=0, description="latency-sensitive requests' default TTFT SLO")
     ls_tpot_slo_ms: float | None = Field(None, gt=0, description="latency-sensitive requests' default TPOT SLO")
@@ -124,6 +131,14 @@ class Settings(BaseSettings):
             value = value[0] if value[0].lstrip().startswith("[") else value
         if isinstance(value, str):
             return _json(value, "a JSON array") if value.lstrip().startswith("[") else [value]
+        return value
+
+    @field_validator("default_chat_template_kwargs", mode="before")
+    @classmethod
+    def _template_kwargs(cls, value: object) -> object:
+        value = _json(value, "a JSON object") if isinstance(value, str) else value
+        if isinstance(value, dict) and (reserved := RESERVED_TEMPLATE_VARIABLES & value.keys()):
+            raise ValueError(f"may not set {', '.join(sorted(reserved))}: each request gives its own")
         return value
 
     @model_validator(mode="after")

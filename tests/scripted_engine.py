@@ -5,6 +5,8 @@ text and the sampling fields its record carried."""
 from __future__ import annotations
 
 import contextlib
+import json
+import shutil
 import threading
 import uuid
 from collections.abc import AsyncIterator
@@ -23,6 +25,23 @@ from blink.shared.slot_table import Finish, Geometry, SlotTable
 from blink.shared.tokenizer import Tokenizer
 
 RECORDED = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+# As Qwen3's: tools in the system turn, and an empty think block closed in the prompt with enable_thinking false;
+# think_in_prompt opens one there instead (as Qwen3's thinking-only models and DeepSeek-R1's templates do).
+THINKING_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n<tools>\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}</tools>"
+    "<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+    "{% elif think_in_prompt is defined and think_in_prompt %}<think>\n{% endif %}{% endif %}")
+
+
+def write_chat_model(target: Path, tokenizer_dir: Path, template: str = THINKING_TEMPLATE) -> Path:
+    """A tokenizer and its chat template, as a checkpoint directory holds them."""
+    target.mkdir(parents=True, exist_ok=True)
+    shutil.copy(tokenizer_dir / "tokenizer.json", target / "tokenizer.json")
+    (target / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    return target
 
 
 @dataclass

@@ -1,31 +1,33 @@
 """vLLM's serving settings (issue 37), against an in-process ingress answered by a scripted engine: list flags and
-several served model names."""
+several served model names, chat templates and their kwargs."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import shutil
 
 import pytest
 
+from blink.ingress.chat import load_chat_template
 from blink.services.cli import add_settings_flags, settings_from_args
 from blink.services.watchdog import ProcessSupervisor
 from blink.shared.settings import Settings
-from tests.scripted_engine import ScriptedEngine
+from tests.scripted_engine import ScriptedEngine, write_chat_model
 
-TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 USER = [{"role": "user", "content": "hi"}]
 
 
 @pytest.fixture
 def model_dir(tmp_path, tokenizer_dir):
-    """A tokenizer with a chat template, as a checkpoint directory holds it."""
-    shutil.copy(tokenizer_dir / "tokenizer.json", tmp_path / "tokenizer.json")
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE}))
-    return tmp_path
+    return write_chat_model(tmp_path / "model", tokenizer_dir)
+
+
+@pytest.fixture
+def engine(model_dir):
+    engine = ScriptedEngine(model_dir, names=("first", "second"))
+    engine.answer = "Hello."
+    yield engine
+    engine.close()
 
 
 def _settings(*flags: str) -> Settings:
@@ -52,10 +54,7 @@ def test_list_flags_as_vllm_takes_them(monkeypatch):
     assert Settings().served_model_name is None
 
 
-def test_several_served_model_names(model_dir):
-    engine = ScriptedEngine(model_dir, names=("first", "second"))
-    engine.answer = "Hello."
-
+def test_several_served_model_names(engine):
     async def run():
         async with engine.ingress() as (http, client):
             listed = await client.models.list()
@@ -67,7 +66,60 @@ def test_several_served_model_names(model_dir):
             assert r.status_code == 400 and r.json()["error"]["code"] == "model_not_found"
             assert "'first', 'second'" in r.json()["error"]["message"]
 
-    try:
-        asyncio.run(run())
-    finally:
-        engine.close()
+    asyncio.run(run())
+
+
+def test_chat_template_kwargs_over_the_server_s_defaults(engine):
+    async def prompt_for(http, **body) -> str:
+        r = await http.post("/v1/chat/completions", json={"model": "first", "messages": USER, **body})
+        assert r.status_code == 200, r.text
+        return engine.seen[-1].prompt
+
+    async def run():
+        async with engine.ingress() as (http, _):
+            assert (await prompt_for(http)).endswith("<|im_start|>assistant\n")
+            closed = await prompt_for(http, chat_template_kwargs={"enable_thinking": False})
+            assert closed.endswith("assistant\n<think>\n\n</think>\n\n")
+        async with engine.ingress(default_chat_template_kwargs={"enable_thinking": False}) as (http, _):
+            assert (await prompt_for(http)).endswith("</think>\n\n")
+            assert (await prompt_for(http, chat_template_kwargs={"enable_thinking": True})).endswith("assistant\n")
+
+    asyncio.run(run())
+
+
+def test_chat_template_flag_inline_or_a_file(engine, tmp_path):
+    inline = load_chat_template("{% for m in messages %}[{{ m.role }}] {{ m.content }}\\n{% endfor %}")
+    assert inline.endswith("\n{% endfor %}")  # the shell's \\n, a newline, as vLLM reads it
+    (tmp_path / "t.jinja").write_text("{{ messages[0].content }}!\\n")
+    assert load_chat_template(str(tmp_path / "t.jinja")) == "{{ messages[0].content }}!\\n"  # a file as it is
+    for bad in ("missing.jinja", "{% for m in messages %}"):
+        with pytest.raises(ValueError):
+            load_chat_template(bad)
+
+    async def run():
+        async with engine.ingress(chat_template=inline) as (http, _):
+            r = await http.post("/v1/chat/completions", json={"model": "first", "messages": USER})
+            assert r.status_code == 200 and engine.seen[-1].prompt == "[user] hi\n"
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("template, kwargs, param", [
+    (None, [1], "chat_template_kwargs"),  # not an object
+    (None, "enable_thinking", "chat_template_kwargs"),
+    (None, {"messages": []}, "chat_template_kwargs"),  # the request's own
+    (None, {"add_generation_prompt": False}, "chat_template_kwargs"),
+    ("{{ 1 + shift }}", {"shift": "x"}, "chat_template_kwargs"),  # a kwarg the template cannot use
+    ("{{ raise_exception('no ' + who) }}", {"who": "you"}, "messages"),  # the template's own refusal
+])
+def test_bad_chat_template_kwargs_are_400s(engine, template, kwargs, param):
+    async def run():
+        async with engine.ingress(chat_template=template) as (http, _):
+            r = await http.post("/v1/chat/completions", json={"model": "first", "messages": USER,
+                                                              "chat_template_kwargs": kwargs})
+            assert r.status_code == 400, r.text
+            error = r.json()["error"]
+            assert error["param"] == param and error["type"] == "invalid_request_error", error
+            assert (await http.get("/health")).status_code == 200
+
+    asyncio.run(run())
