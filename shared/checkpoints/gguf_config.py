@@ -44,7 +44,9 @@ def hf_config(meta: dict[str, Any], tensor_names: set[str], dtype: str,
     a = meta["general.architecture"]
 
     def get(key: str, default: Any = None) -> Any:
-        return meta.get(f"{a}.{key}", default)
+        value = meta.get(f"{a}.{key}", default)
+        # GGUF stores floats in 32 bits: written back as the shortest decimal that reads as the same float32 (1e-06)
+        return float(str(np.float32(value))) if isinstance(value, float) else value
 
     hidden, heads = get("embedding_length"), get("attention.head_count")
     config: dict[str, Any] = dict(
