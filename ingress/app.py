@@ -31,6 +31,7 @@ from blink.ingress.protocol import (
     SamplingFields,
     TokenizeRequest,
 )
+from blink.ingress.reasoning import ReasoningParser
 from blink.ingress.responses import Shape, collect, sse
 from blink.ingress.state import IngressState
 from blink.ingress.tools import ToolParser
@@ -126,11 +127,13 @@ def create_app(state: IngressState) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
         tools = chat_tool_parser(state, body)
-        prompt = await chat_prompt(state, body)
+        prompt, text = await chat_prompt(state, body)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         jobs = [(prompt, j) for j in range(body.n)]
+        reasoning = state.reasoning_parser
         return await _respond(state, request, body, jobs, body.max_completion_tokens or body.max_tokens, logprobs,
-                              chat=True, tools=tools)
+                              chat=True, tools=tools, reasoning=reasoning,
+                              thinking=reasoning is not None and reasoning.starts_thinking(text))
 
     return app
 
@@ -165,9 +168,10 @@ async def _echoed_texts(state: IngressState, body: CompletionRequest, prompts: l
 
 async def _respond(state: IngressState, request: Request, body: SamplingFields, jobs: list[tuple[list[int], int]],
                    max_tokens: int | None, logprobs: int | None, chat: bool, echo: list[str] | None = None,
-                   tools: ToolParser | None = None):
+                   tools: ToolParser | None = None, reasoning: ReasoningParser | None = None, thinking: bool = False):
     """echo: each prompt's text, to go before its choices' (completions' echo); tools: the parser that finds tool
-    calls in the choices' text (chat's)."""
+    calls in the choices' text, reasoning the one that splits their think block out, thinking whether the prompt
+    opened one (chat's)."""
     check_model(state, body.model)
     check_token_ids(state, [int(t) for t in body.logit_bias or ()], "logit_bias")
     capacity = state.client.num_slots + state.client.max_waiting
@@ -191,7 +195,7 @@ async def _respond(state: IngressState, request: Request, body: SamplingFields, 
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     echoed = None if echo is None else {index: (echo[index // body.n], prompt) for prompt, index in jobs}
     shape = Shape(rid, int(time.time()), state.info.model, chat, state.tokenizer, logprobs is not None,
-                   body.prompt_logprobs, echoed, tools)
+                   body.prompt_logprobs, echoed, tools, reasoning, thinking)
     prompt_tokens = sum(len(p) for p, i in jobs if i % body.n == 0)  # each prompt once, whatever n
     deltas = merged(choices)
     try:

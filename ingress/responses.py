@@ -1,5 +1,6 @@
 """Deltas into OpenAI's response bodies: a stream's chunks (server-sent events) or a whole response's choices,
-with logprobs in each endpoint's format, completions' echo, vLLM's prompt_logprobs and chat's tool calls."""
+with logprobs in each endpoint's format, completions' echo, vLLM's prompt_logprobs, and chat's reasoning and tool
+calls."""
 
 from __future__ import annotations
 
@@ -7,9 +8,11 @@ import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from blink.ingress.chat_output import ChoiceText
 from blink.ingress.errors import APIError
 from blink.ingress.generate import Delta
-from blink.ingress.tools import ToolParser, ToolStream
+from blink.ingress.reasoning import ReasoningParser
+from blink.ingress.tools import ToolParser
 from blink.shared.tokenizer import Tokenizer
 
 
@@ -27,7 +30,9 @@ class Shape:
     prompt_logprobs: int | None  # vLLM's prompt_logprobs, as the body asked
     echo: dict[int, tuple[str, list[int]]] | None  # choice index -> its prompt's text and tokens
     tools: ToolParser | None = None  # finds tool calls in chat choices
-    _tool_streams: dict[int, ToolStream] = field(default_factory=dict)
+    reasoning: ReasoningParser | None = None  # splits their think block out
+    thinking: bool = False  # the prompt left the output inside a think block
+    _texts: dict[int, ChoiceText] = field(default_factory=dict)
     _started: set[int] = field(default_factory=set)  # choices whose first chunk went out
     _offsets: dict[int, int] = field(default_factory=dict)  # characters of each choice's text so far
 
@@ -90,22 +95,26 @@ class Shape:
         if (scored := self.vllm_prompt_logprobs(delta)) is not None:
             choice["prompt_logprobs"] = scored
         if self.chat:
-            message = {"role": "assistant", "content": text}
-            if self.tools is not None:
-                stream = self._tool_streams.setdefault(delta.index, ToolStream(self.tools))
-                message["content"] = stream.push(text)
-                if delta.finish_reason is not None:
-                    tail, calls = stream.finish()
-                    message["content"] += tail
-                    if calls:
-                        message["tool_calls"] = [c.as_openai(None if delta.whole else i) for i, c in enumerate(calls)]
-                        choice["finish_reason"] = "tool_calls"
-                        if delta.whole and not message["content"]:
-                            message["content"] = None  # as OpenAI answers a message that only calls tools
-            choice["message" if delta.whole else "delta"] = message
+            choice["message" if delta.whole else "delta"] = self.message(delta, text, choice)
         else:
             choice["text"] = text
         return choice
+
+    def message(self, delta: Delta, text: str, choice: dict) -> dict:
+        """A chat choice's message (or a stream's delta of it): reasoning, content and tool calls."""
+        if self.tools is None and self.reasoning is None:
+            return {"role": "assistant", "content": text}
+        split = self._texts.setdefault(delta.index, ChoiceText(self.reasoning, self.thinking, self.tools))
+        parts = split.finish(text) if delta.finish_reason is not None else split.push(text)
+        message: dict = {"role": "assistant", "content": parts.content}
+        if self.reasoning is not None and (parts.reasoning or delta.whole):
+            message["reasoning_content"] = parts.reasoning or None  # vLLM's field; null in a whole answer without
+        if parts.calls:
+            message["tool_calls"] = [c.as_openai(None if delta.whole else i) for i, c in enumerate(parts.calls)]
+            choice["finish_reason"] = "tool_calls"
+        if delta.whole and not parts.content and (parts.calls or parts.reasoning):
+            message["content"] = None  # as OpenAI answers a message that only calls tools, vLLM one that only thinks
+        return message
 
     def chunk(self, delta: Delta) -> dict:
         kind = "chat.completion.chunk" if self.chat else "text_completion"

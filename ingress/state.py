@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from blink.ingress.metrics import Metrics
+from blink.ingress.reasoning import ReasoningParser
 from blink.ingress.remote_slots import RemoteSlotClient
 from blink.ingress.slots import SlotClient
 from blink.ingress.tools import ToolParser
@@ -42,6 +43,7 @@ class IngressState:
     seeds: secrets.SystemRandom = field(default_factory=secrets.SystemRandom)
     classes: ClassDefaults = field(default_factory=ClassDefaults)  # the control plane may replace it
     tool_parser: ToolParser | None = None  # --enable-auto-tool-choice --tool-call-parser's
+    reasoning_parser: ReasoningParser | None = None  # --reasoning-parser's
     chat_template: str | None = None  # --chat-template's, instead of the tokenizer's
     default_chat_template_kwargs: dict = field(default_factory=dict)  # under each request's chat_template_kwargs
     workers: ThreadPoolExecutor = field(

@@ -60,7 +60,8 @@ async def completion_prompts(state: IngressState, body: CompletionRequest) -> li
     return prompts
 
 
-async def chat_prompt(state: IngressState, body: ChatRequest) -> list[int]:
+async def chat_prompt(state: IngressState, body: ChatRequest) -> tuple[list[int], str]:
+    """The prompt's tokens, and its text (where the reasoning parser sees whether it opened a think block)."""
     if state.chat_template is None and state.tokenizer.chat_template is None:
         raise APIError(400, "this model has no chat template (--chat-template gives one)", param="messages")
     check_text_fits(state, "".join(m.text() for m in body.messages), "messages")
@@ -68,10 +69,10 @@ async def chat_prompt(state: IngressState, body: ChatRequest) -> list[int]:
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
     kwargs = {**state.default_chat_template_kwargs, **(body.chat_template_kwargs or {})}
 
-    def render() -> list[int]:
+    def render() -> tuple[list[int], str]:
         text = render_chat(state.tokenizer, body.messages, body.add_generation_prompt, tools, state.chat_template,
                            kwargs)
-        return state.tokenizer.encode(text, add_special_tokens=False)
+        return state.tokenizer.encode(text, add_special_tokens=False), text
 
     return await encode(state, render, "messages")
 

@@ -15,6 +15,7 @@ from blink.shared.service_class import ClassDefaults, ClassName, ClassSLO
 
 DRIVE_MODES = ("persistent", "graph", "host")  # best first: what `auto` tries (blink.engine.drive.modes)
 SCHEDULING_POLICIES = ("fcfs", "priority", "slo")  # blink.engine.core.policy
+REASONING_PARSERS = ("qwen3", "deepseek_r1")  # blink.ingress.reasoning
 # Variables a chat template gets from the request itself, which chat_template_kwargs may not replace.
 RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt"})
 # A list flag or variable: a JSON array, or (flags: one or more words; variables: one word) its items.
@@ -99,6 +100,9 @@ class Settings(BaseSettings):
                                           "with --tool-call-parser (vLLM's flags)")
     tool_call_parser: Literal["hermes", "llama3_json"] | None = Field(
         None, description="how the model writes tool calls: hermes (<tool_call> JSON: Hermes, Qwen) or llama3_json")
+    reasoning_parser: Literal[REASONING_PARSERS] | None = Field(
+        None, description="split a reasoning model's <think> text out of chat content into reasoning_content "
+        "(vLLM's): qwen3 or deepseek_r1")
     chat_template: str | None = Field(None, description="a Jinja chat template, or a file holding one, used instead "
                                       "of the checkpoint's (vLLM's; inline, \\n is a newline)")
     default_chat_template_kwargs: Annotated[dict[str, Any], NoDecode] = Field(

@@ -1,5 +1,5 @@
 """An in-process ingress over a real slot table, answered by a thread that plays the engine: it writes the text a
-test scripts, token by token (at most the record's max_tokens, then `length`), and keeps each request's prompt
+test scripts, a token every 2 ms (at most the record's max_tokens, then `length`), and keeps each request's prompt
 text and the sampling fields its record carried."""
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ class ScriptedEngine:
                 cap = int(record["max_tokens"])
                 left[slot] = tokens[:cap], Finish.STOP if len(tokens) <= cap else Finish.LENGTH
             for slot, (tokens, reason) in list(left.items()):
-                while tokens and self.table.room(slot):
+                if tokens and self.table.room(slot):  # a token a tick: streams come in many chunks
                     self.table.emit(slot, tokens.pop(0))
                 if not tokens:
                     self.table.finish(slot, reason)
