@@ -208,7 +208,8 @@ async def _respond(state: IngressState, request: Request, body: SamplingFields, 
         raise
     if body.stream:
         usage = body.stream_options.include_usage if body.stream_options else False
-        return StreamingResponse(sse(shape, first, deltas, prompt_tokens, usage),
+        continuous = usage and body.stream_options.continuous_usage_stats  # only with include_usage, as in vLLM
+        return StreamingResponse(sse(shape, first, deltas, prompt_tokens, usage, continuous),
                                  media_type="text/event-stream")
 
     async def rest() -> list[Delta]:

@@ -17,6 +17,8 @@ MAX_CHOICES = 16  # choices a request may ask for (n, times its prompts)
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = Field(False, description="with include_usage, every chunk carries the "
+                                               "usage so far (vLLM's)")
 
 
 class SamplingFields(EdgeFields):

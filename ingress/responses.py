@@ -123,7 +123,8 @@ class Shape:
 
 
 async def sse(shape: Shape, first: Delta | None, deltas: AsyncIterator[Delta],
-               prompt_tokens: int, include_usage: bool) -> AsyncIterator[str]:
+               prompt_tokens: int, include_usage: bool, continuous_usage: bool = False) -> AsyncIterator[str]:
+    """include_usage: a last chunk with the usage; continuous_usage: every chunk with the usage so far."""
     completion_tokens = cached_tokens = 0
     try:
         delta = first
@@ -131,7 +132,10 @@ async def sse(shape: Shape, first: Delta | None, deltas: AsyncIterator[Delta],
             while delta is not None:
                 completion_tokens += len(delta.token_ids)
                 cached_tokens += delta.cached_tokens
-                yield f"data: {json.dumps(shape.chunk(delta))}\n\n"
+                chunk = shape.chunk(delta)
+                if continuous_usage:
+                    chunk["usage"] = _usage(prompt_tokens, completion_tokens, cached_tokens)
+                yield f"data: {json.dumps(chunk)}\n\n"
                 delta = await anext(deltas, None)
         except APIError as e:  # after the headers went out: an error event, as vLLM sends, then the end
             error = {"message": e.message, "type": e.type, "param": e.param, "code": e.code}

@@ -1,10 +1,11 @@
 """vLLM's serving settings (issue 37), against an in-process ingress answered by a scripted engine: list flags and
-several served model names, chat templates and their kwargs."""
+several served model names, chat templates and their kwargs, continuous usage stats."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 
 import pytest
 
@@ -123,3 +124,27 @@ def test_bad_chat_template_kwargs_are_400s(engine, template, kwargs, param):
             assert (await http.get("/health")).status_code == 200
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {"messages": USER}),
+    ("/v1/completions", {"prompt": "Once", "max_tokens": 50}),
+])
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(engine, path, body):
+    engine.answer = "One two three four five."
+
+    async def chunks(**options) -> list[dict]:
+        async with engine.ingress() as (http, _):
+            r = await http.post(path, json={"model": "first", **body, "stream": True, "stream_options": options})
+            assert r.status_code == 200, r.text
+            return [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+
+    got = asyncio.run(chunks(include_usage=True, continuous_usage_stats=True))
+    counts = [c["usage"]["completion_tokens"] for c in got]
+    assert len(got) > 3 and counts == sorted(counts) and counts[0] >= 1
+    assert got[-1]["choices"] == [] and got[-1]["usage"] == got[-2]["usage"]  # the last chunk: include_usage's
+    assert counts[-1] == len(engine.tokenizer.encode(engine.answer, add_special_tokens=False))
+    assert all(c["usage"]["total_tokens"] == c["usage"]["prompt_tokens"] + c["usage"]["completion_tokens"]
+               for c in got)
+    # As vLLM: only with include_usage.
+    assert not any("usage" in c for c in asyncio.run(chunks(continuous_usage_stats=True)))
