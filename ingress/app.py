@@ -57,6 +57,8 @@ def create_app(state: IngressState) -> FastAPI:
     app.add_exception_handler(RequestValidationError, validation_error_handler)
     app.add_exception_handler(StarletteHTTPException, http_error_handler)
     app.add_middleware(RequestGuard, state=state)
+    if state.cors is not None:
+        state.cors.install(app)
     describe(app, secured=state.api_key is not None)
 
     @app.get("/health", response_class=Response, responses={200: {"description": "up (an empty body)",

@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from blink.ingress.cors import CorsPolicy
 from blink.ingress.metrics import Metrics
 from blink.ingress.reasoning import ReasoningParser
 from blink.ingress.remote_slots import RemoteSlotClient
@@ -44,6 +45,7 @@ class IngressState:
     classes: ClassDefaults = field(default_factory=ClassDefaults)  # the control plane may replace it
     tool_parser: ToolParser | None = None  # --enable-auto-tool-choice --tool-call-parser's
     reasoning_parser: ReasoningParser | None = None  # --reasoning-parser's
+    cors: CorsPolicy | None = None  # --allowed-origins and friends; None: no CORS
     chat_template: str | None = None  # --chat-template's, instead of the tokenizer's
     default_chat_template_kwargs: dict = field(default_factory=dict)  # under each request's chat_template_kwargs
     workers: ThreadPoolExecutor = field(

@@ -17,6 +17,7 @@ import zmq.asyncio
 
 from blink.ingress.app import create_app
 from blink.ingress.chat import load_chat_template
+from blink.ingress.cors import CorsPolicy
 from blink.ingress.header_deadline import with_header_deadline
 from blink.ingress.metrics import Metrics
 from blink.ingress.rdma_link import RdmaLink
@@ -137,7 +138,8 @@ async def serve(settings: Settings, keys: sockets.Keys, info: control.EngineInfo
                          tool_parser=PARSERS[settings.tool_call_parser] if settings.enable_auto_tool_choice else None,
                          chat_template=load_chat_template(settings.chat_template) if settings.chat_template else None,
                          default_chat_template_kwargs=settings.default_chat_template_kwargs,
-                         reasoning_parser=REASONING_PARSERS.get(settings.reasoning_parser))
+                         reasoning_parser=REASONING_PARSERS.get(settings.reasoning_parser),
+                         cors=CorsPolicy.of(settings))
     log.info("ingress transport", transport=client.transport, degraded=state.degraded)
     config = uvicorn.Config(create_app(state), host=settings.host, port=settings.port, loop="none",
                             http=with_header_deadline(settings.request_timeout), log_config=None, access_log=False,

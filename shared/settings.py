@@ -108,6 +108,14 @@ class Settings(BaseSettings):
     default_chat_template_kwargs: Annotated[dict[str, Any], NoDecode] = Field(
         default_factory=dict, description="a JSON object of variables every chat template render gets (e.g. "
         "'{\"enable_thinking\": false}'); a request's chat_template_kwargs override them (vLLM's)")
+    allowed_origins: Names | None = Field(None, description="answer browsers' cross-origin requests (CORS) from "
+                                          "these origins (e.g. '[\"*\"]'); unset, no CORS headers at all, so web "
+                                          "pages elsewhere cannot read the API with a visitor's network access "
+                                          "(vLLM's defaults to every origin)")
+    allowed_methods: Names = Field(["*"], description="the methods CORS allows, with --allowed-origins")
+    allowed_headers: Names = Field(["*"], description="the request headers CORS allows, with --allowed-origins")
+    allow_credentials: bool = Field(False, description="CORS requests may carry cookies and Authorization, with "
+                                    "--allowed-origins")
     default_class: ClassName = Field("latency_sensitive", description="service class of requests that name none")
     ls_ttft_slo_ms: float | None = Field(None, gt=0, description="latency-sensitive requests' default TTFT SLO")
     ls_tpot_slo_ms: float | None = Field(None, gt=0, description="latency-sensitive requests' default TPOT SLO")
@@ -123,12 +131,11 @@ class Settings(BaseSettings):
         """BLINK_MODEL= (as compose writes an unset ${BLINK_MODEL:-}) means the default, not a model named ''."""
         return None if value == "" else value
 
-    @field_validator("served_model_name", mode="before")
+    @field_validator("served_model_name", "allowed_origins", "allowed_methods", "allowed_headers", mode="before")
     @classmethod
     def _list(cls, value: object) -> object:
-        """A JSON array (`--served-model-name '["a", "b"]'`, a variable), or the items themselves
-        (`--served-model-name a b`, BLINK_SERVED_MODEL_NAME=name); empty, unset (as compose writes an unset
-        variable)."""
+        """A JSON array (`--allowed-origins '["*"]'`, a variable), or the items themselves (`--served-model-name a
+        b`, BLINK_SERVED_MODEL_NAME=name); empty, unset (as compose writes an unset variable)."""
         if value == "":
             return None
         if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):

@@ -1,5 +1,5 @@
 """vLLM's serving settings (issue 37), against an in-process ingress answered by a scripted engine: list flags and
-several served model names, chat templates and their kwargs, continuous usage stats."""
+several served model names, chat templates and their kwargs, continuous usage stats, CORS."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import json
 import pytest
 
 from blink.ingress.chat import load_chat_template
+from blink.ingress.cors import CorsPolicy
 from blink.services.cli import add_settings_flags, settings_from_args
 from blink.services.watchdog import ProcessSupervisor
 from blink.shared.settings import Settings
@@ -39,9 +40,12 @@ def _settings(*flags: str) -> Settings:
 
 def test_list_flags_as_vllm_takes_them(monkeypatch):
     assert _settings("--served-model-name", "a", "b").served_model_name == ["a", "b"]
-    given = _settings("--served-model-name", '["a", "b"]')
-    assert given.served_model_name == ["a", "b"]
-    for bad in (["--served-model-name", "[x"], ["--served-model-name", "a", ""]):
+    given = _settings("--served-model-name", '["a", "b"]', "--allowed-origins", '["*"]', "--allowed-headers",
+                      "x-a", "x-b", "--default-chat-template-kwargs", '{"enable_thinking": false}')
+    assert given.served_model_name == ["a", "b"] and given.allowed_origins == ["*"]
+    assert given.allowed_headers == ["x-a", "x-b"] and given.default_chat_template_kwargs == {"enable_thinking": False}
+    for bad in (["--served-model-name", "[x"], ["--served-model-name", "a", ""], ["--allowed-origins", '["*"'],
+                ["--default-chat-template-kwargs", "[1]"], ["--default-chat-template-kwargs", '{"tools": []}']):
         with pytest.raises(ValueError):
             _settings(*bad)
     # `blink serve` hands its settings to the services as BLINK_* variables, which they read back the same.
@@ -148,3 +152,31 @@ def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(engine, path
                for c in got)
     # As vLLM: only with include_usage.
     assert not any("usage" in c for c in asyncio.run(chunks(continuous_usage_stats=True)))
+
+
+def test_cors_only_when_origins_are_allowed(engine):
+    assert CorsPolicy.of(Settings()) is None  # closed by default, unlike vLLM's
+    policy = CorsPolicy.of(_settings("--allowed-origins", '["https://app.example"]', "--allowed-methods", "GET",
+                                     "POST", "--allow-credentials"))
+    assert policy == CorsPolicy(["https://app.example"], ["GET", "POST"], ["*"], True)
+    preflight = {"origin": "https://app.example", "access-control-request-method": "POST",
+                 "access-control-request-headers": "authorization, content-type"}
+
+    async def run():
+        async with engine.ingress() as (http, _):
+            r = await http.options("/v1/chat/completions", headers=preflight)
+            assert "access-control-allow-origin" not in r.headers
+            assert "access-control-allow-origin" not in (await http.get("/v1/models", headers=preflight)).headers
+        async with engine.ingress(cors=policy, api_key="sekret") as (http, _):
+            r = await http.options("/v1/chat/completions", headers=preflight)  # answered before the key is asked
+            assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://app.example"
+            assert r.headers["access-control-allow-credentials"] == "true"
+            origin = {"origin": "https://app.example"}
+            r = await http.get("/v1/models", headers=origin)
+            assert r.status_code == 401 and r.headers["access-control-allow-origin"] == "https://app.example"
+            r = await http.get("/v1/models", headers={**origin, "authorization": "Bearer sekret"})
+            assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://app.example"
+            r = await http.options("/v1/chat/completions", headers={**preflight, "origin": "https://evil.example"})
+            assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
+
+    asyncio.run(run())
