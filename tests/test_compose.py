@@ -17,7 +17,7 @@ from blink.shared.settings import Settings
 
 COMPOSE = Path(__file__).resolve().parents[1] / "compose"
 FILES = sorted(COMPOSE.glob("docker-compose*.yml"))
-EXTRA_VARIABLES = {"BLINK_CACHE_DIR"}  # read by blink.shared.model_cache, not a setting
+EXTRA_VARIABLES = {"BLINK_CACHE_DIR", "HF_HOME", "HF_TOKEN"}  # read by blink.shared.model_cache and huggingface_hub
 
 
 class ComposeLoader(yaml.SafeLoader):

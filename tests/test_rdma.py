@@ -243,7 +243,8 @@ def test_doctor_names_each_transport_and_drive_mode_and_why():
                          text=True, check=True)
     found = {(c["kind"], c["name"]): c for c in json.loads(out.stdout)}
     for key in (("transport", "shm"), ("transport", "rdma"), ("transport", "zmq"), ("drive", "host"),
-                ("drive", "graph"), ("drive", "persistent"), ("feature", "huge-pages")):
+                ("drive", "graph"), ("drive", "persistent"), ("feature", "huge-pages"), ("model", "checkpoint"),
+                ("model", "gguf"), ("model", "hub"), ("model", "default")):
         assert key in found and found[key]["why"]
     assert found[("transport", "zmq")]["available"] and found[("drive", "host")]["available"]
     from conftest import _rdma_missing
