@@ -190,8 +190,8 @@ async def _respond(state: IngressState, request: Request, body: SamplingFields, 
     for prompt, index in jobs:
         room = context_room(state, prompt, max_tokens, "messages" if chat else "prompt")
         seed = body.seed + index if body.seed is not None else state.seeds.getrandbits(63)
-        requests.append((slot_request(prompt, body, room if max_tokens is None else max_tokens, logprobs, seed,
-                                      state.classes, named_class, prompt_logprobs), index))
+        requests.append((slot_request(prompt, body, max_tokens, room, logprobs, seed, state.classes,
+                                      state.sampling_defaults, named_class, prompt_logprobs), index))
     choices = [choice_deltas(state.client, state.tokenizer, r, body, i, state.metrics, state.info.eos_token_ids,
                              counts_prompt=i % body.n == 0) for r, i in requests]
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex

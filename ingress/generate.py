@@ -13,6 +13,7 @@ import structlog
 
 from blink.ingress.detokenize import Detokenizer
 from blink.ingress.errors import APIError, overloaded
+from blink.ingress.generation_config import SamplingDefaults
 from blink.ingress.metrics import ChoiceRecord, Metrics
 from blink.ingress.protocol import SamplingFields
 from blink.ingress.slots import Overloaded, SlotClient
@@ -35,14 +36,17 @@ class Delta:
     cached_tokens: int = 0  # with the finish of a choice that counts its prompt: what the prefix cache held of it
 
 
-def slot_request(prompt: list[int], fields: SamplingFields, max_tokens: int, logprobs: int | None,
-                 seed: int, classes: ClassDefaults, named_class: str | None = None,
-                 prompt_logprobs: int | None = None) -> Request:
-    """named_class: the x-blink-class header's, which the body's field overrides."""
+def slot_request(prompt: list[int], fields: SamplingFields, max_tokens: int | None, room: int,
+                 logprobs: int | None, seed: int, classes: ClassDefaults, sampling: SamplingDefaults,
+                 named_class: str | None = None, prompt_logprobs: int | None = None) -> Request:
+    """The request as the slot carries it, with the defaults of what the body did not give: its class's SLOs, the
+    checkpoint's sampling defaults, and max_tokens (the generation config's within the context's `room`).
+    named_class: the x-blink-class header's, which the body's field overrides."""
     service_class, ttft, tpot = classes.resolve(fields.service_class or named_class, fields.ttft_slo_ms,
                                                 fields.tpot_slo_ms)
-    return request_of(fields, prompt, max_tokens, seed, int(service_class), ttft, tpot, logprobs, prompt_logprobs,
-                      fields.cache_salt or "")
+    max_tokens = sampling.max_tokens_within(room) if max_tokens is None else max_tokens
+    return request_of(sampling.fill(fields), prompt, max_tokens, seed, int(service_class), ttft, tpot, logprobs,
+                      prompt_logprobs, fields.cache_salt or "")
 
 
 def engine_failed() -> APIError:

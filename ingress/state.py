@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from blink.ingress.cors import CorsPolicy
+from blink.ingress.generation_config import SamplingDefaults
 from blink.ingress.metrics import Metrics
 from blink.ingress.reasoning import ReasoningParser
 from blink.ingress.remote_slots import RemoteSlotClient
@@ -46,6 +47,8 @@ class IngressState:
     tool_parser: ToolParser | None = None  # --enable-auto-tool-choice --tool-call-parser's
     reasoning_parser: ReasoningParser | None = None  # --reasoning-parser's
     cors: CorsPolicy | None = None  # --allowed-origins and friends; None: no CORS
+    # --generation-config's: the checkpoint's defaults for the knobs a request omits.
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
     chat_template: str | None = None  # --chat-template's, instead of the tokenizer's
     default_chat_template_kwargs: dict = field(default_factory=dict)  # under each request's chat_template_kwargs
     workers: ThreadPoolExecutor = field(

@@ -106,8 +106,8 @@ class ZmqApi:
         prompt = (await completion_prompts(state, body))[0]
         room = context_room(state, prompt, body.max_tokens, "prompt")
         seed = body.seed if body.seed is not None else state.seeds.getrandbits(63)
-        request = slot_request(prompt, body, room if body.max_tokens is None else body.max_tokens, body.logprobs, seed,
-                               state.classes)
+        request = slot_request(prompt, body, body.max_tokens, room, body.logprobs, seed, state.classes,
+                               state.sampling_defaults)
         deltas = choice_deltas(state.client, state.tokenizer, request, body, 0, state.metrics, state.info.eos_token_ids)
         async with contextlib.aclosing(deltas):  # a client gone (a failed send) cancels the request now
             async for delta in deltas:

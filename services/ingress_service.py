@@ -18,6 +18,7 @@ import zmq.asyncio
 from blink.ingress.app import create_app
 from blink.ingress.chat import load_chat_template
 from blink.ingress.cors import CorsPolicy
+from blink.ingress.generation_config import SamplingDefaults
 from blink.ingress.header_deadline import with_header_deadline
 from blink.ingress.metrics import Metrics
 from blink.ingress.rdma_link import RdmaLink
@@ -140,6 +141,7 @@ async def serve(settings: Settings, keys: sockets.Keys, info: control.EngineInfo
                          default_chat_template_kwargs=settings.default_chat_template_kwargs,
                          reasoning_parser=REASONING_PARSERS.get(settings.reasoning_parser),
                          cors=CorsPolicy.of(settings))
+    state.sampling_defaults = SamplingDefaults.read(settings.generation_config, [state.tokenizer.model_dir])
     log.info("ingress transport", transport=client.transport, degraded=state.degraded)
     config = uvicorn.Config(create_app(state), host=settings.host, port=settings.port, loop="none",
                             http=with_header_deadline(settings.request_timeout), log_config=None, access_log=False,

@@ -108,6 +108,10 @@ class Settings(BaseSettings):
     default_chat_template_kwargs: Annotated[dict[str, Any], NoDecode] = Field(
         default_factory=dict, description="a JSON object of variables every chat template render gets (e.g. "
         "'{\"enable_thinking\": false}'); a request's chat_template_kwargs override them (vLLM's)")
+    generation_config: str = Field("auto", description="auto: the checkpoint's generation_config.json "
+                                   "(temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens) are the "
+                                   "defaults of requests that omit them; vllm: ignore it; else a directory holding "
+                                   "one (vLLM's)")
     allowed_origins: Names | None = Field(None, description="answer browsers' cross-origin requests (CORS) from "
                                           "these origins (e.g. '[\"*\"]'); unset, no CORS headers at all, so web "
                                           "pages elsewhere cannot read the API with a visitor's network access "

@@ -27,7 +27,8 @@ def _chat_template(model_dir: Path, config: dict) -> str | None:
 
 class Tokenizer:
     def __init__(self, model_dir: Path):
-        path = Path(model_dir) / "tokenizer.json"
+        self.model_dir = Path(model_dir)  # where its checkpoint's other files are (generation_config.json)
+        path = self.model_dir / "tokenizer.json"
         if not path.is_file():
             raise TokenizerError(f"{model_dir}: missing tokenizer.json")
         self._tok = _HFTokenizer.from_file(str(path))

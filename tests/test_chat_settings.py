@@ -1,5 +1,6 @@
 """vLLM's serving settings (issue 37), against an in-process ingress answered by a scripted engine: list flags and
-several served model names, chat templates and their kwargs, continuous usage stats, CORS."""
+several served model names, chat templates and their kwargs, continuous usage stats, CORS, the generation config's
+sampling defaults."""
 
 from __future__ import annotations
 
@@ -7,10 +8,14 @@ import argparse
 import asyncio
 import json
 
+import httpx
+import openai
 import pytest
 
+from blink.bench.server import running_server
 from blink.ingress.chat import load_chat_template
 from blink.ingress.cors import CorsPolicy
+from blink.ingress.generation_config import SamplingDefaults
 from blink.services.cli import add_settings_flags, settings_from_args
 from blink.services.watchdog import ProcessSupervisor
 from blink.shared.settings import Settings
@@ -180,3 +185,67 @@ def test_cors_only_when_origins_are_allowed(engine):
             assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
 
     asyncio.run(run())
+
+
+def test_the_generation_config_s_sampling_defaults(engine, tmp_path):
+    config = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "repetition_penalty": 1, "max_new_tokens": 5,
+              "do_sample": True, "eos_token_id": 7}
+    (engine.model_dir / "generation_config.json").write_text(json.dumps(config))
+    defaults = SamplingDefaults.read("auto", [tmp_path / "elsewhere", engine.model_dir])
+    assert defaults == SamplingDefaults(knobs={"temperature": 0.6, "top_p": 0.95, "top_k": 20,
+                                               "repetition_penalty": 1.0}, max_tokens=5)
+    assert SamplingDefaults.read("vllm", [engine.model_dir]) == SamplingDefaults()
+    assert SamplingDefaults.read(str(engine.model_dir), []) == defaults  # a directory holding one
+    with pytest.raises(ValueError):
+        SamplingDefaults.read(str(tmp_path / "missing"), [])
+    # vLLM reads the differences from transformers' defaults (top_k 50); a value outside a knob's limits is skipped.
+    assert SamplingDefaults.of({"top_k": 50, "temperature": 9.0, "top_p": "x", "min_p": 0.05}).knobs == {"min_p": 0.05}
+    engine.answer = "One two three four five six seven eight."
+
+    async def run():
+        async with engine.ingress(sampling_defaults=defaults) as (http, client):
+            reply = await client.chat.completions.create(model="first", messages=USER)
+            assert reply.choices[0].finish_reason == "length" and reply.usage.completion_tokens == 5
+            seen = engine.seen[-1].fields
+            assert seen["max_tokens"] == 5 and seen["top_k"] == 20 and seen["repetition_penalty"] == 1.0
+            assert seen["temperature"] == pytest.approx(0.6) and seen["top_p"] == pytest.approx(0.95)
+            # What a request gives wins, whatever the file says.
+            await client.chat.completions.create(model="first", messages=USER, temperature=0.0, max_tokens=7,
+                                                 extra_body={"top_k": -1})
+            seen = engine.seen[-1].fields
+            assert (seen["temperature"], seen["top_k"], seen["max_tokens"]) == (0.0, -1, 7)
+            assert seen["top_p"] == pytest.approx(0.95)
+            # Completions keep OpenAI's max_tokens default (16), as vLLM's do.
+            r = await http.post("/v1/completions", json={"model": "first", "prompt": "Once"})
+            assert r.status_code == 200 and engine.seen[-1].fields["max_tokens"] == 16
+            assert engine.seen[-1].fields["temperature"] == pytest.approx(0.6)
+        async with engine.ingress() as (_, client):  # vllm: the edge's own defaults
+            await client.chat.completions.create(model="first", messages=USER)
+            seen = engine.seen[-1].fields
+            assert (seen["temperature"], seen["top_k"]) == (1.0, 0) and seen["max_tokens"] > 5
+
+    asyncio.run(run())
+
+
+def test_blink_serve_takes_the_flags(tmp_path):
+    """The flags as vLLM's users write them, through `blink serve` to the ingress (the tiny random model thinks out
+    loud: with deepseek_r1's parser its whole answer is reasoning)."""
+    (tmp_path / "generation").mkdir()
+    (tmp_path / "generation" / "generation_config.json").write_text(json.dumps({"max_new_tokens": 3}))
+    flags = ["--served-model-name", "first", "second", "--reasoning-parser", "deepseek_r1",
+             "--chat-template", "{{ greeting }}{% for m in messages %} {{ m.content }}{% endfor %}",
+             "--default-chat-template-kwargs", '{"greeting": "Hello there"}', "--allowed-origins", '["*"]',
+             "--generation-config", str(tmp_path / "generation"), "--max-num-seqs", "2"]
+    with running_server(tmp_path, *flags) as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+        assert [m.id for m in client.models.list().data] == ["first", "second"]
+        reply = client.chat.completions.create(model="second", messages=USER, extra_body={"ignore_eos": True})
+        assert reply.model == "first" and reply.choices[0].finish_reason == "length"
+        assert reply.usage.completion_tokens == 3  # the generation config's max_new_tokens
+        message = reply.choices[0].message
+        assert message.content is None and message.model_extra["reasoning_content"]
+        prompt = httpx.post(f"{server.url}/tokenize", json={"prompt": "Hello there hi", "add_special_tokens": False})
+        assert reply.usage.prompt_tokens == prompt.json()["count"]  # --chat-template with its default kwargs
+        r = httpx.options(f"{server.url}/v1/chat/completions", headers={
+            "origin": "https://app.example", "access-control-request-method": "POST"})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
