@@ -10,12 +10,18 @@ The floor is the weights' bytes over the bandwidth of a plain read (a torch sum 
 decode cannot beat. Prints, saves JSON under --result-dir, asserts nothing.
 
     blink bench cpu                    # the 125M Llama of `blink bench offline`, about 10 minutes on 2 cores
+    blink bench cpu --model default    # the default model (SmolLM2-135M-Instruct); llama.cpp runs its Q4_1 GGUF
     blink bench cpu --no-llama-cpp     # without building llama.cpp
+
+With `--model` (`default` or a .gguf file) Blink and transformers run the checkpoint the file converts to (its weights
+dequantized, in each --dtypes), and llama.cpp runs the file itself, quantized, as its users do: llama.cpp reads
+fewer bytes per token, and the floor printed is the dequantized weights'.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 from pathlib import Path
@@ -33,6 +39,8 @@ DTYPES = {"float32": "f32", "bfloat16": "bf16"}  # torch's names, and llama.cpp'
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-dir", type=Path, help="where the random Llama is (built there if absent; default: a "
                    "temporary directory)")
+    p.add_argument("--model", help="a real model instead of the random Llama: `default` (Blink's default model) or "
+                   "a .gguf file, which llama.cpp runs natively")
     p.add_argument("--dtypes", default="float32,bfloat16", help="float32, bfloat16 or both")
     p.add_argument("--context", type=int, default=32, help="prompt tokens before decoding")
     p.add_argument("--new-tokens", type=int, default=64, help="tokens decoded per measurement")
@@ -106,9 +114,11 @@ def decode_seconds(system, prompts: list[list[int]], new_tokens: int) -> float:
     return (time.perf_counter() - start - one) / new_tokens
 
 
-def benchmark(args: argparse.Namespace, model_dir: Path) -> None:
+def benchmark(args: argparse.Namespace, model_dir: Path, native: Path | None = None) -> None:
+    """native: the GGUF file model_dir was converted from, which llama.cpp runs as it is; None: the random Llama."""
     source = blink_source()
-    build_checkpoint(model_dir, args.seed)
+    if native is None:
+        build_checkpoint(model_dir, args.seed)
     dtypes = [d.strip() for d in args.dtypes.split(",")]
     if unknown := set(dtypes) - set(DTYPES):
         raise SystemExit(f"--dtypes: unknown {sorted(unknown)}")
@@ -116,7 +126,7 @@ def benchmark(args: argparse.Namespace, model_dir: Path) -> None:
     if not args.no_llama_cpp:
         try:
             llama = llama_cpp.ensure()
-            ggufs = {d: llama.gguf(model_dir, DTYPES[d], model_dir) for d in dtypes}
+            ggufs = {d: native or llama.gguf(model_dir, DTYPES[d], model_dir) for d in dtypes}
         except llama_cpp.Missing as e:
             llama, llama_reason = None, str(e)
             print(f"llama.cpp left out: {e}")
@@ -160,7 +170,8 @@ def benchmark(args: argparse.Namespace, model_dir: Path) -> None:
                for d, figs in samples.items()}
     report(medians, samples, args.batch)
     result = {"machine": machine() | {"torch_threads": threads}, "blink": source,
-              "model": {**MODEL_SHAPE, "tie_word_embeddings": True, "weight_bytes": weight_bytes},
+              "model": ({"gguf": native.name, "checkpoint": json.loads((model_dir / "config.json").read_text())}
+                        if native else {**MODEL_SHAPE, "tie_word_embeddings": True}) | {"weight_bytes": weight_bytes},
               "workload": {"context": args.context, "new_tokens": args.new_tokens, "batch": args.batch,
                            "rounds": args.rounds, "seed": args.seed},
               "llama_cpp": {"version": llama.version} if llama else {"left_out": llama_reason},
@@ -190,4 +201,13 @@ def report(medians: dict, samples: dict, batch: int) -> None:
 
 def run(args: argparse.Namespace) -> None:
     seed_everything(args.seed)
-    on_checkpoint(args.model_dir, lambda model_dir: benchmark(args, model_dir))
+    if args.model is None:
+        on_checkpoint(args.model_dir, lambda model_dir: benchmark(args, model_dir))
+        return
+    from blink.shared.checkpoints import default_model
+    from blink.shared.checkpoints.source import resolve
+
+    native = default_model.gguf_path() if args.model == "default" else Path(args.model)
+    if native.suffix != ".gguf":
+        raise SystemExit(f"--model: {args.model} is neither `default` nor a .gguf file")
+    benchmark(args, resolve(str(native)).path, native)

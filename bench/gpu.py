@@ -4,7 +4,7 @@ call of a lent GPU machine (`--budget-s`, 9 minutes by default; docs/gpu.md).
 Each phase (blink.bench.gpu_phases) is a process of its own with its own timeout, cut to what is left of the
 budget, and leaves its JSON before the next starts: a phase that hangs (a persistent loop that never yields, say)
 loses nothing else. At the end: one JSON result naming the machine, and a short table, printed last.
-`--dry-run` runs the same phases on the CPU over the tiny default model in the host mode (CI does, so this never
+`--dry-run` runs the same phases on the CPU over the tiny random model in the host mode (CI does, so this never
 rots); the GPU-only parts say they were skipped.
 """
 

@@ -54,8 +54,8 @@ def drive_modes(dry_run: bool) -> list[str]:
 
 
 def model_dir(shape: str, dry_run: bool) -> Path:
-    """A checkpoint directory of `shape` without weights (the default model's tokenizer); the default model itself
-    in a dry run."""
+    """A checkpoint directory of `shape` without weights (the tiny model's tokenizer); the tiny model itself in a
+    dry run."""
     default = ensure_tiny_model()
     if dry_run:
         return default

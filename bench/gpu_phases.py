@@ -2,7 +2,7 @@
 `python -m blink.bench.gpu_phases PHASE OUT_DIR [--dry-run]` writes OUT_DIR/PHASE.json, so a phase that hangs or
 breaks its CUDA context loses nothing the others found.
 
-A dry run (the CPU, in CI) runs the same code on the tiny default model in the host mode, so the command never rots.
+A dry run (the CPU, in CI) runs the same code on the tiny random model in the host mode, so the command never rots.
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ SETTINGS = {"on": "--enable-prefix-caching", "off": "--no-enable-prefix-caching"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="checkpoint directory (default: the default model)")
+    p.add_argument("--model", default=None, help="checkpoint directory (default: the tiny random model)")
     p.add_argument("--serve-flag", action="append", default=[], help="more `blink serve` flags, for both servers")
     p.add_argument("--rounds", type=int, default=5, help="alternated rounds of every phase")
     p.add_argument("--prefix-len", type=int, default=1500, help="tokens of the shared prefix (probe, load)")

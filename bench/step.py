@@ -254,7 +254,7 @@ def _kernel_passes(counter: _OpCounter, kernels):
 
 @contextmanager
 def _stand_in(vocab: int, context: int):
-    """A one-layer Llama with the real vocabulary and context, random weights, and the default model's tokenizer
+    """A one-layer Llama with the real vocabulary and context, random weights, and the tiny model's tokenizer
     (the step never detokenizes)."""
     import shutil
 
