@@ -29,8 +29,7 @@ class Settings(BaseSettings):
     model: str | None = Field(None, description="checkpoint directory; the default random model when unset")
     served_model_name: Names | None = Field(None, min_length=1, description="the names the model answers to "
                                             "(vLLM's; `--served-model-name a b`): requests may name any, responses "
-                                            "and /v1/models report the first (default: the checkpoint's directory "
-                                            "name)")
+                                            "and /v1/models report the first (default: the model's own name)")
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     device: str = "auto"
