@@ -7,11 +7,14 @@ directory and renamed into place, so a converter killed halfway leaves nothing t
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +33,9 @@ def converted(path: Path, weights: bool = True, key: str | None = None) -> Path:
     if done is not None:
         return done
     target = _directory(key, weights)
-    _write(path, target, weights)
+    with _one_writer(target):  # tensor-parallel ranks, or an engine and an ingress, starting together
+        if cached(key, weights) is None:
+            _write(path, target, weights)
     return target
 
 
@@ -41,6 +46,15 @@ def cached(key: str, weights: bool = True) -> Path | None:
         return _directory(key, True)
     tokenizer = _directory(key, False)
     return tokenizer if not weights and (tokenizer / "tokenizer.json").is_file() else None
+
+
+@contextlib.contextmanager
+def _one_writer(target: Path) -> Iterator[None]:
+    """An flock beside the target: released by the kernel when its holder dies, so a killed converter blocks no one."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.with_name(f".{target.name}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def _directory(key: str, weights: bool) -> Path:
