@@ -61,10 +61,14 @@ def main(argv: list[str] | None = None) -> int:
 
     model = commands.add_parser("model", help="manage checkpoints").add_subparsers(dest="model_command",
                                                                                    required=True)
-    init = model.add_parser("init", help="write the default random-weight model (to DIR or the cache), or a small "
-                            "random mixture-of-experts one (--arch qwen3-moe, to DIR)")
+    init = model.add_parser("init", help="write the tiny random-weight model for tests and benchmarks (to DIR or the "
+                            "cache), or a small random mixture-of-experts one (--arch qwen3-moe, to DIR)")
     init.add_argument("dir", nargs="?", type=Path)
     init.add_argument("--arch", choices=("llama", "qwen3-moe"), default="llama")
+    pull = model.add_parser("pull", help="fetch and convert a model into the cache ahead of serving it (a .gguf "
+                            "file, a Hub id; default: the default model); prints its checkpoint directory")
+    pull.add_argument("model", nargs="?")
+    pull.add_argument("--revision")
 
     keygen = commands.add_parser("keygen", help="write a new control-plane key to FILE (mode 0600), for "
                                  "--control-key-file on every host of a deployment (a compose secret)")
@@ -72,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
 
     gen = commands.add_parser("generate", help="generate offline on the engine (host drive mode)")
     gen.add_argument("prompt", nargs="*", help="prompts (default: three examples)")
-    gen.add_argument("--model", help="checkpoint directory (default: the built-in random model)")
+    gen.add_argument("--model", help="a checkpoint directory, .gguf file or Hub id (default: the default model)")
     gen.add_argument("--max-tokens", type=int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
@@ -91,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
 
         return bench_main(argv[1:])
     args = parser.parse_args(argv)
+    if args.command == "model" and args.model_command == "pull":
+        return _model_pull(args.model, args.revision)
     if args.command == "model":
         return _model_init(args.dir, args.arch)
     if args.command == "keygen":
@@ -115,8 +121,13 @@ def main(argv: list[str] | None = None) -> int:
     settings = settings_from_args(args)
     if args.command == "engine":
         from blink.services.engine_service import run_engine
+        from blink.shared.checkpoints.errors import CheckpointError
 
-        run_engine(settings)
+        try:
+            run_engine(settings)
+        except CheckpointError as e:  # the model cannot be had or loaded: the reason, not a traceback
+            print(f"blink engine: {e}", file=sys.stderr)
+            return 1
     elif args.command == "watchdog":
         from blink.services.watchdog import run_watchdog
 
@@ -152,8 +163,12 @@ def _serve(settings: Settings) -> int:
     stop = StopFlag().install()
     engine = supervisor.start(ENGINE)
     try:
-        handshake(settings, keys, timeout_s=settings.engine_start_timeout,
-                  alive=lambda: engine.poll() is None and not stop.is_set())
+        try:
+            handshake(settings, keys, timeout_s=settings.engine_start_timeout,
+                      alive=lambda: engine.poll() is None and not stop.is_set())
+        except RuntimeError as e:
+            print(f"blink serve: {e} (its reason is above)", file=sys.stderr)
+            return 1
         ingress = supervisor.start(INGRESS)
         port = http_socket.getsockname()[1]  # --port 0: the one the kernel chose
         print(f"blink serving at http://{settings.host}:{port}/v1 (engine pid {engine.pid}, ingress pid "
@@ -226,13 +241,26 @@ def _keygen(target: Path) -> int:
     return 0
 
 
+def _model_pull(model: str | None, revision: str | None) -> int:
+    from blink.engine.model.checkpoint import load_config
+    from blink.shared.checkpoints.errors import CheckpointError
+    from blink.shared.checkpoints.source import resolve
+
+    try:
+        print(resolve(model, revision=revision, check=load_config).path)
+    except CheckpointError as e:
+        print(e, file=sys.stderr)
+        return 1
+    return 0
+
+
 def _model_init(target: Path | None, arch: str) -> int:
-    from blink.engine.model.default_model import default_model_dir, write_default_model
+    from blink.engine.model.tiny_model import tiny_model_dir, write_tiny_model
 
     if target is None and arch != "llama":
-        print("blink model init --arch qwen3-moe needs DIR (the cache holds the default model)", file=sys.stderr)
+        print("blink model init --arch qwen3-moe needs DIR (the cache holds the tiny model)", file=sys.stderr)
         return 2
-    print(write_default_model(target or default_model_dir(), arch))
+    print(write_tiny_model(target or tiny_model_dir(), arch))
     return 0
 
 

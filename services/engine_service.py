@@ -59,8 +59,9 @@ class EngineService:
             device=settings.device, dtype=settings.dtype, max_num_seqs=settings.max_num_seqs,
             max_num_batched_tokens=settings.max_num_batched_tokens, max_model_len=settings.max_model_len,
             num_pages=settings.num_pages, scheduling_policy=settings.scheduling_policy, swap_space=settings.swap_space,
-            load_format=settings.load_format, enable_prefix_caching=settings.enable_prefix_caching,
-            compile_bookkeeping=settings.compile_bookkeeping, tensor_parallel_size=settings.tensor_parallel_size,
+            revision=settings.revision, load_format=settings.load_format,
+            enable_prefix_caching=settings.enable_prefix_caching, compile_bookkeeping=settings.compile_bookkeeping,
+            tensor_parallel_size=settings.tensor_parallel_size,
         )
         # Which drive modes can run here is known before the model loads (minutes for a large one): a mode asked
         # for that cannot is refused first.
@@ -79,7 +80,7 @@ class EngineService:
         self._stop = StopFlag()
         self.info = control.EngineInfo(
             slot_table=settings.deployment, num_slots=geometry.num_slots, epoch=int(self.table.header["epoch"]),
-            served_model_names=settings.served_model_name or [self.engine.model_dir.name],
+            served_model_names=settings.served_model_name or [self.engine.model_name],
             model_dir=str(self.engine.model_dir),
             max_model_len=self.engine.max_model_len,
             vocab_size=self.engine.model_config.vocab_size,

@@ -26,7 +26,9 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="BLINK_", extra="forbid")
 
     deployment: str = Field("default", pattern=r"^[A-Za-z0-9_.-]+$", description="names the slot table and sockets")
-    model: str | None = Field(None, description="checkpoint directory; the default random model when unset")
+    model: str | None = Field(None, description="a checkpoint directory, a .gguf file or a Hugging Face Hub id "
+                              "(safetensors); unset: SmolLM2-135M-Instruct, fetched once into the cache")
+    revision: str | None = Field(None, description="of a Hub model: a branch, tag or commit (default: main)")
     served_model_name: Names | None = Field(None, min_length=1, description="the names the model answers to "
                                             "(vLLM's; `--served-model-name a b`): requests may name any, responses "
                                             "and /v1/models report the first (default: the model's own name)")
@@ -127,7 +129,7 @@ class Settings(BaseSettings):
     ls_reserved_slots: int | None = Field(None, ge=0, description="slots only latency-sensitive requests may take "
                                           "(default: an eighth of them)")
 
-    @field_validator("model", "served_model_name", "api_key", "rdma_device", "runtime_dir", "control_key",
+    @field_validator("model", "revision", "served_model_name", "api_key", "rdma_device", "runtime_dir", "control_key",
                      "control_key_file", "bind_host", mode="before")
     @classmethod
     def _empty_is_unset(cls, value: object) -> object:

@@ -151,3 +151,17 @@ def test_quantized_safetensors_checkpoints_are_refused_by_name(checkpoint, tmp_p
     save_file(tensors, str(fp8 / "model.safetensors"))
     with pytest.raises(CheckpointError, match=f"{name} is stored as F8_E4M3"):
         LLM(str(fp8), num_pages=32)
+
+
+
+def test_blink_serve_of_a_model_it_cannot_load_exits_with_the_reason(tmp_path):
+    import subprocess
+    import sys
+
+    (tmp_path / "x.gguf").write_bytes(b"not a gguf file at all")
+    done = subprocess.run([sys.executable, "-m", "blink.services.cli", "serve", "--port", "0", "--runtime-dir",
+                           str(tmp_path), "--deployment", "unloadable", "--model", str(tmp_path / "x.gguf")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1
+    assert "blink engine: " in done.stderr and "not a readable GGUF file" in done.stderr
+    assert "Traceback" not in done.stderr

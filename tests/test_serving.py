@@ -20,7 +20,7 @@ import pytest
 
 from blink.bench.server import running_server
 from blink.engine import LLM, SamplingParams
-from blink.engine.model.default_model import ensure_default_model
+from blink.engine.model.tiny_model import ensure_tiny_model
 from blink.ingress.chat import render_chat
 from blink.ingress.protocol import ChatMessage
 from blink.ingress.slots import Overloaded, SlotClient
@@ -36,14 +36,14 @@ PROMPTS = ["Once upon a time", "The quick brown fox", "Question: What is two plu
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    ensure_default_model()
+    ensure_tiny_model()
     with running_server(tmp_path_factory.mktemp("serve"), "--max-num-seqs", "16", "--window", "8") as server:
         yield server
 
 
 @pytest.fixture(scope="module")
 def offline():
-    return LLM(num_pages=512)
+    return LLM(str(ensure_tiny_model()), num_pages=512)
 
 
 def _expected(offline, prompts, max_tokens):
@@ -259,7 +259,7 @@ def test_tokenize_detokenize_and_request_ids(server, offline):
 
 
 def test_overload_answers_429_and_api_key_401(tmp_path):
-    ensure_default_model()
+    ensure_tiny_model()
     with running_server(tmp_path, "--max-num-seqs", "1", "--max-waiting", "0", "--api-key", "sekret") as server:
         url = server.url
         assert httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x"}).status_code == 401
@@ -286,7 +286,7 @@ def test_a_choice_displaced_after_the_first_token_is_a_429_or_an_error_event(tmp
     """n=2 best-effort on one slot: the first choice runs, the second waits and gives way to a latency-sensitive
     arrival. Non-streamed, the whole request is a 429 (was a 500); streamed, the headers are out, so an error event
     and [DONE]. The latency-sensitive request is served either way."""
-    ensure_default_model()
+    ensure_tiny_model()
     body = {"model": MODEL, "prompt": "Once", "max_tokens": 1500, "ignore_eos": True, "n": 2,
             "service_class": "best_effort"}
     urgent = {"model": MODEL, "prompt": "x", "max_tokens": 2, "service_class": "latency_sensitive"}
@@ -347,7 +347,7 @@ def test_zmq_client_sync_and_async_match_http(server, offline):
 
 
 def test_sigterm_drains_in_flight_requests_and_refuses_new_ones(tmp_path):
-    ensure_default_model()
+    ensure_tiny_model()
     with running_server(tmp_path, "--max-num-seqs", "2", "--shutdown-timeout", "20") as server:
         body = {"model": MODEL, "prompt": "Once", "max_tokens": 300, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as stream:
@@ -506,7 +506,7 @@ def test_a_stop_token_whose_finish_comes_in_a_later_read_adds_no_text():
     from blink.ingress.protocol import CompletionRequest
     from blink.shared.tokenizer import Tokenizer
 
-    tokenizer = Tokenizer(ensure_default_model())
+    tokenizer = Tokenizer(ensure_tiny_model())
     word, stop = tokenizer.encode(" Hello world", add_special_tokens=False)[-2:]
     body = CompletionRequest(model=MODEL, prompt="x", stop_token_ids=[stop])
 
@@ -539,7 +539,7 @@ def test_ready_allows_the_engine_the_watchdog_s_deadline_between_heartbeats():
     from blink.ingress.state import IngressState
     from blink.shared.tokenizer import Tokenizer
 
-    model_dir = ensure_default_model()
+    model_dir = ensure_tiny_model()
     info = control.EngineInfo(slot_table="t", num_slots=4, epoch=1, served_model_names=[MODEL],
                               model_dir=str(model_dir), max_model_len=512, vocab_size=1, eos_token_ids=[],
                               device="cpu", drive="host", pid=0)

@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from blink.engine.model.default_model import ensure_default_model
+from blink.engine.model.tiny_model import ensure_tiny_model
 from blink.ingress.app import create_app
 from blink.ingress.metrics import Metrics
 from blink.ingress.slots import SlotClient
@@ -83,7 +83,7 @@ def served(tmp_path):
     `answer` (a mutable list holding the text) as an engine would, and what each request's prompt was."""
     model_dir = tmp_path / "model"
     model_dir.mkdir()
-    shutil.copy(ensure_default_model() / "tokenizer.json", model_dir / "tokenizer.json")
+    shutil.copy(ensure_tiny_model() / "tokenizer.json", model_dir / "tokenizer.json")
     (model_dir / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE}))
     tokenizer = Tokenizer(model_dir)
     table = SlotTable.create(f"test-{uuid.uuid4().hex[:10]}", Geometry(4, 512, 64))

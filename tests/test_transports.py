@@ -45,7 +45,7 @@ def test_forced_zmq_serves_what_the_engine_computes(zmq_server):
     streamed = "".join(c.choices[0].text for c in client.completions.create(
         model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0, stream=True))
     two = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=12, temperature=0, n=2)
-    llm = LLM(max_num_seqs=4)
+    llm = LLM(str(ensure_tiny_model()), max_num_seqs=4)
     expected = [o.text for o in llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12))]
     assert got == expected and streamed == expected[0]
     assert [c.text for c in two.choices] == [expected[1]] * 2
@@ -109,8 +109,8 @@ def test_switching_to_zmq_mid_run_loses_nothing(tmp_path):
     from tests.test_watchdog import decoding, table_empty
 
     prompts = [f"switch number {i}" for i in range(8)]
-    expected = [o.text for o in LLM(max_num_seqs=8).generate(prompts, SamplingParams(temperature=0, max_tokens=200,
-                                                                                      ignore_eos=True))]
+    expected = [o.text for o in LLM(str(ensure_tiny_model()), max_num_seqs=8).generate(
+        prompts, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))]
 
     def streamed(url: str, prompt: str) -> tuple[str, list]:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
