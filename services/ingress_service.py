@@ -131,7 +131,8 @@ async def serve(settings: Settings, keys: sockets.Keys, info: control.EngineInfo
             return None
         return reply if isinstance(reply, control.EngineStatus) else None
 
-    state = IngressState(info=info, tokenizer=Tokenizer(tokenizer_dir(settings, info)), client=client,
+    model_dir = tokenizer_dir(settings, info)
+    state = IngressState(info=info, tokenizer=Tokenizer(model_dir), client=client,
                          metrics=Metrics(info.model, info.drive, client.transport, info.policies()),
                          max_request_bytes=settings.max_request_bytes, request_timeout_s=settings.request_timeout,
                          api_key=settings.api_key, heartbeat_deadline_s=settings.watchdog_deadline,
@@ -140,8 +141,8 @@ async def serve(settings: Settings, keys: sockets.Keys, info: control.EngineInfo
                          chat_template=load_chat_template(settings.chat_template) if settings.chat_template else None,
                          default_chat_template_kwargs=settings.default_chat_template_kwargs,
                          reasoning_parser=REASONING_PARSERS.get(settings.reasoning_parser),
-                         cors=CorsPolicy.of(settings))
-    state.sampling_defaults = SamplingDefaults.read(settings.generation_config, [state.tokenizer.model_dir])
+                         cors=CorsPolicy.of(settings),
+                         sampling_defaults=SamplingDefaults.read(settings.generation_config, [model_dir]))
     log.info("ingress transport", transport=client.transport, degraded=state.degraded)
     config = uvicorn.Config(create_app(state), host=settings.host, port=settings.port, loop="none",
                             http=with_header_deadline(settings.request_timeout), log_config=None, access_log=False,
