@@ -17,6 +17,7 @@ import torch
 from blink.bench.server import running_server
 from blink.engine import LLM, SamplingParams
 from blink.engine.engine import Engine, EngineConfig
+from blink.engine.model.tiny_model import ensure_tiny_model
 from blink.engine.ranks import RankLost, Ranks, free_init_method
 from blink.shared import control
 from blink.shared.slot_table import SlotTable
@@ -80,19 +81,18 @@ def test_the_ranks_agree_on_the_dtype_auto_picks(checkpoint):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["default", "qwen3"])  # the default model (Llama, GQA); q/k norms
+@pytest.mark.parametrize("kind", ["tiny", "qwen3"])  # the tiny model (Llama, GQA); q/k norms
 def test_blink_serve_over_two_ranks(kind, checkpoint, tmp_path):
     """`blink serve --tensor-parallel-size 2`: one rank's tokens; then rank 1 is killed mid-decode, and the engine
     fails over as a killed engine does (every stream ends with one error event within the deadline) and comes back
     with both ranks."""
-    model = None if kind == "default" else str(checkpoint(kind))
+    model = str(ensure_tiny_model() if kind == "tiny" else checkpoint(kind))
     limits = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256, num_pages=80)
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     one_rank = LLM(model, dtype="float32", **limits)
     expected = [one_rank.generate([p], greedy)[0].text for p in PROMPTS[:3]]  # alone, as they are sent below
-    flags = [f"--{k.replace('_', '-')}={v}" for k, v in limits.items()]
-    if model is not None:
-        flags += ["--model", model, "--served-model-name", MODEL]
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in limits.items()] + ["--model", model,
+                                                                          "--served-model-name", MODEL]
     with running_server(tmp_path, "--tensor-parallel-size", "2", "--dtype", "float32", "--watchdog-deadline",
                         str(DEADLINE_S), *flags) as server:
         def texts() -> list[str]:
