@@ -310,7 +310,8 @@ def test_interference_stops_when_the_run_is_interrupted(tmp_path, tokenizer_dir,
         while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
             time.sleep(0.1)
     assert not any(alive(pid) for pid in workers)
-    assert not list(tmp_path.glob("serve-*.json"))  # an interrupted run saves no figures
+    # an interrupted run saves no figures
+    assert not list(tmp_path.glob("serve-*.json")), (bench.returncode, bench.stdout.read().decode()[-3000:])
 
 
 def test_against_blink_serve_every_backend_and_plots(tmp_path):
