@@ -1,4 +1,4 @@
-"""`blink bench serve|plot|offline|overhead|step|gpu|grain|tp|cpu|projections|prefix`: each subcommand's module
+"""`blink bench serve|plot|offline|overhead|step|gpu|grain|tp|cpu|projections|prefix|startup`: each subcommand's module
 declares its flags and runs it.
 
 Only the module of the command asked for is imported: `offline` needs torch and transformers, `serve` does not.
@@ -23,6 +23,7 @@ COMMANDS = {
     "prefix": ("blink.bench.prefix", "prefix caching on against off: TTFT of a cached prefix, multi-turn, a load"),
     "cpu": ("blink.bench.cpu", "CPU decode at batch 1 and 16 against transformers and llama.cpp, fp32 and bf16"),
     "projections": ("blink.bench.projections", "a step's projections on the CPU in each weight form, by row count"),
+    "startup": ("blink.bench.startup", "seconds from `blink serve` to ready and to a first answer, cold and warm"),
 }
 
 

@@ -395,6 +395,20 @@ def test_bench_projections_times_every_form_this_machine_has(tmp_path, capsys):
     assert out.count("its huge pages") == 2 * sum(form.endswith("-4k") for form in expected)
 
 
+@pytest.mark.slow
+def test_bench_startup_times_starts_to_ready_and_a_first_answer(tmp_path, capsys):
+    from blink.bench.cli import main
+
+    model = os.environ["BLINK_MODEL"]  # the tiny model (conftest): the default model's starts are test_default_model's
+    assert main(["startup", "--model", model, "--runs", "2", "--serve-flag=--max-num-seqs=2",
+                 "--result-dir", str(tmp_path)]) == 0
+    saved = json.loads(next(tmp_path.glob("startup-*.json")).read_text())
+    assert saved["model"] == model and len(saved["samples"]["warm"]) == 2 and not saved["samples"]["cold"]
+    for start in saved["samples"]["warm"]:
+        assert 0 < start["serving_s"] < start["ready_s"] < start["first_answer_s"]
+    assert "warm ready_s" in capsys.readouterr().out
+
+
 def test_vllm_bench_serve_flags(tmp_path, tokenizer_dir, capsys):
     """A vLLM `bench serve` command line, as a user types it from habit: the random dataset (sent as tokens, so each
     prompt is exactly the length drawn), the figures asked for, vLLM's keys in the file, appended runs."""
