@@ -115,7 +115,8 @@ def _models() -> list[Capability]:
                    f"{', '.join(sorted(FLOAT_TYPES))}): {', '.join(sorted(SUPPORTED_ARCHITECTURES))}; quantized "
                    "ones (quantization_config, float8 or integer weights) are refused"),
         Capability("model", "gguf", True, f"a .gguf file, dequantized once into the cache: architectures "
-                   f"{', '.join(gguf_config.ARCHITECTURES)}; byte-level BPE tokenizers ({pre_tokenizers})"),
+                   f"{', '.join(gguf_config.ARCHITECTURES)}; SentencePiece tokenizers and byte-level BPE ones "
+                   f"({pre_tokenizers})"),
         Capability("model", "hub", not offline, "a Hub id (ORGANIZATION/NAME), safetensors only, into the Hub's cache"
                    + (": HF_HUB_OFFLINE is set, so only what is cached" if offline else "")),
         Capability("model", "default", fetched, f"{default_model.NAME} ({default_model.PACKAGE}), "

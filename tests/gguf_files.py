@@ -128,3 +128,40 @@ def _add_tokenizer(writer: gguf.GGUFWriter, checkpoint: Path) -> None:
     writer.add_eos_token_id(vocab["</s>"])
     writer.add_add_bos_token(True)
     writer.add_chat_template("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+
+
+def write_sentencepiece_gguf(target: Path, vocab_size: int = 600) -> Path:
+    """A GGUF whose tokenizer is SentencePiece BPE (tokenizer.ggml.model `llama`, as Llama 2 and Mistral files are):
+    pieces trained on the tiny model's corpus, scored by merge rank as llama.cpp's converter scores them, the 256
+    byte pieces, and the usual <unk>, <s>, </s>. No weights: only the tokenizer is read from it."""
+    from importlib import resources
+
+    from tokenizers import SentencePieceBPETokenizer
+
+    corpus = resources.files("blink.engine").joinpath("assets/corpus.txt").read_text(encoding="utf-8")
+    spm = SentencePieceBPETokenizer()
+    spm.train_from_iterator(corpus.splitlines(), vocab_size=vocab_size, show_progress=False)
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256))]
+    types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL] + [gguf.TokenType.BYTE] * 256
+    scores = [0.0] * len(tokens)
+    for rank, (piece, _) in enumerate(sorted(spm.get_vocab().items(), key=lambda kv: kv[1])):
+        tokens.append(piece)
+        types.append(gguf.TokenType.NORMAL)
+        scores.append(-float(rank))
+    writer = gguf.GGUFWriter(str(target), "llama")
+    for key, value in dict(block_count=1, context_length=64, embedding_length=8, feed_forward_length=16,
+                           head_count=2).items():
+        getattr(writer, f"add_{key}")(value)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    writer.add_tensor("output_norm.weight", np.ones(8, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return target

@@ -10,7 +10,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from gguf_files import write_gguf
+from gguf_files import write_gguf, write_sentencepiece_gguf
 from safetensors.torch import load_file
 
 from blink.engine import LLM, SamplingParams
@@ -72,6 +72,23 @@ def test_a_quantized_gguf_generates_what_transformers_generates_from_it(checkpoi
     assert out.token_ids[: len(expected)] == expected
 
 
+def test_a_sentencepiece_vocabulary_tokenizes_as_transformers_reads_it(tmp_path):
+    """Llama 2 and Mistral files: BPE over SentencePiece pieces, merges recovered from the scores, bytes for what no
+    piece covers; the same ids as transformers' GGUF tokenizer, and text back as it went in."""
+    import transformers as tf
+
+    path = write_sentencepiece_gguf(tmp_path / "spm.gguf")
+    ours = Tokenizer(resolve(str(path), weights=False).path)
+    theirs = tf.AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    for text in ["Once upon a time there was a fox.", "Hello world! 😀 ünïcode", "a\nb  c   d"]:
+        ids = ours.encode(text)
+        assert ids == theirs(text)["input_ids"] and ids[0] == 1, text  # BOS added, as llama.cpp adds it
+        assert ours.decode(ids) == text
+    # As llama.cpp (and transformers' legacy Llama tokenizer): text after a special token gets the space prefix too.
+    assert ours.encode("<s>fox") == [1, 1, *ours.encode("fox")[1:]]
+    assert ours.decode(ours.encode("  hi")) == "  hi"
+
+
 def test_each_file_is_converted_once_and_the_ingress_takes_only_the_tokenizer(checkpoint, tmp_path):
     q8 = gguf.GGMLQuantizationType.Q8_0  # files no other test converts
     path = write_gguf(checkpoint("qwen3"), tmp_path / "m.gguf", quantize=q8)
@@ -107,7 +124,7 @@ def _minimal_gguf(path, arch="llama", tokenizer="gpt2", pre="default", norm_dtyp
 
 @pytest.mark.parametrize(("options", "reason"), [
     (dict(arch="phi3"), "GGUF architecture 'phi3' is not supported"),
-    (dict(tokenizer="llama"), "GGUF tokenizer model 'llama' is not supported"),
+    (dict(tokenizer="t5"), "GGUF tokenizer model 't5' is not supported"),
     (dict(pre="chatglm-bpe"), "GGUF pre-tokenizer 'chatglm-bpe' is not supported"),
     (dict(norm_dtype=np.float64), "type F64 cannot be dequantized"),
 ])
