@@ -7,9 +7,11 @@ validate (and so the OpenAPI schema), the engine's per-slot state tensors and th
 record into them (blink.engine.core.admission, on the host and on the device).
 
 A *knob* is a sampling parameter that means the same everywhere: the same name in the OpenAI body, in
-`SamplingParams`, in the record and in the engine's state, copied as it is. Adding one is a line here and the
-sampler code that reads `state.<name>`. The other fields have their own shapes at the edges (an optional seed,
-a class name, SLOs in ms that become a deadline) and their own line in the admission.
+`SamplingParams`, in the record and in the engine's state, copied as it is. Adding one is a line in FIELDS, its
+declaration in `Request` and in `blink.engine.core.state.Slots` (tests/test_admission.py holds both to FIELDS and
+prints the lines to write), and the sampler code that reads `state.<name>`. The other fields have their own
+shapes at the edges (an optional seed, a class name, SLOs in ms that become a deadline) and their own line in the
+admission.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 import functools
 import itertools
 import operator
-from dataclasses import dataclass, field, make_dataclass
+from dataclasses import MISSING, dataclass
 from typing import Annotated
 
 import numpy as np
@@ -101,22 +103,48 @@ def record_fields(max_stop_ids: int, max_page_hashes: int) -> list[tuple]:
             ("page_hashes", "<i8", (max(1, max_page_hashes),))]
 
 
-def _request_fields() -> list[tuple]:
-    specials = {"prompt_len", "num_stop_ids", "num_logit_bias"}  # derived from the prompt and the arrays
-    return [("prompt", list[int]), ("max_tokens", int),
-            *((f.name, f.python_type, field(default=f.default)) for f in FIELDS
-              if f.name not in specials | {"max_tokens"}),
-            ("stop_token_ids", tuple[int, ...], field(default=())),
-            ("logit_bias", tuple[tuple[int, float], ...], field(default=())),
-            ("cache_salt", str, field(default=""))]
+def request_fields() -> list[tuple[str, object, object]]:
+    """(name, type, default) of each attribute of `Request`, as FIELDS makes them: the prompt, max_tokens, every field
+    of FIELDS but those derived from the prompt and the arrays, then the arrays and the cache salt. `Request` declares
+    them in its source, for an editor to see; tests/test_admission.py checks the two agree."""
+    derived = {"prompt_len", "num_stop_ids", "num_logit_bias"}
+    return [("prompt", list[int], MISSING), ("max_tokens", int, MISSING),
+            *((f.name, f.python_type, f.default) for f in FIELDS if f.name not in derived | {"max_tokens"}),
+            ("stop_token_ids", tuple[int, ...], ()), ("logit_bias", tuple[tuple[int, float], ...], ()),
+            ("cache_salt", str, "")]
 
 
-Request = make_dataclass("Request", _request_fields())
-Request.__module__ = __name__  # for pickling and repr (make_dataclass's `module` is 3.12's)
-Request.__doc__ = """What the ingress writes into a slot: the prompt, max_tokens, then every field of FIELDS with its
-default (`logprobs` -1: none; `ttft_slo_ms`: what remains of the SLO at publication, inf: none), the stop
-token ids, the logit biases ((token id, bias) pairs) and the cache salt (vLLM's: requests share cached KV pages only
-with requests of the same salt; it goes into the page hashes, not the record)."""
+@dataclass
+class Request:
+    """What the ingress writes into a slot: the prompt, max_tokens, then every field of FIELDS with its default
+    (`logprobs` -1: none; `ttft_slo_ms`: what remains of the SLO at publication, inf: none), the stop token ids, the
+    logit biases ((token id, bias) pairs) and the cache salt (vLLM's: requests share cached KV pages only with
+    requests of the same salt; it goes into the page hashes, not the record).
+
+    Written out as `request_fields()` generates them from FIELDS (a test holds the two equal): a new field of FIELDS
+    is a line here too, which that test's failure spells out."""
+
+    prompt: list[int]
+    max_tokens: int
+    priority: int = 0
+    ignore_eos: bool = False
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int = -1
+    prompt_logprobs: int = -1
+    seed: int = 0
+    service_class: int = 0
+    ttft_slo_ms: float = INF
+    tpot_slo_ms: float = INF
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    cache_salt: str = ""
 
 
 def _pydantic_knob(f: RequestField) -> tuple:

@@ -140,3 +140,39 @@ def test_every_knob_reaches_both_apis_with_the_schemas_limits():
                 if (limit := getattr(f, bound)) is not None:
                     with pytest.raises(ValidationError, match=f.name):
                         model.model_validate({**body, f.name: f.python_type(limit + outside)})
+
+
+def test_request_declares_the_attributes_the_schema_makes():
+    """`Request` is written out for an editor to see; FIELDS stays the one source: a field added there and not here
+    fails, with the lines to write."""
+    from typing import get_type_hints
+
+    from blink.shared.request_schema import request_fields
+
+    hints = get_type_hints(Request)
+    declared = [(f.name, hints[f.name], f.default) for f in dataclasses.fields(Request)]
+    expected = request_fields()
+
+    def line(name, kind, default):
+        shown = kind.__name__ if isinstance(kind, type) else str(kind)
+        return f"    {name}: {shown}" + ("" if default is dataclasses.MISSING else f" = {default!r}")
+
+    assert declared == expected, "Request must declare, in this order:\n" + "\n".join(line(*f) for f in expected)
+    assert all(type(d) is type(e) for (*_, d), (*_, e) in zip(declared, expected, strict=True))  # False is not 0
+
+
+def test_slots_declare_the_tensors_the_schema_makes():
+    """Slots makes a tensor per schema field with a state dtype from FIELDS, and declares them (with their dtypes)
+    for an editor to see: the two must agree."""
+    import inspect
+    import re
+
+    from blink.engine.core.state import Slots
+
+    source = inspect.getsource(Slots)
+    declared = re.findall(r"^    (\w+): torch\.Tensor  # (\w+)$", source, re.MULTILINE)
+    expected = [(f.name, f.state) for f in FIELDS if f.state is not None]
+    assert declared == expected, "Slots must declare, in this order:\n" + "\n".join(
+        f"    {name}: torch.Tensor  # {dtype}" for name, dtype in expected)
+    state = Slots(2, 8, 2, 16, torch.device("cpu"))
+    assert all(getattr(state, name).dtype == getattr(torch, dtype) for name, dtype in expected)

@@ -38,6 +38,26 @@ class Slots:
     """The engine's slots: a tensor per field of every slot's sequence, on the engine's device (the slot table's
     SlotState is the state word of a record; these are the sequences behind them)."""
 
+    # [S] each: the request schema's fields that have a state dtype (FIELDS' `state`), named as the field: what
+    # admission copies a record into. Made from FIELDS in __init__; declared here for an editor (a test holds the two
+    # equal, so a new field of FIELDS with a state dtype is a line here too).
+    prompt_len: torch.Tensor  # int64
+    max_tokens: torch.Tensor  # int64
+    priority: torch.Tensor  # int64
+    ignore_eos: torch.Tensor  # bool
+    temperature: torch.Tensor  # float32
+    top_p: torch.Tensor  # float32
+    top_k: torch.Tensor  # int64
+    min_p: torch.Tensor  # float32
+    repetition_penalty: torch.Tensor  # float32
+    presence_penalty: torch.Tensor  # float32
+    frequency_penalty: torch.Tensor  # float32
+    logprobs: torch.Tensor  # int64
+    prompt_logprobs: torch.Tensor  # int64
+    seed: torch.Tensor  # int64
+    service_class: torch.Tensor  # int64
+    min_tokens: torch.Tensor  # int64
+
     def __init__(self, num_slots: int, max_len: int, max_pages: int, vocab_size: int, device: torch.device):
         S = num_slots
 
@@ -46,9 +66,7 @@ class Slots:
 
         self.num_slots, self.max_len = S, max_len
         self.status = zeros(S)
-        # A tensor per field of the request schema that has a state dtype (the knobs, max_tokens, seed, logprobs,
-        # the service class, the prompt's length), named as the field: what admission copies a record into.
-        for f in FIELDS:
+        for f in FIELDS:  # the declared schema tensors above
             if f.state is not None:
                 setattr(self, f.name, torch.full((S,), f.default, dtype=getattr(torch, f.state), device=device))
         self.stop_ids = torch.full((S, MAX_STOP_IDS), -1, dtype=torch.int64, device=device)
