@@ -13,7 +13,7 @@ import torch
 
 from blink.engine.core.admission import admit_records
 from blink.engine.core.kv_cache import PagePool
-from blink.engine.core.policy import policy_named
+from blink.engine.core.policy import StepCost, policy_named
 from blink.engine.core.rotation import HostMirror
 from blink.engine.core.scheduler import StepPlan, advance, plan
 from blink.engine.core.state import Slots
@@ -43,7 +43,7 @@ class ModelFreeEngine:
         self.state = Slots(self.num_slots, self.max_len, -(-self.max_len // self.page_size), VOCAB, cpu)
         self.geometry = Geometry(self.num_slots, self.max_len, window=1)
         self.records = np.zeros(self.num_slots, dtype=slot_dtype(self.geometry))
-        self.cost = torch.zeros(3, dtype=torch.float64)
+        self.cost = StepCost(cpu)
         self.arrivals = 0
         self.mirror = HostMirror(self.pool, self.mirror_pages) if self.mirror_pages else None
 

@@ -74,7 +74,7 @@ def test_tight_tpot_slo_caps_the_step_tokens(checkpoint):
         driver.step()  # its prefill: it decodes from now on
         driver.add_request("long", _prompt(240, 2), SamplingParams(temperature=0, max_tokens=1), 1)
         driver._fill_slots()
-        step.cost.copy_(torch.tensor([0.010, 0.001, 0.0], dtype=torch.float64))  # 10 ms + 1 ms per token
+        step.cost.fit.copy_(torch.tensor([0.010, 0.001], dtype=torch.float64))  # 10 ms + 1 ms per token
         live = step.plan(GREEDY, llm.engine.mirror).read_sizes().tokens
         driver.abort_all()
         _run_until_done(driver)

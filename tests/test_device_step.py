@@ -272,7 +272,7 @@ def test_the_device_step_fits_its_step_cost_and_caps_tokens_for_a_tight_tpot(che
             step.nap = i == 20
             step()
             table.read(0), table.read(1)
-        a, b, _ = device.step.cost.tolist()
+        a, b = device.step.cost.fit.tolist()
         assert a == pytest.approx(0.010, rel=1e-6) and b == pytest.approx(0.0005, rel=1e-6)  # the nap left out
         step.nap = False
 

@@ -92,9 +92,9 @@ class Policy:
         """The slots whose class outranks the rest (none here)."""
         return torch.zeros_like(s.rotated)
 
-    def token_cap(self, s: Slots, decoding: torch.Tensor, cost: torch.Tensor, budget: int) -> torch.Tensor:
+    def token_cap(self, s: Slots, decoding: torch.Tensor, cost: StepCost, budget: int) -> torch.Tensor:
         """The most tokens a step may run (the whole budget here)."""
-        return torch.full((), budget, device=cost.device)  # a fill, not a host copy: capturable
+        return torch.full((), budget, device=cost.values.device)  # a fill, not a host copy: capturable
 
 
 class Fcfs(Policy):
@@ -129,11 +129,10 @@ class Slo(Policy):
     def latency_sensitive(self, s: Slots) -> torch.Tensor:
         return s.service_class == 0
 
-    def token_cap(self, s: Slots, decoding: torch.Tensor, cost: torch.Tensor, budget: int) -> torch.Tensor:
-        """Within the tightest TPOT SLO of the sequences decoding in the step, by the step-time model
-        cost = [seconds per step, seconds per token, ...]."""
+    def token_cap(self, s: Slots, decoding: torch.Tensor, cost: StepCost, budget: int) -> torch.Tensor:
+        """Within the tightest TPOT SLO of the sequences decoding in the step, by the step-time model."""
         tightest = torch.where(decoding, s.tpot_slo, math.inf).amin()
-        tokens = ((tightest - cost[0]) / cost[1]).nan_to_num(nan=budget, posinf=budget).floor()
+        tokens = ((tightest - cost.per_step) / cost.per_token).nan_to_num(nan=budget, posinf=budget).floor()
         floor = min(budget, max(s.num_slots, MIN_CAPPED_TOKENS))
         return tokens.clamp(min=floor, max=budget).long()
 
@@ -153,15 +152,41 @@ def _priority(s: Slots) -> Key:
     return Key(s.priority - PRIORITY.ge, (int(PRIORITY.lt - PRIORITY.ge) - 1).bit_length())
 
 
+class StepCost:
+    """What the step-time model tells the plan, on the engine's device (read there, never by the host): step seconds
+    = per_step + per_token * tokens (StepCostModel fits them), and the seconds since the previous plan (what the
+    requests left out of it waited). One float64 tensor underneath: tensor-parallel ranks share it in one collective."""
+
+    def __init__(self, device: torch.device):
+        self.values = torch.zeros(3, dtype=torch.float64, device=device)
+
+    @property
+    def per_step(self) -> torch.Tensor:
+        return self.values[0]
+
+    @property
+    def per_token(self) -> torch.Tensor:
+        return self.values[1]
+
+    @property
+    def fit(self) -> torch.Tensor:
+        """[per_step, per_token]."""
+        return self.values[:2]
+
+    @property
+    def since_last_plan(self) -> torch.Tensor:
+        return self.values[2]
+
+
 class StepCostModel:
-    """Fits step seconds = a + b * tokens to timed steps, forgetting old ones, and writes [a, b] into cost[0:2],
+    """Fits step seconds = a + b * tokens to timed steps, forgetting old ones, and writes [a, b] into `cost.fit`,
     which the TPOT cap reads. Tensor ops on the sums' device with no host read, so the host loop (which times each
     step on the host clock) and the device step (which times itself from the clock it reads, in the graph and
     persistent modes) keep the same fit."""
 
-    def __init__(self, cost: torch.Tensor, forget: float = 0.98, device: torch.device | None = None):
+    def __init__(self, cost: StepCost, forget: float = 0.98, device: torch.device | None = None):
         self.cost, self.forget = cost, forget
-        self.sums = torch.zeros(5, dtype=torch.float64, device=device or cost.device)  # n, Σx, Σy, Σx², Σxy
+        self.sums = torch.zeros(5, dtype=torch.float64, device=device or cost.values.device)  # n, Σx, Σy, Σx², Σxy
 
     def observe(self, tokens: torch.Tensor | int, seconds: torch.Tensor | float,
                 valid: torch.Tensor | bool = True) -> None:
@@ -175,8 +200,8 @@ class StepCostModel:
         b = torch.where(var > 1e-9 * (n * sxx).clamp(min=1.0), (n * sxy - sx * sy) / var.clamp(min=1e-300), 0.0)
         b = b.clamp(min=0.0)
         a = torch.where(n > 0, (sy - b * sx) / n.clamp(min=1e-300), 0.0).clamp(min=0.0)
-        self.cost[:2].copy_(torch.stack([a, b]), non_blocking=True)
+        self.cost.fit.copy_(torch.stack([a, b]), non_blocking=True)
 
     def planning(self, since_last_plan: float) -> None:
         """Host side: the seconds since the previous plan, for the time resident requests spent waiting."""
-        self.cost[2:].fill_(since_last_plan)
+        self.cost.since_last_plan.fill_(since_last_plan)

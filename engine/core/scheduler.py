@@ -5,18 +5,18 @@ makes room when pages run short (victims give their pages back: rotated out to t
 recompute when the mirror is full or absent), brings rotated requests back when pages free, allocates pages and
 lays the batch's tokens out flat. On a device it never reads a tensor back to the host (eager on the CPU, where a
 read is free, it looks to skip parts with nothing to do: state.none_set); the only numbers the host must read are
-`sizes`, to pick the forward's buckets and to run the page copies.
+the plan's sizes (`PlanSizes`), to pick the forward's buckets and to run the page copies.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Generic, NamedTuple, TypeVar
 
 import torch
 
 from blink.engine.core.kv_cache import NULL_PAGE, PagePool
-from blink.engine.core.policy import Policy, ahead, lexsort
+from blink.engine.core.policy import Policy, StepCost, ahead, lexsort
 from blink.engine.core.prefix_cache import PrefixCache
 from blink.engine.core.rotation import HostMirror, PageMoves
 from blink.engine.core.state import Slots, SlotStatus, none_set
@@ -53,27 +53,36 @@ class StepPlan:
     prompt_entries: torch.Tensor | None  # [S] prompt logprobs each slot publishes this step, ahead of its token;
     # None when the step may score none (no resident request asked)
     moves: PageMoves | None  # KV rotation's page copies, when the engine has a host mirror
-    sizes: torch.Tensor  # [7]: PlanSizes's fields, on the device
+    packed_sizes: torch.Tensor  # [7] int64 on the device: PlanSizes's fields in order, for one read by the host
 
-    def read_sizes(self) -> PlanSizes:
+    @property
+    def sizes(self) -> PlanSizes[torch.Tensor]:
+        """The sizes on the device, by name (0-d views: no sync): what the device step reads."""
+        return PlanSizes(*self.packed_sizes.unbind())
+
+    def read_sizes(self) -> PlanSizes[int]:
         """The host's one read of a plan (a sync): what it needs to pick the forward's buckets and copy pages."""
-        return PlanSizes(*self.sizes.tolist())
+        return PlanSizes(*self.packed_sizes.tolist())
 
 
-class PlanSizes(NamedTuple):
-    tokens: int  # live tokens the step computes
-    max_context: int  # the longest context a sequence attends to
-    decode_rows: int  # sequences computing one token
-    chunk_rows: int  # blocks of sequences computing several (prefill chunks)
-    pages_out: int  # KV pages rotating to the host mirror
-    pages_in: int  # and back
-    prompt_entries: int  # prompt logprobs the step computes
+Size = TypeVar("Size", int, torch.Tensor)
+
+
+class PlanSizes(NamedTuple, Generic[Size]):
+    """What a plan leaves to its driver: ints once the host has read them, 0-d tensors on the device."""
+
+    tokens: Size  # live tokens the step computes
+    max_context: Size  # the longest context a sequence attends to
+    decode_rows: Size  # sequences computing one token
+    chunk_rows: Size  # blocks of sequences computing several (prefill chunks)
+    pages_out: Size  # KV pages rotating to the host mirror
+    pages_in: Size  # and back
+    prompt_entries: Size  # prompt logprobs the step computes
 
 
 def plan(state: Slots, pool: PagePool, token_budget: int, policy: Policy, mirror: HostMirror | None,
-         cost: torch.Tensor, prompt_rows: int) -> StepPlan:
-    """cost: [seconds per step, seconds per token, seconds since the previous plan], from the driver's
-    step-time model; prompt_rows: the prompt logprobs one step may compute at most."""
+         cost: StepCost, prompt_rows: int) -> StepPlan:
+    """cost: the driver's step-time model; prompt_rows: the prompt logprobs one step may compute at most."""
     S = state.num_slots
     device = state.status.device
     page = pool.page_size
@@ -132,7 +141,7 @@ def plan(state: Slots, pool: PagePool, token_budget: int, policy: Policy, mirror
         mirror.pages_moved += moved
     else:
         moves, moved = None, torch.zeros(2, dtype=torch.int64, device=device)
-    state.wait_s += torch.where(running & ~state.paused & (take == 0), cost[2], 0.0)
+    state.wait_s += torch.where(running & ~state.paused & (take == 0), cost.since_last_plan, 0.0)
 
     # Lay the batch out flat, slot after slot.
     ends = take.cumsum(0)
@@ -154,10 +163,11 @@ def plan(state: Slots, pool: PagePool, token_budget: int, policy: Policy, mirror
     max_context = torch.where(token_valid, token_pos + 1, 0).amax()
     if entries is not None:
         entries = torch.where(take > 0, entries, 0)  # a slot that lost its pages to a victim's need computes nothing
-    scored = moved.new_zeros(1) if entries is None else entries.sum()[None]
-    sizes = torch.cat([torch.stack([ends[-1], max_context, num_decodes, chunk_rows.count]), moved, scored])
+    sizes = PlanSizes(tokens=ends[-1], max_context=max_context, decode_rows=num_decodes, chunk_rows=chunk_rows.count,
+                      pages_out=moved[0], pages_in=moved[1],
+                      prompt_entries=moved.new_zeros(()) if entries is None else entries.sum())
     return StepPlan(take, token_slot, token_pos, token_valid, input_ids, decode_rows, chunk_rows, sample_slot,
-                    sample_token, sample_valid, entries, moves, sizes)
+                    sample_token, sample_valid, entries, moves, torch.stack(sizes))
 
 
 def _evict(state: Slots, pool: PagePool, evicted: torch.Tensor, recompute: torch.Tensor) -> None:

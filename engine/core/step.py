@@ -15,7 +15,7 @@ import torch
 from blink.engine.core.admission import admit
 from blink.engine.core.commit import StepOutput, commit, score_prompt
 from blink.engine.core.kv_cache import PagePool
-from blink.engine.core.policy import Policy
+from blink.engine.core.policy import Policy, StepCost
 from blink.engine.core.rotation import HostMirror
 from blink.engine.core.sampler import SamplerFeatures, SamplingRows, hash32
 from blink.engine.core.scheduler import PlanSizes, StepPlan, pack, plan
@@ -53,7 +53,7 @@ class Step:
         self.model, self.pool, self.state, self.shard = model, pool, state, shard
         self.token_budget, self.policy = token_budget, policy
         device = state.status.device
-        self.cost = torch.zeros(3, dtype=torch.float64, device=device)  # see policy.StepCostModel
+        self.cost = StepCost(device)  # the step-time model's fit (policy.StepCostModel) that the plan reads
         self.eos_ids = torch.tensor(eos_ids or [-1], dtype=torch.int64, device=device)
         self.vocab_hash = hash32(torch.arange(model.cfg.vocab_size, dtype=torch.int64, device=device)).to(torch.int32)
         self.sampler = model.kernels.sampler
@@ -91,7 +91,7 @@ class Step:
         """mirror: where KV pages rotate (the host drive mode's); None: preempted requests are recomputed."""
         prompt_rows = self.token_budget if features.prompt_logprobs else 0
         if self.shard is not None:  # the host-timed inputs: every rank must make rank 0's decisions
-            self.shard.from_first(self.cost)
+            self.shard.from_first(self.cost.values)
         return self.planner(self.state, self.pool, self.token_budget, self.policy, mirror, self.cost, prompt_rows)
 
     def shape_for(self, sizes: PlanSizes) -> StepShape:

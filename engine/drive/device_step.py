@@ -85,12 +85,13 @@ class DeviceStep:
         self.take()
         planned = self.step.planner(state, engine.pool, bucket, self.step.policy, self.mirror, self.step.cost,
                                     self.prompt_rows(bucket))
-        self._last_tokens.copy_(planned.sizes[0])
+        sizes = planned.sizes
+        self._last_tokens.copy_(sizes.tokens)
         if self.mirror is not None:
-            moves, sizes = planned.moves, planned.sizes
-            self._rotate(moves.out_src, moves.out_dst, sizes[4], to_mirror=True)  # this forward may reuse them
+            moves = planned.moves
+            self._rotate(moves.out_src, moves.out_dst, sizes.pages_out, to_mirror=True)  # this forward may reuse them
             with self._beside_the_forward():  # those coming back take no tokens before the next step
-                self._rotate(moves.in_src, moves.in_dst, sizes[5], to_mirror=False)
+                self._rotate(moves.in_src, moves.in_dst, sizes.pages_in, to_mirror=False)
         out = self.step.run(planned, self.shape(bucket), ALL_FEATURES, self.mirror)
         if self._in_stream is not None:  # the next step's moves may reuse the mirror pages this one read
             torch.cuda.current_stream(self.engine.device).wait_stream(self._in_stream)
@@ -102,10 +103,9 @@ class DeviceStep:
         learns from it unless it computed nothing or a nap came after it), and what each resident request that was
         not scheduled waited."""
         cost, last = self.step.cost, self._last_tokens
-        since = torch.where(self._last_now > 0, self.inbox.now - self._last_now, 0.0)
-        cost[2:].copy_(since)
-        took = since[0]
-        nap = (self.cost_model.sums[0] >= 3) & (took > NAP_OVER_PREDICTION * (cost[0] + cost[1] * last))
+        took = torch.where(self._last_now > 0, self.inbox.now - self._last_now, 0.0)[0]
+        cost.since_last_plan.copy_(took)
+        nap = (self.cost_model.sums[0] >= 3) & (took > NAP_OVER_PREDICTION * (cost.per_step + cost.per_token * last))
         self.cost_model.observe(last, took, (last > 0) & (took > 0) & ~nap)
         self._last_now.copy_(self.inbox.now)
 
