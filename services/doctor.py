@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-from blink.shared.slot_table import SHM_DIR
+from blink.shared.drive_modes import MODES
+from blink.shared.transports import TRANSPORTS
 
 
 @dataclass
@@ -23,45 +25,33 @@ def check(rdma_device: str | None = None) -> list[Capability]:
 
 
 def _transports(rdma_device: str | None) -> list[Capability]:
-    shm_ok = SHM_DIR.is_dir() and os.access(SHM_DIR, os.W_OK)
-    shm = Capability("transport", "shm", shm_ok, f"{SHM_DIR} is writable: an ingress on this host maps the table"
-                     if shm_ok else f"{SHM_DIR} is missing or not writable")
-    return [shm, _rdma(rdma_device), Capability("transport", "zmq", True, "always: the engine host relays requests "
-                                                "over ZeroMQ (degraded: the engine host's CPU copies each one)")]
-
-
-def _rdma(rdma_device: str | None) -> Capability:
-    from blink.shared.rdma import RdmaUnavailable, pick_device
-
-    try:
-        name = pick_device(rdma_device)
-    except RdmaUnavailable as e:
-        return Capability("transport", "rdma", False, str(e))
-    return Capability("transport", "rdma", True, f"pyverbs and RDMA device {name}: the ingress writes requests "
-                      "into the table with one-sided RDMA (its port and link are checked when it connects)")
+    return [Capability("transport", t.name, *t.check(rdma_device)) for t in TRANSPORTS.values()]
 
 
 def _drive_modes() -> list[Capability]:
-    host = Capability("drive", "host", True, "always: a host loop steps the engine (the CPU path, and the baseline)")
+    """The engine's device, then each drive mode, worst first."""
     if importlib.util.find_spec("torch") is None:
         device = Capability("device", "engine", False, "torch is not installed: pip install 'blink-serve[engine]'")
-        return [device, host, *_device_modes("torch is not installed")]
+        return [device, *_modes(lambda mode: "torch is not installed")]
     import torch
 
     from blink.engine.drive.modes import unavailable
 
     if not torch.cuda.is_available():
         cpu = Capability("device", "cpu", True, "no CUDA device: the engine runs on the CPU (degraded)")
-        return [cpu, host, *_device_modes("needs a CUDA GPU; torch sees none")]
+        return [cpu, *_modes(lambda mode: "needs a CUDA GPU; torch sees none")]
     name = torch.cuda.get_device_name(0)
     gpu = Capability("device", "cuda", True, f"{torch.cuda.device_count()} CUDA device(s): {name}")
-    device = torch.device("cuda")
-    why = {mode: unavailable(mode, device) for mode in ("graph", "persistent")}
-    return [gpu, host,
-            Capability("drive", "graph", why["graph"] is None,
-                       why["graph"] or "the step captured as CUDA graphs, replayed ahead by a host thread"),
-            Capability("drive", "persistent", why["persistent"] is None,
-                       why["persistent"] or "the step loops on the GPU in a CUDA graph WHILE node: no host work")]
+    return [gpu, *_modes(lambda mode: unavailable(mode, torch.device("cuda")))]
+
+
+def _modes(why_not: Callable[[str], str | None]) -> list[Capability]:
+    """Each drive mode, worst first: why_not(mode) says why one that needs CUDA cannot run here (None: it can)."""
+    found = []
+    for mode in reversed(MODES.values()):
+        why = why_not(mode.name) if mode.needs_cuda else None
+        found.append(Capability("drive", mode.name, why is None, why or mode.how))
+    return found
 
 
 def _features() -> list[Capability]:
@@ -122,10 +112,6 @@ def _models() -> list[Capability]:
         Capability("model", "default", fetched, f"{default_model.NAME} ({default_model.PACKAGE}), "
                    + ("in the cache" if fetched else "fetched from the package registry on first use")),
     ]
-
-
-def _device_modes(why: str) -> list[Capability]:
-    return [Capability("drive", mode, False, why) for mode in ("graph", "persistent")]
 
 
 def report(capabilities: list[Capability]) -> str:

@@ -18,7 +18,7 @@ from blink.engine.drive.follower import follow
 from blink.engine.engine import Engine, EngineConfig
 from blink.engine.ranks import Ranks, agreed, free_init_method
 from blink.services.relay import Relay
-from blink.shared import control, sockets
+from blink.shared import control, sockets, transports
 from blink.shared.rdma import RdmaUnavailable, TableTarget
 from blink.shared.remote_memory import TransportLost
 from blink.shared.settings import Settings
@@ -123,7 +123,7 @@ class EngineService:
 
     def _rdma_target(self) -> tuple[TableTarget | None, str]:
         """The table registered for remote access, when the deployment may use rdma; else why not."""
-        if self.settings.transport not in ("auto", "rdma"):
+        if not transports.may_use(self.settings.transport, "rdma"):
             return None, f"the deployment's transport is {self.settings.transport}"
         try:
             target = TableTarget(self.table.mapping, self.settings.rdma_device, self.settings.rdma_gid_index)
@@ -138,7 +138,7 @@ class EngineService:
         control_thread = threading.Thread(target=self._serve_control, name="control", daemon=True)
         control_thread.start()
         relay = None
-        if self.settings.transport != "shm":
+        if transports.may_use(self.settings.transport, "zmq"):  # the relay is the zmq transport's engine end
             relay = Relay(self.table, self.settings.bind_address(self.settings.relay_endpoint), self.keys,
                           self.settings.max_waiting, self.settings.reserved_slots(self.engine.state.num_slots),
                           self.settings.by_class)

@@ -28,7 +28,7 @@ import zmq
 from pydantic import SecretStr
 
 from blink.services import listener
-from blink.shared import control, sockets
+from blink.shared import control, sockets, transports
 from blink.shared.cpus import parse_cpus
 from blink.shared.settings import Settings
 from blink.shared.slot_table import EngineState, SlotTable
@@ -289,8 +289,8 @@ class Watchdog:
         return None
 
     def _watch_transport(self, status: control.IngressStatus, now: float) -> None:
-        """An ingress that cannot restore its path to the table (rdma) within the deadline is moved to the `zmq`
-        transport, whose relay adopts the requests in flight."""
+        """An ingress that cannot restore its path to the table (rdma) within the deadline is moved to the transport
+        of last resort (`zmq`), whose relay adopts the requests in flight."""
         if status.transport_lost is None:
             self._lost_since = None
             return
@@ -298,13 +298,14 @@ class Watchdog:
         if now - self._lost_since <= self.deadline_s:
             return
         self.announce("transport_lost", transport=status.transport, reason=status.transport_lost)
+        to = transports.LAST_RESORT
         try:
-            reply = control.request(self.settings.ingress_control_endpoint, control.SwitchTransport(transport="zmq"),
+            reply = control.request(self.settings.ingress_control_endpoint, control.SwitchTransport(transport=to),
                                     self.keys, timeout_s=self.deadline_s)
         except TimeoutError as e:
             reply = control.Failure(message=str(e))
         switched = isinstance(reply, control.Ack)
-        self.announce("transport_switched" if switched else "transport_switch_failed", to="zmq",
+        self.announce("transport_switched" if switched else "transport_switch_failed", to=to,
                      reason=None if switched else getattr(reply, "message", reply.type))
         self._lost_since = None if switched else now  # a failed switch is tried again after another deadline
 

@@ -8,6 +8,7 @@ from pydantic import BaseModel, Field, TypeAdapter
 
 from blink.shared.service_class import ClassDefaults, ClassName, ClassSLO
 from blink.shared.slot_table import Geometry
+from blink.shared.transports import LAST_RESORT
 
 if TYPE_CHECKING:
     from blink.shared.sockets import Keys
@@ -101,7 +102,7 @@ class SwitchTransport(BaseModel):
     """Moves the ingress to another transport without losing requests: those in flight are adopted by it."""
 
     type: Literal["switch_transport"] = "switch_transport"
-    transport: Literal["zmq"]
+    transport: Literal[LAST_RESORT]  # the one transport that takes requests over
 
 
 class IngressStatus(BaseModel):

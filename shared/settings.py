@@ -10,10 +10,10 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from blink.shared import drive_modes, transports
 from blink.shared.cpus import CPU_LIST
 from blink.shared.service_class import ClassDefaults, ClassName, ClassSLO
 
-DRIVE_MODES = ("persistent", "graph", "host")  # best first: what `auto` tries (blink.engine.drive.modes)
 SCHEDULING_POLICIES = ("fcfs", "priority", "slo")  # blink.engine.core.policy
 REASONING_PARSERS = ("qwen3", "deepseek_r1")  # blink.ingress.reasoning
 # Variables a chat template gets from the request itself, which chat_template_kwargs may not replace.
@@ -59,10 +59,7 @@ class Settings(BaseSettings):
     control_key_file: str | None = Field(None, description="a file holding the control key (compose: a secret; "
                                          "default: generated on first start into the private directory)")
     zmq_port: int | None = Field(None, ge=1, le=65535, description="TCP port of the ZeroMQ API (default: ipc)")
-    transport: Literal["auto", "shm", "rdma", "zmq"] = Field(
-        "auto", description="how the ingress reaches the slot table: shm (same host), rdma (one-sided RDMA through "
-        "the NIC), zmq (relayed by the engine host; degraded), auto (shm when the table is here, else rdma, else "
-        "zmq)")
+    transport: Literal[("auto", *transports.NAMES)] = Field("auto", description=transports.HELP)
     rdma_device: str | None = Field(None, description="RDMA device for the rdma transport (default: the first)")
     rdma_gid_index: int = Field(0, ge=0, description="GID index of the RDMA port (RoCE: the RoCEv2 entry)")
     ingress_cpus: str | None = Field(None, pattern=CPU_LIST, description="CPUs the ingress runs on (e.g. 0-1): "
@@ -79,10 +76,7 @@ class Settings(BaseSettings):
     watchdog_deadline: float = Field(2.0, gt=0, description="seconds without a heartbeat or an answer before "
                                      "the watchdog declares a service stalled")
     engine_start_timeout: float = Field(600.0, gt=0, description="seconds an engine may take to load and answer")
-    drive: Literal[("auto", *DRIVE_MODES)] = Field(
-        "auto", description="how the engine's step is driven: persistent (a loop on the GPU, no host work per "
-        "token), graph (CUDA graph replays queued ahead by a host thread), host (a host loop; the CPU path), auto "
-        "(the best this machine supports)")
+    drive: Literal[("auto", *drive_modes.DRIVE_MODES)] = Field("auto", description=drive_modes.HELP)
     scheduling_policy: Literal[SCHEDULING_POLICIES] = Field(
         "slo", description="slo: latency-sensitive before best-effort, then priority, then TTFT deadline, with "
         "decodes kept within their TPOT SLOs; priority: vLLM's; fcfs: arrival order")

@@ -10,7 +10,7 @@ import torch
 from blink.engine.drive.driver import Driver
 from blink.engine.engine import Engine
 from blink.engine.ranks import Ranks
-from blink.shared.settings import DRIVE_MODES
+from blink.shared.drive_modes import DRIVE_MODES
 from blink.shared.slot_table import SlotTable
 
 BEST_FIRST = DRIVE_MODES
