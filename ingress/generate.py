@@ -11,12 +11,12 @@ from dataclasses import dataclass, field
 
 import structlog
 
+from blink.ingress.client import IngressClient, Overloaded
 from blink.ingress.detokenize import Detokenizer
 from blink.ingress.errors import APIError, overloaded
 from blink.ingress.generation_config import SamplingDefaults
 from blink.ingress.metrics import ChoiceRecord, Metrics
 from blink.ingress.protocol import SamplingFields
-from blink.ingress.slots import Overloaded, SlotClient
 from blink.shared.request_schema import request_of
 from blink.shared.service_class import ClassDefaults, ServiceClass
 from blink.shared.slot_table import FINISH_NAMES, Finish, Request, RequestStats, TokenLogprob
@@ -54,7 +54,7 @@ def engine_failed() -> APIError:
                     "service_unavailable", code="engine_failure")
 
 
-async def choice_deltas(client: SlotClient, tokenizer: Tokenizer, request: Request, fields: SamplingFields,
+async def choice_deltas(client: IngressClient, tokenizer: Tokenizer, request: Request, fields: SamplingFields,
                         index: int, metrics: Metrics, eos_token_ids: list[int],
                         counts_prompt: bool = True) -> AsyncIterator[Delta]:
     """Streams one choice. A token that stops the request (a stop id, or eos) keeps its id but, as in vLLM,

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from blink.ingress.slots import SlotClient, Stream
+from blink.ingress.client import IngressClient, Stream
 from blink.shared.control import EngineStatus
 from blink.shared.service_class import ServiceClass
 from blink.shared.slot_table import RequestStats
@@ -167,7 +167,7 @@ class Metrics:
             met = completed and (slo == "tpot" if value_s is None else value_s * 1000 <= target_ms)
             m.judge(slo, met)
 
-    def render(self, client: SlotClient, engine: EngineStatus | None, degraded: bool) -> bytes:
+    def render(self, client: IngressClient, engine: EngineStatus | None, degraded: bool) -> bytes:
         self.degraded.labels(**self._labels).set(int(degraded))
         self.running.labels(**self._labels).set(client.running)
         self.waiting.labels(**self._labels).set(client.waiting)

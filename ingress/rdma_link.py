@@ -3,8 +3,11 @@ up again after a loss) through a handshake on the engine's control socket."""
 
 from __future__ import annotations
 
+from blink.ingress.client import NoPath
+from blink.ingress.slots import SlotClient, table_client
 from blink.shared import control
 from blink.shared.rdma import RdmaUnavailable, VerbsMemory
+from blink.shared.remote_memory import TransportLost
 from blink.shared.replica_table import ReplicaTable
 from blink.shared.settings import Settings
 from blink.shared.slot_table import Geometry
@@ -46,3 +49,12 @@ class RdmaLink:
             memory.close()
             raise
         return memory, reply.geometry
+
+
+def connect(settings: Settings, keys: Keys, info: control.EngineInfo) -> SlotClient:
+    """The `rdma` transport: a SlotClient on a replica of the engine's table, relinked when its path is lost."""
+    link = RdmaLink(settings, keys)
+    try:
+        return table_client(link.open(), settings, info, relink=link.relink)
+    except (RdmaUnavailable, TransportLost, TimeoutError) as e:
+        raise NoPath(str(e)) from e

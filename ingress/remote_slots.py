@@ -1,5 +1,5 @@
-"""The `zmq` transport, the ingress's side: the same interface as SlotClient, over ZeroMQ to the engine host's
-relay, for an ingress that cannot map the slot table (another host, or no NIC path).
+"""The `zmq` transport's client: the ingress's client interface (blink.ingress.client) over ZeroMQ to the engine
+host's relay, for an ingress that cannot map the slot table (another host, or no NIC path).
 
 The relay is probed for the engine's health every few hundred milliseconds; when it stays silent past the
 deadline, every request in flight ends with Finish.FAILED (the ingress turns that into an error event), as
@@ -19,10 +19,12 @@ import structlog
 import zmq
 import zmq.asyncio
 
+from blink.ingress.client import EngineHealth, IngressClient, Overloaded, Stream, stream_outputs
 from blink.ingress.errors import engine_unreachable
-from blink.ingress.slots import EngineHealth, Overloaded, Stream, stream_outputs
 from blink.shared import relay_protocol as wire
 from blink.shared import sockets
+from blink.shared.control import EngineInfo
+from blink.shared.settings import Settings
 from blink.shared.slot_table import EngineState, Finish, Output, Request
 
 log = structlog.get_logger()
@@ -62,6 +64,9 @@ class RemoteSlotClient:
         """Never: the relay lives in the engine, so a new engine's relay serves its own table (SlotClient.replaced)."""
         return False
 
+    def end_all(self) -> None:
+        """Nothing to end: never replaced()."""
+
     def health(self) -> EngineHealth:
         if time.monotonic() - self._heard_at > self.deadline_s:
             return EngineHealth("unreachable", math.inf, self._health.epoch, self._health.failovers)
@@ -75,6 +80,9 @@ class RemoteSlotClient:
         for task in self._tasks:
             task.cancel()
         self.sock.close()
+
+    def close(self) -> None:
+        """Nothing left: the table is the engine host's."""
 
     async def submit(self, request: Request) -> Stream:
         if self.health().state == "unreachable":
@@ -106,12 +114,14 @@ class RemoteSlotClient:
         if self._streams.pop(stream.request_id, None) is not None:
             await self._send_cancel(stream.request_id)
 
-    def expect_adoption(self) -> None:
-        self._adopted.clear()
+    async def hand_over(self, to: IngressClient) -> dict[int, Stream]:
+        raise NotImplementedError("the relay is the path of last resort: no switch leaves it")
 
-    async def adopt(self, streams: dict[int, Stream]) -> None:
-        """Takes over requests published through shared memory (a switch of transport): the relay reads their
-        slots on from what was consumed, and their outputs go on into the same queues."""
+    async def take_over(self, old: IngressClient) -> int:
+        """Takes over the requests a table client published (a switch of transport): the relay reads their slots on
+        from what was consumed, and their outputs go on into the same queues."""
+        self._adopted.clear()  # new requests wait until the relay has adopted the ones in flight
+        streams = await old.hand_over(self)
         names = {}
         for slot, stream in streams.items():
             stream.request_id, stream.owner = uuid.uuid4().hex, self
@@ -122,6 +132,7 @@ class RemoteSlotClient:
             await self.sock.send(wire.encode({"op": "adopt", "streams": names}))
         finally:
             self._adopted.set()
+        return len(names)
 
     async def _send_cancel(self, rid: str) -> None:
         await self._send_or_drop({"op": "cancel", "id": rid})
@@ -184,3 +195,9 @@ class RemoteSlotClient:
                 stream.queue.put_nowait(Output([], [], [], [], Finish.FAILED))
                 self.failed_over += 1
                 await self._send_cancel(rid)  # a relay that was only slow would go on generating for nobody
+
+
+def connect(settings: Settings, keys: sockets.Keys, info: EngineInfo) -> RemoteSlotClient:
+    """The `zmq` transport: always a path, through the engine host's relay (degraded)."""
+    return RemoteSlotClient(settings.relay_endpoint, keys, info.num_slots, settings.max_waiting,
+                            settings.watchdog_deadline)

@@ -10,13 +10,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from blink.ingress.client import IngressClient
 from blink.ingress.cors import CorsPolicy
 from blink.ingress.generation_config import SamplingDefaults
 from blink.ingress.metrics import Metrics
 from blink.ingress.reasoning import ReasoningParser
-from blink.ingress.remote_slots import RemoteSlotClient
-from blink.ingress.slots import SlotClient
 from blink.ingress.tools import ToolParser
+from blink.shared import transports
 from blink.shared.control import EngineInfo, EngineStatus
 from blink.shared.service_class import ClassDefaults
 from blink.shared.settings import Settings
@@ -32,7 +32,7 @@ WORKERS = min(4, os.cpu_count() or 1)
 class IngressState:
     info: EngineInfo
     tokenizer: Tokenizer
-    client: SlotClient | RemoteSlotClient
+    client: IngressClient
     metrics: Metrics
     # The settings' defaults (blink serve passes its settings' values).
     max_request_bytes: int = _DEFAULTS["max_request_bytes"].default
@@ -65,7 +65,7 @@ class IngressState:
     @property
     def degraded(self) -> bool:
         """Running a fallback: the engine on the CPU (no GPU), or requests relayed over ZeroMQ (no NIC path)."""
-        return self.info.device.startswith("cpu") or self.transport == "zmq"
+        return self.info.device.startswith("cpu") or transports.TRANSPORTS[self.transport].degraded
 
     @property
     def transport(self) -> str:

@@ -17,24 +17,19 @@ import zmq.asyncio
 
 from blink.ingress.app import create_app
 from blink.ingress.chat import load_chat_template
+from blink.ingress.connect import connect, open_client
 from blink.ingress.cors import CorsPolicy
 from blink.ingress.generation_config import SamplingDefaults
 from blink.ingress.header_deadline import with_header_deadline
 from blink.ingress.metrics import Metrics
-from blink.ingress.rdma_link import RdmaLink
 from blink.ingress.reasoning import PARSERS as REASONING_PARSERS
-from blink.ingress.remote_slots import RemoteSlotClient
-from blink.ingress.slots import SlotClient
 from blink.ingress.state import IngressState
 from blink.ingress.tools import PARSERS
 from blink.ingress.zmq_api import ZmqApi
 from blink.services import listener
 from blink.shared import control, sockets
 from blink.shared.checkpoints.source import resolve
-from blink.shared.rdma import RdmaUnavailable
-from blink.shared.remote_memory import TransportLost
 from blink.shared.settings import Settings
-from blink.shared.slot_table import SlotTable
 from blink.shared.tokenizer import Tokenizer
 
 log = structlog.get_logger()
@@ -90,28 +85,6 @@ class DrainingServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def connect(settings: Settings, keys: sockets.Keys, info: control.EngineInfo) -> SlotClient | RemoteSlotClient:
-    """The transport to the engine: the slot table in shared memory when it is on this host (and not fed by the
-    relay); else one-sided RDMA into it through the NIC; else the engine host's relay over ZeroMQ (degraded)."""
-    options = dict(max_waiting=settings.max_waiting, reserved_slots=settings.reserved_slots(info.num_slots),
-                   by_class=settings.by_class)
-    if settings.transport in ("auto", "shm"):
-        try:
-            return SlotClient(SlotTable.attach(info.slot_table), **options)
-        except (FileNotFoundError, RuntimeError) as e:
-            if settings.transport == "shm":
-                raise
-            log.info("no shared-memory path to the engine", reason=str(e))
-    if settings.transport in ("auto", "rdma"):
-        link = RdmaLink(settings, keys)
-        try:
-            return SlotClient(link.open(), relink=link.relink, **options)
-        except (RdmaUnavailable, TransportLost, TimeoutError) as e:
-            log.warning("no rdma path to the engine: degraded to the zmq transport", reason=str(e))
-    return RemoteSlotClient(settings.relay_endpoint, keys, info.num_slots, settings.max_waiting,
-                            settings.watchdog_deadline)
-
-
 def tokenizer_dir(settings: Settings, info: control.EngineInfo) -> Path:
     """The engine's checkpoint directory where this host has it; on another host, --model resolved here, its
     tokenizer's files only."""
@@ -160,8 +133,7 @@ async def serve(settings: Settings, keys: sockets.Keys, info: control.EngineInfo
         follower.cancel()
         await state.client.stop()
         state.close()
-        if isinstance(state.client, SlotClient):
-            state.client.table.remove_if_abandoned()  # when the engine stopped first
+        state.client.close()
 
 
 async def restart_when_replaced(state: IngressState) -> None:
@@ -210,22 +182,22 @@ class IngressControl:
                                          transport=client.transport,
                                          transport_lost=client.transport_lost)
         if isinstance(message, control.SwitchTransport):
-            return await self.switch_to_zmq()
+            return await self.switch(message.transport)
         if isinstance(message, control.SetClassDefaults):
             state.classes = message.applied_to(state.classes)
             log.info("class defaults changed", **state.classes.model_dump())
             return control.ClassDefaultsNow(defaults=state.classes)
         return control.Failure(message=f"unexpected message {message.type!r}")
 
-    async def switch_to_zmq(self) -> control.Message:
-        """Moves to the relay: once it answers, the shared-memory client stops, the relay adopts the requests in
-        flight (read on from what was consumed, into the same queues) and those waiting for a slot go to it."""
+    async def switch(self, to: str) -> control.Message:
+        """Moves to transport `to` (the relay: blink.shared.transports.LAST_RESORT): once it answers, the table
+        client hands its requests over, those in flight adopted (read on from what was consumed, into the same
+        queues) and those waiting for a slot sent on."""
         state, settings = self.state, self.settings
         old = state.client
-        if old.transport == "zmq":
+        if old.transport == to:
             return control.Ack()
-        new = RemoteSlotClient(settings.relay_endpoint, self.keys, old.num_slots, settings.max_waiting,
-                               settings.watchdog_deadline)
+        new = open_client(to, settings, self.keys, state.info)
         new.start()
         # Pings wait meanwhile: stay well inside the watchdog's deadline.
         deadline = time.monotonic() + min(1.0, settings.watchdog_deadline / 2)
@@ -234,12 +206,10 @@ class IngressControl:
                 await new.stop()
                 return control.Failure(message=f"the relay at {settings.relay_endpoint} did not answer")
             await asyncio.sleep(0.02)
-        new.expect_adoption()  # new requests wait until the relay has adopted the ones in flight
         state.client = new
-        busy = await old.hand_over(new)
-        await new.adopt(busy)
+        adopted = await new.take_over(old)
         state.metrics.set_transport(new.transport)
-        log.warning("transport switched to zmq", adopted=len(busy))
+        log.warning(f"transport switched to {to}", adopted=adopted)
         return control.Ack()
 
 

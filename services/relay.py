@@ -18,7 +18,8 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from blink.ingress.slots import Overloaded, SlotClient
+from blink.ingress.client import Overloaded
+from blink.ingress.slots import SlotClient
 from blink.shared import relay_protocol as wire
 from blink.shared import sockets
 from blink.shared.slot_table import Client, SlotTable

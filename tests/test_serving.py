@@ -22,8 +22,9 @@ from blink.bench.server import running_server
 from blink.engine import LLM, SamplingParams
 from blink.engine.model.tiny_model import ensure_tiny_model
 from blink.ingress.chat import render_chat
+from blink.ingress.client import Overloaded
 from blink.ingress.protocol import ChatMessage
-from blink.ingress.slots import Overloaded, SlotClient
+from blink.ingress.slots import SlotClient
 from blink.shared import control
 from blink.shared.service_class import ServiceClass
 from blink.shared.slot_table import EngineState, Finish, Geometry, Request, SlotTable
