@@ -19,7 +19,7 @@ from blink.ingress.metrics import ChoiceRecord, Metrics
 from blink.ingress.protocol import SamplingFields
 from blink.shared.request_schema import request_of
 from blink.shared.service_class import ClassDefaults, ServiceClass
-from blink.shared.slot_table import FINISH_NAMES, Finish, Request, RequestStats, TokenLogprob
+from blink.shared.slot_table import Finish, Request, RequestStats, TokenLogprob
 from blink.shared.tokenizer import Tokenizer
 
 log = structlog.get_logger()
@@ -30,7 +30,7 @@ class Delta:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
-    finish_reason: str | None = None
+    finish: Finish = Finish.NONE  # how the choice ended, as the slot table says it (OpenAI's word: responses)
     prompt: list[TokenLogprob] | None = None  # the prompt's tokens after the first, scored, when asked: all at once
     whole: bool = False  # a whole choice (the deltas merged), not a chunk of a stream
     cached_tokens: int = 0  # with the finish of a choice that counts its prompt: what the prefix cache held of it
@@ -74,7 +74,7 @@ async def choice_deltas(client: IngressClient, tokenizer: Tokenizer, request: Re
     of_class = metrics.of(ServiceClass(request.service_class))
     first_at = last_at = None
     stats: RequestStats | None = None
-    generated, finish_reason = 0, "abort"  # stays abort if the consumer leaves first
+    generated, finish = 0, Finish.ABORT  # stays ABORT if the consumer leaves first
     outputs = client.outputs(stream)
     try:
         async for out in outputs:
@@ -101,7 +101,7 @@ async def choice_deltas(client: IngressClient, tokenizer: Tokenizer, request: Re
                 piece = detok.push(token)
                 delta.text += piece.text
                 if piece.stopped:
-                    delta.finish_reason = "stop"
+                    delta.finish = Finish.STOP
                     break
             stats = out.stats or stats
             if delta.token_ids:
@@ -114,18 +114,18 @@ async def choice_deltas(client: IngressClient, tokenizer: Tokenizer, request: Re
             if out.finish == Finish.FAILED:
                 if delta.text or delta.token_ids or delta.prompt:
                     yield delta
-                finish_reason = "engine_failure"
+                finish = Finish.FAILED
                 raise engine_failed()
-            if delta.finish_reason is None and out.finish != Finish.NONE:
+            if delta.finish == Finish.NONE and out.finish != Finish.NONE:
                 tail = detok.flush()
                 delta.text += tail.text
-                delta.finish_reason = "stop" if tail.stopped else FINISH_NAMES[out.finish]
+                delta.finish = Finish.STOP if tail.stopped else out.finish
             if out.stats is not None and counts_prompt:
                 delta.cached_tokens = out.stats.cached_tokens
-            finish_reason = delta.finish_reason or finish_reason
-            if delta.text or delta.token_ids or delta.finish_reason or delta.prompt:
+            finish = delta.finish or finish
+            if delta.text or delta.token_ids or delta.finish or delta.prompt:
                 yield delta
-            if delta.finish_reason:
+            if delta.finish:
                 break
     finally:
         await outputs.aclose()  # cancels the slot's request when the choice ended early
@@ -134,9 +134,9 @@ async def choice_deltas(client: IngressClient, tokenizer: Tokenizer, request: Re
             ttft_s=None if first_at is None else first_at - stream.submitted_at,
             tpot_s=(last_at - first_at) / (generated - 1) if first_at is not None and generated > 1 else None,
             ttft_slo_ms=_finite(request.ttft_slo_ms), tpot_slo_ms=_finite(request.tpot_slo_ms),
-            outcome=finish_reason, stats=stats))
+            outcome=finish, stats=stats))
         log.info("choice finished", choice=index, slot=stream.slot, prompt_tokens=len(request.prompt),
-                 generated=generated, finish_reason=finish_reason,
+                 generated=generated, finish_reason=finish.name.lower(),
                  latency_s=round(time.monotonic() - stream.submitted_at, 4))
 
 

@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from blink.ingress.client import IngressClient, Stream
 from blink.shared.control import EngineStatus
 from blink.shared.service_class import ServiceClass
-from blink.shared.slot_table import RequestStats
+from blink.shared.slot_table import Finish, RequestStats
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -26,7 +26,7 @@ class ChoiceRecord:
     tpot_s: float | None  # mean time per output token after the first
     ttft_slo_ms: float | None
     tpot_slo_ms: float | None
-    outcome: str  # stop, length, abort (the client left or cancelled), engine_failure
+    outcome: Finish  # STOP, LENGTH, ABORT (the client left or cancelled), FAILED (with its engine)
     stats: RequestStats | None  # what the engine did to it, when it finished there
 
 
@@ -156,9 +156,9 @@ class Metrics:
             for way, pages, size in (("out", stats.pages_out, stats.bytes_out), ("in", stats.pages_in, stats.bytes_in)):
                 m.pages[way].inc(pages)
                 m.bytes[way].inc(size)
-        if record.outcome == "abort":
+        if record.outcome == Finish.ABORT:
             return  # the client left: no verdict
-        completed = record.outcome in ("stop", "length")
+        completed = record.outcome in (Finish.STOP, Finish.LENGTH)
         for slo, target_ms, value_s in (("ttft", record.ttft_slo_ms, record.ttft_s),
                                         ("tpot", record.tpot_slo_ms, record.tpot_s)):
             if target_ms is None:

@@ -13,7 +13,13 @@ from blink.ingress.errors import APIError
 from blink.ingress.generate import Delta
 from blink.ingress.reasoning import ReasoningParser
 from blink.ingress.tools import ToolParser
+from blink.shared.slot_table import FINISH_NAMES, Finish
 from blink.shared.tokenizer import Tokenizer
+
+
+def finish_reason(finish: Finish) -> str | None:
+    """OpenAI's finish_reason for how a choice ended; None while it goes on."""
+    return FINISH_NAMES.get(finish)
 
 
 @dataclass
@@ -91,7 +97,8 @@ class Shape:
         text = delta.text
         if first and self.echo is not None:
             text = self.echo[delta.index][0] + text
-        choice = {"index": delta.index, "logprobs": self.logprobs(delta, first), "finish_reason": delta.finish_reason}
+        choice = {"index": delta.index, "logprobs": self.logprobs(delta, first),
+                  "finish_reason": finish_reason(delta.finish)}
         if (scored := self.vllm_prompt_logprobs(delta)) is not None:
             choice["prompt_logprobs"] = scored
         if self.chat:
@@ -105,7 +112,7 @@ class Shape:
         if self.tools is None and self.reasoning is None:
             return {"role": "assistant", "content": text}
         split = self._texts.setdefault(delta.index, ChoiceText(self.reasoning, self.thinking, self.tools))
-        parts = split.finish(text) if delta.finish_reason is not None else split.push(text)
+        parts = split.finish(text) if delta.finish else split.push(text)
         message: dict = {"role": "assistant", "content": parts.content}
         if self.reasoning is not None and (parts.reasoning or delta.whole):
             message["reasoning_content"] = parts.reasoning or None  # vLLM's field; null in a whole answer without
@@ -161,7 +168,7 @@ def collect(shape: Shape, first: Delta | None, rest: list[Delta], num_choices: i
         parts = by_index.get(index, [])
         whole = Delta(index, "".join(d.text for d in parts), [t for d in parts for t in d.token_ids],
                       [lp for d in parts for lp in d.logprobs],
-                      next((d.finish_reason for d in reversed(parts) if d.finish_reason), None),
+                      next((d.finish for d in reversed(parts) if d.finish), Finish.NONE),
                       next((d.prompt for d in parts if d.prompt is not None), None), whole=True)
         completion_tokens += len(whole.token_ids)
         choices.append(shape.choice(whole))

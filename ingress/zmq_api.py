@@ -22,6 +22,7 @@ from pydantic import ValidationError
 from blink.ingress.errors import APIError
 from blink.ingress.generate import choice_deltas, slot_request
 from blink.ingress.protocol import CompletionRequest
+from blink.ingress.responses import finish_reason
 from blink.ingress.state import IngressState
 from blink.ingress.validation import check_model, check_token_ids, completion_prompts, context_room
 from blink.shared.sockets import unlink_ipc
@@ -112,4 +113,4 @@ class ZmqApi:
         async with contextlib.aclosing(deltas):  # a client gone (a failed send) cancels the request now
             async for delta in deltas:
                 await self._send(identity, {"id": request_id, "text": delta.text, "token_ids": delta.token_ids,
-                                            "finish_reason": delta.finish_reason})
+                                            "finish_reason": finish_reason(delta.finish)})

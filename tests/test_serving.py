@@ -526,7 +526,7 @@ def test_a_stop_token_whose_finish_comes_in_a_later_read_adds_no_text():
 
     deltas = asyncio.run(run())
     assert [t for d in deltas for t in d.token_ids] == [word, stop]
-    assert "".join(d.text for d in deltas) == tokenizer.decode([word]) and deltas[-1].finish_reason == "stop"
+    assert "".join(d.text for d in deltas) == tokenizer.decode([word]) and deltas[-1].finish == Finish.STOP
 
 
 async def _all(iterator) -> list:
