@@ -1,6 +1,7 @@
-"""The `shm` and `rdma` transports' client: takes a free slot, publishes a request into the table, streams its
-outputs back. Its jobs are its parts': SlotPool hands out slots, Poller reads their outputs, Failover keeps the
-requests whole when the engine, the path to the table or the transport changes."""
+"""The `shm` and `rdma` transports' client: publishes requests into the slot table and streams their outputs back.
+
+Its parts do its jobs: SlotPool hands out free slots, Poller reads the busy ones' outputs, Failover keeps requests
+whole when the engine, the path to the table or the transport changes."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ class SlotClient:
         self.num_slots = table.geometry.num_slots
         self.by_class = by_class
         self.pool = SlotPool(self.num_slots, max_waiting, reserved_slots if by_class else 0)
-        self.busy: dict[int, Stream] = {}
+        self.busy: dict[int, Stream] = {}  # requests in slots, by slot: Poller and Failover share it (never rebound)
         self.failover = Failover(table, self.pool, self.busy, relink)
         self.failover.resync(adopting)
         self.poller = Poller(table, self.pool, self.busy, self.failover)
