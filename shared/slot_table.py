@@ -121,6 +121,14 @@ def slot_dtype(g: Geometry) -> np.dtype:
     ], align=True)
 
 
+def window_room(produced, consumed, window: int):
+    """Entries a slot's output window has room for, from its `produced` and `consumed` counters (Python ints, or int64
+    arrays or tensors): the window's one rule, for every mode; none left pauses the slot. The counters are uint32 and
+    wrap, so their difference counts modulo 2**32. The exchange kernel's Triton copy and the persistent loop's CUDA C
+    copy are tested against this (tests/test_window_rule.py)."""
+    return window - (produced - consumed) % 2**32
+
+
 @dataclass
 class RequestStats:
     """What the engine did to a request: preemptions (rotated out or recomputed), KV pages and bytes rotated to
@@ -378,13 +386,13 @@ class SlotTable:
     def room(self, slot: int) -> int:
         """Tokens the engine may still write before the ingress reads some."""
         s = self.slots[slot]
-        return self.geometry.window - (int(s["produced"]) - int(s["consumed"]))
+        return window_room(int(s["produced"]), int(s["consumed"]), self.geometry.window)
 
     def emit(self, slot: int, token: int, logprob: float = 0.0, top_ids: list[int] | None = None,
              top_logprobs: list[float] | None = None) -> None:
         s = self.slots[slot]
         produced = int(s["produced"])
-        if produced - int(s["consumed"]) >= self.geometry.window:
+        if window_room(produced, int(s["consumed"]), self.geometry.window) <= 0:
             raise RuntimeError(f"slot {slot}'s output window is full")
         i = produced % self.geometry.window
         s["tokens"][i], s["logprob"][i] = token, logprob

@@ -25,7 +25,7 @@ from blink.engine.drive.table_memory import TableMemory, device_alias
 from blink.engine.engine import Engine
 from blink.engine.kernels.exchange import DeviceTable, Inbox, emit, report_demand, take_requests
 from blink.engine.kernels.rotation import copy_pages
-from blink.shared.slot_table import SlotState, SlotTable, slot_dtype
+from blink.shared.slot_table import SlotState, SlotTable, slot_dtype, window_room
 
 # Every sampling feature is on: a captured step cannot branch on the requests it will meet (neutral parameters
 # leave tokens unchanged). The fused sampler branches per row on the device, so a row still pays only for its own.
@@ -152,6 +152,37 @@ class DeviceStep:
         self.memory.close()
 
 
+def wants_a_step(state, room, cancel, admissible=True):
+    """Whether a slot of this engine's epoch gives the device step work (numpy arrays or numbers): a request published
+    (and `admissible` under the admission limit), or an admitted one whose reader made room in its window (`room`:
+    window_room) or which was cancelled: the step refreshes `paused` and ends cancellations. The persistent loop's
+    pick kernel has a C copy of it, tested against this one (tests/test_window_rule.py)."""
+    return (((state == SlotState.SUBMITTED) & admissible)
+            | ((state == SlotState.ADMITTED) & ((room > 0) | (cancel != 0))))
+
+
+# window_room and wants_a_step in CUDA C, for the persistent loop's pick kernel (which is not held to the limit:
+# admission is). tests/test_window_rule.py compiles them for the host and runs them against the Python ones.
+WANTS_A_STEP_C = r"""
+static __host__ __device__ __forceinline__ long long window_room(unsigned int produced, unsigned int consumed,
+                                                                  long long window) {
+    return window - (long long)(produced - consumed);  // unsigned: the difference wraps as the counters do
+}
+
+// The window's counters and the cancel flag are read only for an admitted slot: each read crosses the bus.
+static __host__ __device__ __forceinline__ int wants_a_step(unsigned int state, const unsigned char* record,
+                                                            long long produced_at, long long consumed_at,
+                                                            long long cancel_at, long long window) {
+    return state == SUBMITTED
+           || (state == ADMITTED
+               && (window_room(*(const volatile unsigned int*)(record + produced_at),
+                               *(const volatile unsigned int*)(record + consumed_at), window) > 0
+                   || *(const volatile unsigned int*)(record + cancel_at) != 0));
+}
+"""
+WANTS_A_STEP_DEFINES = (f"-DSUBMITTED={int(SlotState.SUBMITTED)}u", f"-DADMITTED={int(SlotState.ADMITTED)}u")
+
+
 class DeviceDriver:
     """What the `graph` and `persistent` drivers share (blink.engine.drive.driver.Driver): the device step, and the
     host-memory words through which the host sets the admission limit and reads what is resident."""
@@ -174,20 +205,17 @@ class DeviceDriver:
         return int(self.table.header["steps"])
 
     def idle(self) -> bool:
-        """Nothing to step for (a read of host memory): the device wants no tokens, and the table holds no request
-        published and admissible (under the admission limit), nor an admitted one whose reader made room in its
-        window or which was cancelled (the step refreshes `paused` and ends cancellations). The persistent loop's
-        `pick` makes the same check on the device, but for the limit."""
+        """Nothing to step for (a read of host memory): the device wants no tokens, and no slot of this epoch
+        `wants_a_step`. The persistent loop's `pick` makes the same check on the device, but for the limit."""
         wanted, resident = self.step.demand.tolist()
         if wanted:
             return False
         slots, epoch = self.table.slots, int(self.table.header["epoch"])
         ours = slots["epoch"] == np.uint32(epoch)  # an older epoch's slots are the ingress's to reclaim
-        state = slots["state"]
-        admissible = (state == SlotState.SUBMITTED) & (resident < int(self.step.limit[0]))
-        room = slots["produced"] - slots["consumed"] < self.table.geometry.window  # uint32: wraps as the counters do
-        moved = (state == SlotState.ADMITTED) & (room | (slots["cancel"] != 0))
-        return not np.any(ours & (admissible | moved))
+        room = window_room(slots["produced"].astype(np.int64), slots["consumed"].astype(np.int64),
+                           self.table.geometry.window)
+        due = wants_a_step(slots["state"], room, slots["cancel"], admissible=resident < int(self.step.limit[0]))
+        return not np.any(ours & due)
 
     def set_admission_limit(self, limit: int | None) -> None:
         self.step.limit[0] = self.step.state.num_slots if limit is None else limit  # read by the next step

@@ -29,20 +29,21 @@ import numpy as np
 import structlog
 import torch
 
-from blink.engine.drive.device_step import DeviceDriver, DeviceStep
-from blink.shared.slot_table import HEADER_BYTES, SlotState, SlotTable, slot_dtype
+from blink.engine.drive.device_step import WANTS_A_STEP_C, WANTS_A_STEP_DEFINES, DeviceDriver, DeviceStep
+from blink.shared.slot_table import HEADER_BYTES, SlotTable, slot_dtype
 
 log = structlog.get_logger()
 
 MIN_CUDA = 12040  # conditional IF and WHILE nodes (and cuda-python without the phGraph_out bug of 12.3)
 SWITCH_CUDA = 12080  # conditional SWITCH nodes
 NAP_NS = (64, 16_000)  # idle back-off, first and longest nap
+PICK_DEFINES = (*WANTS_A_STEP_DEFINES, f"-DNAP_MIN_NS={NAP_NS[0]}u", f"-DNAP_MAX_NS={NAP_NS[1]}u")
 
 # Every argument is 8 bytes wide, so the host packs them as one uint64 array. handles[0] is the WHILE node's;
 # then either the SWITCH node's (if_chain == 0) or one per bucket's IF node. cudaGraphSetConditional is a
 # device-runtime builtin the compiler lowers itself: declared here, NVRTC needs no include path and nothing is
 # linked (the declaration is that of cuda_device_runtime_api.h).
-_PICK = r"""
+_PICK = WANTS_A_STEP_C + r"""
 typedef __device_builtin__ unsigned long long cudaGraphConditionalHandle;
 extern "C" __device__ __cudart_builtin__ void cudaGraphSetConditional(cudaGraphConditionalHandle handle,
                                                                       unsigned int value);
@@ -80,21 +81,16 @@ extern "C" __global__ void pick(
             }
             return;
         }
-        // A step is due for tokens wanted, a new request, or a resident one (ADMITTED) whose reader made room in
-        // its window or which was cancelled: the step refreshes `paused` and ends cancellations. Nothing wanted
-        // while requests are resident means each waits for its reader (window full), so the loop reads the window
-        // counters here and naps until one moves, instead of stepping on padding.
+        // A step is due for tokens wanted or a slot that wants_a_step. Nothing wanted while requests are resident
+        // means each waits for its reader (window full), so the loop reads the window counters here and naps
+        // until one moves, instead of stepping on padding.
         int work = want > 0;
         if (!work) {  // uniform: every thread read the same demand
             for (long long s = threadIdx.x; s < num_slots; s += blockDim.x) {
                 const unsigned char* record = records + s * record_bytes;
                 const unsigned int state = *(const volatile unsigned int*)(record + state_at);
                 if (*(const volatile unsigned int*)(record + epoch_at) != (unsigned long long)*epoch) continue;
-                work |= state == SUBMITTED
-                        || (state == ADMITTED
-                            && (*(const volatile unsigned int*)(record + produced_at)
-                                - *(const volatile unsigned int*)(record + consumed_at) < window
-                                || *(const volatile unsigned int*)(record + cancel_at) != 0));
+                work |= wants_a_step(state, record, produced_at, consumed_at, cancel_at, window);
             }
             work = __syncthreads_or(work);
         }
@@ -213,8 +209,7 @@ def _compile(arch: int) -> bytes:
     """The pick kernel as a cubin for sm_`arch`: a cubin (not PTX) loads on any driver of the same major version,
     where PTX from a newer NVRTC would not JIT on an older driver."""
     nvrtc = _bindings().nvrtc
-    options = [f"--gpu-architecture=sm_{arch}", f"-DSUBMITTED={int(SlotState.SUBMITTED)}u",
-               f"-DADMITTED={int(SlotState.ADMITTED)}u", f"-DNAP_MIN_NS={NAP_NS[0]}u", f"-DNAP_MAX_NS={NAP_NS[1]}u"]
+    options = [f"--gpu-architecture=sm_{arch}", *PICK_DEFINES]
     try:
         program = _ok(nvrtc.nvrtcCreateProgram(_PICK.encode(), b"blink_pick.cu", 0, [], []), "nvrtcCreateProgram")
     except Exception as e:

@@ -73,6 +73,12 @@ def _store_release(ptr, value, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def _room(produced, consumed, WINDOW: tl.constexpr):
+    """blink.shared.slot_table.window_room on the uint32 counters, whose difference wraps as they do."""
+    return WINDOW - (produced - consumed).to(tl.int64)
+
+
+@triton.jit
 def _select(table, offsets, epoch, status, cancel, paused, window_room, admit, arrival, arrivals, limit, fenced,
             S, RECORD: tl.constexpr, HEADER_EPOCH: tl.constexpr, WINDOW: tl.constexpr, BLOCK_S: tl.constexpr,
             INTERPRET: tl.constexpr):
@@ -99,11 +105,11 @@ def _select(table, offsets, epoch, status, cancel, paused, window_room, admit, a
     tl.store(arrival + s, first + rank - 1, mask=take)
     tl.store(arrivals, first + tl.sum(take.to(tl.int64)))
     resident = real & (engine != ENGINE_FREE)
-    produced = tl.load(_field(record, offsets, K_PRODUCED, tl.uint32)).to(tl.int64)
-    consumed = tl.load(_field(record, offsets, K_CONSUMED, tl.uint32), volatile=True).to(tl.int64)
+    room = _room(tl.load(_field(record, offsets, K_PRODUCED, tl.uint32)),
+                 tl.load(_field(record, offsets, K_CONSUMED, tl.uint32), volatile=True), WINDOW)
     tl.store(cancel + s, tl.load(_field(record, offsets, K_CANCEL, tl.uint32), volatile=True) != 0, mask=resident)
-    tl.store(paused + s, produced - consumed >= WINDOW, mask=resident)
-    tl.store(window_room + s, WINDOW - (produced - consumed), mask=resident | take)  # an admitted one's too
+    tl.store(paused + s, room <= 0, mask=resident)
+    tl.store(window_room + s, room, mask=resident | take)  # an admitted one's too
 
 
 @triton.jit
