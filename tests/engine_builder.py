@@ -52,7 +52,7 @@ class ModelFreeEngine:
         write_request(self.records[slot], Request(list(range(1, prompt_len + 1)), max_tokens, **fields),
                       self.geometry)
         assert admit_records(self.state, self.records, [slot], time.monotonic(), self.arrivals, VOCAB,
-                             self.max_len) == []
+                             self.max_len).invalid == []
         self.arrivals += 1
 
     def step(self) -> StepPlan:

@@ -50,7 +50,7 @@ def _host(engine, table, now):
     _used(engine)
     table.publish(0, EVERY_FIELD)
     assert admit_records(engine.state, table.slots, [0], now, 0, engine.model_config.vocab_size,
-                         engine.max_model_len) == []
+                         engine.max_model_len).invalid == []
     return engine.state
 
 

@@ -13,6 +13,8 @@ admitted.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -96,13 +98,23 @@ def admit(state: Slots, admitted: torch.Tensor, records: dict[str, torch.Tensor]
     land("status", SlotStatus.ADMITTED)
 
 
+@dataclass(frozen=True)
+class Admitted:
+    """What `admit_records` did with the slots it was given."""
+
+    slots: list[int]  # admitted, in the order given
+    invalid: list[int]  # whose record is invalid: not admitted; their owner ends them
+    # The records' request fields as admission copied them (field_views of its host copy, [records] each, indexed by
+    # slot; empty when it admitted none): what the host reads of an admitted request, not the record again.
+    fields: dict[str, torch.Tensor]
+
+
 def admit_records(state: Slots, records: np.ndarray, slots: list[int], now: float, arrivals: int, vocab: int,
-                  max_len: int) -> list[int]:
+                  max_len: int) -> Admitted:
     """Host side: checks the records of `slots` (structured slot records: a table's, or the offline API's),
     copies their prompts and admits the valid ones, numbered from `arrivals` in the order `slots` lists them (the
-    order they came in, where the caller knows it: the offline API's queue). Returns the slots whose record is
-    invalid: they are not admitted, and their owner ends them."""
-    valid, invalid = [], []
+    order they came in, where the caller knows it: the offline API's queue)."""
+    valid, invalid, fields = [], [], {}
     for slot in slots:
         n = int(records[slot]["prompt_len"])
         prompt = records[slot]["prompt"][:n]
@@ -123,7 +135,8 @@ def admit_records(state: Slots, records: np.ndarray, slots: list[int], now: floa
         admitted[valid] = True
         arrival = torch.zeros(state.num_slots, dtype=torch.int64)
         arrival[valid] = arrivals + torch.arange(len(valid))
-        raw_t = torch.from_numpy(np.ascontiguousarray(raw)).to(device)  # a copy: the ingress may write other slots
-        admit(state, admitted.to(device), field_views(raw_t, records.dtype), torch.tensor([now], dtype=torch.float64,
-              device=device), arrival.to(device), max_len)
-    return invalid
+        copied = torch.from_numpy(np.ascontiguousarray(raw))  # a copy: the ingress may write other slots
+        fields = field_views(copied, records.dtype)
+        admit(state, admitted.to(device), field_views(copied.to(device), records.dtype),
+              torch.tensor([now], dtype=torch.float64, device=device), arrival.to(device), max_len)
+    return Admitted(valid, invalid, fields)

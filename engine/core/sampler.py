@@ -6,7 +6,7 @@ so a seeded request draws the same noise whatever else is in the batch and howev
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +28,21 @@ class SamplerFeatures:
     min_tokens: bool = False  # some request holds its stops back for its first tokens
     prompt_logprobs: bool = False  # some request asked for its prompt's logprobs (the step scores them)
     logit_bias: bool = False  # some request biases tokens (OpenAI's logit_bias)
+
+
+def features_asked(fields: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What each request asks of the sampler, from its fields ([N] each, named as in blink.shared.request_schema):
+    for each feature of SamplerFeatures, an [N] bool."""
+    return {
+        "penalties": (fields["repetition_penalty"] != 1) | (fields["presence_penalty"] != 0)
+        | (fields["frequency_penalty"] != 0),
+        "filtering": (fields["top_k"] > 0) | (fields["top_p"] < 1) | (fields["min_p"] > 0),
+        "random": fields["temperature"] >= GREEDY_BELOW,
+        "logprobs": fields["logprobs"] >= 0,
+        "min_tokens": fields["min_tokens"] > 0,
+        "prompt_logprobs": fields["prompt_logprobs"] >= 0,
+        "logit_bias": fields["num_logit_bias"] > 0,
+    }
 
 
 @dataclass

@@ -1,12 +1,13 @@
 """The `host` drive mode: a host loop that calls the step and syncs once per step.
 
-It is the CPU path and the baseline the device loops are measured against. `HostLoop` runs one step over
-whatever requests are resident in the engine's slots and reads its outputs back. `HostDriver` feeds it from the
-shared slot table, in a thread of the engine service: engine slot i is slot-table slot i; each step admits the
-slots the ingress published, mirrors their cancel flags and window room into the step's state, steps (`HostRank`:
-what every tensor-parallel rank does alike; blink.engine.drive.follower runs the others), and writes each slot's
-token, logprobs and finish into the slot's output window. (`blink.engine.drive.offline` feeds the same loop from
-an in-process queue.)
+It is the CPU path and the baseline the device loops are measured against. Two layers: `HostDriver` owns the
+shared slot table, in a thread of the engine service (engine slot i is slot-table slot i): each step it admits the
+slots the ingress published, reads their cancel flags and window room (`Windows`), has the rank step, and writes
+each slot's token, logprobs and finish into the slot's output window. `HostRank` is the engine's side, what every
+tensor-parallel rank does alike (blink.engine.drive.follower runs the others; blink.engine.drive.offline feeds it
+from an in-process queue): it admits records, mirrors the windows into the engine's slots, runs
+`blink.engine.core.step.Step` (plan, then the rest on buckets the plan's sizes pick) and reads each slot's event
+back.
 """
 
 from __future__ import annotations
@@ -19,16 +20,16 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from blink.engine.core.admission import admit_records
+from blink.engine.core.admission import Admitted, admit_records
 from blink.engine.core.commit import PromptScores, StepOutput
 from blink.engine.core.kv_cache import PagePool
 from blink.engine.core.policy import StepCostModel
-from blink.engine.core.sampler import GREEDY_BELOW, SamplerFeatures
+from blink.engine.core.sampler import SamplerFeatures, features_asked
 from blink.engine.core.state import Slots
 from blink.engine.drive.driver import Fenced
 from blink.engine.engine import Engine
 from blink.engine.ranks import Ranks
-from blink.shared.slot_table import FINISH_NAMES, Finish, RequestStats, SlotTable, TokenLogprob
+from blink.shared.slot_table import FINISH_NAMES, Finish, RequestStats, SlotTable, TokenLogprob, window_room
 
 
 @dataclass
@@ -51,25 +52,26 @@ class SlotEvent:
 
 @dataclass(frozen=True)
 class Asked:
-    """What a resident request asked of the sampler, read once from its record at admission: the host picks each
-    step's sampler features and the top logprobs to publish from these, without reading the engine's state."""
+    """What a resident request asked of the sampler, taken once at admission from the fields admission copied: the
+    host picks each step's sampler features and the top logprobs to publish from these, without reading the engine's
+    state."""
 
     features: SamplerFeatures
     logprobs: int  # top logprobs per token; -1: none
     prompt_logprobs: int = -1  # top logprobs per prompt token; -1: none
 
     @classmethod
-    def of(cls, r: np.void) -> Asked:
-        """From a slot record (blink.shared.request_schema's fields)."""
-        return cls(SamplerFeatures(
-            penalties=bool(r["repetition_penalty"] != 1 or r["presence_penalty"] != 0 or r["frequency_penalty"] != 0),
-            filtering=bool(r["top_k"] > 0 or r["top_p"] < 1 or r["min_p"] > 0),
-            random=bool(r["temperature"] >= GREEDY_BELOW),
-            logprobs=bool(r["logprobs"] >= 0),
-            min_tokens=bool(r["min_tokens"] > 0),
-            prompt_logprobs=bool(r["prompt_logprobs"] >= 0),
-            logit_bias=bool(r["num_logit_bias"] > 0),
-        ), int(r["logprobs"]), int(r["prompt_logprobs"]))
+    def of(cls, admitted: Admitted) -> dict[int, Asked]:
+        """Each admitted slot's, from `admitted.fields` (host tensors indexed by slot)."""
+        if not admitted.slots:
+            return {}
+        index = torch.tensor(admitted.slots)
+        fields = {name: view[index] for name, view in admitted.fields.items()}
+        asked = features_asked(fields)
+        rows = torch.stack(list(asked.values()), 1).tolist()
+        logprobs, prompt_logprobs = fields["logprobs"].tolist(), fields["prompt_logprobs"].tolist()
+        return {slot: cls(SamplerFeatures(**dict(zip(asked, row, strict=True))), logprobs[i], prompt_logprobs[i])
+                for i, (slot, row) in enumerate(zip(admitted.slots, rows, strict=True))}
 
 
 def merged_features(asked: Iterable[Asked]) -> SamplerFeatures:
@@ -79,20 +81,62 @@ def merged_features(asked: Iterable[Asked]) -> SamplerFeatures:
                               for name in SamplerFeatures.__dataclass_fields__})
 
 
-class HostLoop:
+@dataclass(frozen=True)
+class Windows:
+    """Each resident slot's cancel flag and output room, read from the slot table before a step."""
+
+    slots: np.ndarray  # the resident slots, in admission order
+    cancel: np.ndarray  # bool
+    room: np.ndarray  # output entries the slot's window has room for (window_room); none pauses it
+
+
+class HostRank:
+    """The engine's side of a host step, the same on every rank (with tensor parallelism, rank 0 reads the slot
+    table and the others step on what it sends them: blink.engine.drive.follower): admits records, mirrors the
+    windows into the engine's slots, plans, runs the step when it has work, reads each slot's event back, and lets
+    go of the requests that finished."""
+
     def __init__(self, engine: Engine):
         self.engine = engine
         self.mirror = engine.mirror  # KV rotation: the host reads the plan's move counts between its halves
+        self.asked: dict[int, Asked] = {}  # resident slot -> what its request asked
         self.last_output: StepOutput | None = None  # kept for inspection (tests, debugging)
-        self.ran = False  # whether the last call ran a step (False: nothing resident, or all paused)
+        self.ran = False  # whether the last step ran the model (False: nothing resident, or all paused)
         self.cost_model = StepCostModel(engine.step.cost, device=torch.device("cpu"))  # timed on the host's clock
-        self._planned_at: float | None = None
         self.page_bytes = PagePool.bytes_per_page(engine.model_config, engine.pool.page_size)
+        self._planned_at: float | None = None
+        self._arrivals = 0
+
+    def admit(self, records: np.ndarray, slots: list[int], now: float) -> list[int]:
+        """records: indexed by slot. Returns the slots whose record is invalid: not admitted."""
+        engine = self.engine
+        admitted = admit_records(engine.state, records, slots, now, self._arrivals, engine.model_config.vocab_size,
+                                 engine.max_model_len)
+        self.asked.update(Asked.of(admitted))
+        self._arrivals += len(admitted.slots)
+        return admitted.invalid
+
+    def step(self, windows: Windows | None) -> dict[int, SlotEvent]:
+        """One step over the resident requests, their windows as given (None: no reader's window limits them, as
+        in the offline API); returns each slot's event."""
+        state = self.engine.state
+        if windows is not None:
+            index = torch.from_numpy(windows.slots).to(state.cancel.device)
+            state.cancel[index] = torch.from_numpy(windows.cancel).to(state.cancel.device)
+            state.paused[index] = torch.from_numpy(windows.room <= 0).to(state.paused.device)
+            state.room[index] = torch.from_numpy(windows.room).to(state.room.device)
+        events = self._run()
+        for slot, event in events.items():
+            if event.finish_reason:
+                state.release_slot(slot)
+                del self.asked[slot]
+        return events
 
     @torch.inference_mode()
-    def step(self, resident: Mapping[int, Asked]) -> dict[int, SlotEvent]:
-        """One step over the resident slots (slot -> what its request asked); returns each slot's event."""
+    def _run(self) -> dict[int, SlotEvent]:
+        """Plans, then runs the rest of the step unless it has nothing to compute or end; returns each slot's event."""
         self.ran = False
+        resident = self.asked
         if not resident:
             self._planned_at = None  # nobody waited meanwhile
             return {}
@@ -158,52 +202,6 @@ def _scored(prompt: PromptScores, resident: Mapping[int, Asked]) -> dict[int, li
 
 
 @dataclass(frozen=True)
-class Windows:
-    """Each resident slot's cancel flag and output room, read from the slot table before a step."""
-
-    slots: np.ndarray  # the resident slots, in admission order
-    cancel: np.ndarray  # bool
-    room: np.ndarray  # output tokens the slot's window has room for; none pauses it
-
-
-class HostRank:
-    """The engine's side of a host step, the same on every rank (with tensor parallelism, rank 0 reads the slot
-    table and the others step on what it sends them: blink.engine.drive.follower): admits records, mirrors the
-    windows into the engine's slots, steps, and lets go of the requests that finished."""
-
-    def __init__(self, engine: Engine):
-        self.engine = engine
-        self.loop = HostLoop(engine)
-        self.asked: dict[int, Asked] = {}  # resident slot -> what its request asked
-        self._arrivals = 0
-
-    def admit(self, records: np.ndarray, slots: list[int], now: float) -> list[int]:
-        """records: indexed by slot. Returns the slots whose record is invalid: not admitted."""
-        engine = self.engine
-        invalid = admit_records(engine.state, records, slots, now, self._arrivals, engine.model_config.vocab_size,
-                                engine.max_model_len)
-        self.asked.update((slot, Asked.of(records[slot])) for slot in slots if slot not in invalid)
-        self._arrivals += len(slots) - len(invalid)
-        return invalid
-
-    def step(self, windows: Windows | None) -> dict[int, SlotEvent]:
-        """One step over the resident requests, their windows as given (None: no reader's window limits them, as
-        in the offline API); returns each slot's event."""
-        state = self.engine.state
-        if windows is not None:
-            index = torch.from_numpy(windows.slots).to(state.cancel.device)
-            state.cancel[index] = torch.from_numpy(windows.cancel).to(state.cancel.device)
-            state.paused[index] = torch.from_numpy(windows.room <= 0).to(state.paused.device)
-            state.room[index] = torch.from_numpy(windows.room).to(state.room.device)
-        events = self.loop.step(self.asked)
-        for slot, event in events.items():
-            if event.finish_reason:
-                state.release_slot(slot)
-                del self.asked[slot]
-        return events
-
-
-@dataclass(frozen=True)
 class StepInputs:
     """What rank 0 sends the other ranks before each host step: the records it admitted and the windows."""
 
@@ -228,8 +226,7 @@ class HostDriver:
         self.engine, self.table, self.ranks = engine, table, ranks
         self.epoch = int(table.header["epoch"])
         self.rank = HostRank(engine)
-        self.loop = self.rank.loop
-        self.mirror = self.loop.mirror
+        self.mirror = self.rank.mirror
         self.max_running: int | None = None  # admission limit set over the control plane
         self.failure: BaseException | None = None
         self._stop = threading.Event()
@@ -287,7 +284,8 @@ class HostDriver:
             return False
         slots = np.fromiter(self.rank.asked, dtype=np.int64)
         table = self.table.slots  # field by field: whole records would copy prompts and windows each step
-        room = self.table.geometry.window - (table["produced"][slots].astype(np.int64) - table["consumed"][slots])
+        room = window_room(table["produced"][slots].astype(np.int64), table["consumed"][slots].astype(np.int64),
+                           self.table.geometry.window)
         windows = Windows(slots, table["cancel"][slots] != 0, room)
         if self.ranks is not None:
             self.ranks.send(StepInputs(now, admitted, table[admitted], windows))
@@ -296,7 +294,7 @@ class HostDriver:
         for slot, event in events.items():
             self._publish(slot, event)
         self.table.heartbeat()
-        return self.loop.ran
+        return self.rank.ran
 
     def check_epoch(self) -> None:
         if int(self.table.header["epoch"]) != self.epoch:

@@ -52,7 +52,7 @@ class OfflineDriver:
 
     @property
     def last_output(self) -> StepOutput | None:
-        return self.rank.loop.last_output
+        return self.rank.last_output
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     max_tokens: int) -> None:
