@@ -1,9 +1,10 @@
 """One engine step: plan → forward → sample → commit, all tensor work on the engine's device.
 
 The step is split in two so a driver can pick the forward's bucket between the halves: `plan()` leaves
-the number of live tokens and the longest context in `plan.sizes`; `run(plan, shape)` does the rest on
-shapes fixed by `shape`. The host drive loop reads `plan.sizes` to choose `shape`; the device loops will
-choose it on the device.
+the number of live tokens, the longest context and the page moves in `plan.sizes` (scheduler.PlanSizes, on the
+device); `run(plan, shape)` does the rest on shapes fixed by `shape`. The host mode reads the sizes
+(`plan.read_sizes()`, its one sync) to choose `shape`; the device step runs on the bucket its driver picked from
+the demand it published, and reads the sizes on the device.
 """
 
 from __future__ import annotations
