@@ -176,3 +176,17 @@ def test_slots_declare_the_tensors_the_schema_makes():
         f"    {name}: torch.Tensor  # {dtype}" for name, dtype in expected)
     state = Slots(2, 8, 2, 16, torch.device("cpu"))
     assert all(getattr(state, name).dtype == getattr(torch, dtype) for name, dtype in expected)
+
+
+def test_the_host_takes_what_each_request_asked_from_the_fields_admission_copied(tiny_engine, small_table):
+    from blink.engine.core.sampler import SamplerFeatures
+    from blink.engine.drive.host import HostRank
+
+    rank = HostRank(tiny_engine())
+    small_table.publish(0, EVERY_FIELD)
+    small_table.publish(2, Request([1, 2, 3], 4, temperature=0.0))
+    assert rank.admit(small_table.slots, [2, 0], time.monotonic()) == []
+    every, plain = rank.asked[0], rank.asked[2]
+    assert every.features == SamplerFeatures(**dict.fromkeys(SamplerFeatures.__dataclass_fields__, True))
+    assert (every.logprobs, every.prompt_logprobs) == (3, 4)
+    assert plain.features == SamplerFeatures() and (plain.logprobs, plain.prompt_logprobs) == (-1, -1)
