@@ -38,14 +38,37 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:  # before parsing: blink.bench.cli imports only what the benchmark asked for needs
+        from blink.bench.cli import main as bench_main
+
+        return bench_main(argv[1:])
+    return _run(_parser().parse_args(argv))
+
+
+def _parser() -> argparse.ArgumentParser:
+    """Every command, in the order `blink --help` lists them."""
     parser = argparse.ArgumentParser(prog="blink", description="Blink: LLM serving off the host's per-token path")
     commands = parser.add_subparsers(dest="command", required=True)
+    _add_service_commands(commands)
+    _add_operator_commands(commands)
+    _add_file_commands(commands)
+    _add_generate_command(commands)
+    # Listed here for --help; main() hands `blink bench ...` to blink.bench.cli before parsing.
+    commands.add_parser("bench", help="benchmarks: serve, plot, offline, overhead (`blink bench --help`)")
+    return parser
 
+
+def _add_service_commands(commands: argparse._SubParsersAction) -> None:
+    """The long-running services: each takes every Settings flag."""
     for name, text in (("serve", "run the engine and the ingress (the OpenAI API), watched by the watchdog"),
                        ("engine", "run the engine service alone"), ("ingress", "run the ingress service alone"),
                        ("watchdog", "watch an engine and an ingress started elsewhere (compose)")):
         add_settings_flags(commands.add_parser(name, help=text))
 
+
+def _add_operator_commands(commands: argparse._SubParsersAction) -> None:
+    """What an operator asks of a machine or a running deployment: probe, doctor, classes."""
     probe = commands.add_parser("probe", help="exit 0 if the service answers its control socket (healthchecks)")
     probe.add_argument("service", choices=["engine", "ingress"])
     add_settings_flags(probe)
@@ -59,6 +82,9 @@ def main(argv: list[str] | None = None) -> int:
                                   "them with --default-class and --ls-/--be-ttft-/tpot-slo-ms (0 clears one)")
     add_settings_flags(classes)
 
+
+def _add_file_commands(commands: argparse._SubParsersAction) -> None:
+    """The commands that write files ahead of serving: model init, model pull, keygen."""
     model = commands.add_parser("model", help="manage checkpoints").add_subparsers(dest="model_command",
                                                                                    required=True)
     init = model.add_parser("init", help="write the tiny random-weight model for tests and benchmarks (to DIR or the "
@@ -74,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
                                  "--control-key-file on every host of a deployment (a compose secret)")
     keygen.add_argument("file", type=Path)
 
+
+def _add_generate_command(commands: argparse._SubParsersAction) -> None:
     gen = commands.add_parser("generate", help="generate offline on the engine (host drive mode)")
     gen.add_argument("prompt", nargs="*", help="prompts (default: three examples)")
     gen.add_argument("--model", help="a checkpoint directory, .gguf file or Hub id (default: the default model)")
@@ -85,50 +113,43 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--device", default="auto")
     gen.add_argument("--dtype", default="auto")
 
-    # Listed here; main() hands `blink bench ...` to blink.bench.cli before parsing, which imports only what
-    # the benchmark asked for needs.
-    commands.add_parser("bench", help="benchmarks: serve, plot, offline, overhead (`blink bench --help`)")
 
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["bench"]:
-        from blink.bench.cli import main as bench_main
-
-        return bench_main(argv[1:])
-    args = parser.parse_args(argv)
-    if args.command == "model" and args.model_command == "pull":
-        return _model_pull(args.model, args.revision)
+def _run(args: argparse.Namespace) -> int:
+    """The commands that answer and exit; the rest are services, which run until stopped."""
     if args.command == "model":
+        if args.model_command == "pull":
+            return _model_pull(args.model, args.revision)
         return _model_init(args.dir, args.arch)
     if args.command == "keygen":
         return _keygen(args.file)
     if args.command == "generate":
         return _generate(args)
-
     if args.command == "probe":
         return _probe(args.service, settings_from_args(args))
     if args.command == "classes":
         return _classes(args)
     if args.command == "doctor":
-        from blink.services import doctor
+        return _doctor(args.rdma_device, args.json)
+    return _run_service(args)
 
-        found = doctor.check(args.rdma_device)
-        print(json.dumps(doctor.as_dicts(found), indent=1) if args.json else doctor.report(found))
-        return 0
 
+def _doctor(rdma_device: str | None, as_json: bool) -> int:
+    from blink.services import doctor
+
+    found = doctor.check(rdma_device)
+    print(json.dumps(doctor.as_dicts(found), indent=1) if as_json else doctor.report(found))
+    return 0
+
+
+def _run_service(args: argparse.Namespace) -> int:
+    """engine, ingress or watchdog alone, else serve (all three); logs go to the service's name."""
     from blink.shared.logs import configure_logging
 
     configure_logging(args.command)
     settings = settings_from_args(args)
     if args.command == "engine":
-        from blink.services.engine_service import run_engine
-        from blink.shared.checkpoints.errors import CheckpointError
-
-        try:
-            run_engine(settings)
-        except CheckpointError as e:  # the model cannot be had or loaded: the reason, not a traceback
-            print(f"blink engine: {e}", file=sys.stderr)
-            return 1
-    elif args.command == "watchdog":
+        return _engine(settings)
+    if args.command == "watchdog":
         from blink.services.watchdog import run_watchdog
 
         run_watchdog(settings)
@@ -138,6 +159,18 @@ def main(argv: list[str] | None = None) -> int:
         run_ingress(settings)
     else:
         return _serve(settings)
+    return 0
+
+
+def _engine(settings: Settings) -> int:
+    from blink.services.engine_service import run_engine
+    from blink.shared.checkpoints.errors import CheckpointError
+
+    try:
+        run_engine(settings)
+    except CheckpointError as e:  # the model cannot be had or loaded: the reason, not a traceback
+        print(f"blink engine: {e}", file=sys.stderr)
+        return 1
     return 0
 
 
