@@ -12,18 +12,21 @@ import signal
 import sys
 
 COMMANDS = {
-    "serve": ("blink.bench.serve", "load a server at request rates, print vLLM's figures, save JSON"),
-    "plot": ("blink.bench.plot", "P99 TTFT and TPOT against request rate, a line per result set, as PNGs"),
-    "offline": ("blink.bench.offline", "the engine's offline throughput against transformers' generate"),
-    "overhead": ("blink.bench.overhead", "HTTP streaming through `blink serve` against the offline engine"),
-    "step": ("blink.bench.step", "ops and bytes one captured step spends outside the model, for Llama 3 shapes"),
-    "gpu": ("blink.bench.gpu", "first light for the device drive modes: checks and figures in one GPU call"),
-    "grain": ("blink.bench.grain", "what a best-effort prompt chunk in a step costs the decodes beside it"),
-    "tp": ("blink.bench.tensor_parallel", "decode with the model split over N ranks against one rank"),
-    "prefix": ("blink.bench.prefix", "prefix caching on against off: TTFT of a cached prefix, multi-turn, a load"),
-    "cpu": ("blink.bench.cpu", "CPU decode at batch 1 and 16 against transformers and llama.cpp, fp32 and bf16"),
-    "projections": ("blink.bench.projections", "a step's projections on the CPU in each weight form, by row count"),
-    "startup": ("blink.bench.startup", "seconds from `blink serve` to ready and to a first answer, cold and warm"),
+    "serve": ("blink.bench.serving.serve", "load a server at request rates, print vLLM's figures, save JSON"),
+    "plot": ("blink.bench.lib.plot", "P99 TTFT and TPOT against request rate, a line per result set, as PNGs"),
+    "offline": ("blink.bench.engine.offline", "the engine's offline throughput against transformers' generate"),
+    "overhead": ("blink.bench.serving.overhead", "HTTP streaming through `blink serve` against the offline engine"),
+    "step": ("blink.bench.engine.step", "ops and bytes one captured step spends outside the model, for Llama 3 shapes"),
+    "gpu": ("blink.bench.gpu.gpu", "first light for the device drive modes: checks and figures in one GPU call"),
+    "grain": ("blink.bench.engine.grain", "what a best-effort prompt chunk in a step costs the decodes beside it"),
+    "tp": ("blink.bench.engine.tensor_parallel", "decode with the model split over N ranks against one rank"),
+    "prefix": ("blink.bench.serving.prefix",
+               "prefix caching on against off: TTFT of a cached prefix, multi-turn, a load"),
+    "cpu": ("blink.bench.cpu.cpu", "CPU decode at batch 1 and 16 against transformers and llama.cpp, fp32 and bf16"),
+    "projections": ("blink.bench.engine.projections",
+                    "a step's projections on the CPU in each weight form, by row count"),
+    "startup": ("blink.bench.serving.startup",
+                "seconds from `blink serve` to ready and to a first answer, cold and warm"),
 }
 
 

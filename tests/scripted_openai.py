@@ -19,7 +19,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from blink.bench.server import free_port
+from blink.bench.lib.server import free_port
 
 
 @dataclass

@@ -19,13 +19,13 @@ import numpy as np
 import pytest
 
 from blink.bench import cli as bench_cli
-from blink.bench.backends import RequestRecord
-from blink.bench.classes import assign, class_figures, class_report, parse_mix, parse_slo
-from blink.bench.dataset import LengthLimits, load_tokenizer, prefix_repetition, sharegpt, synthetic
-from blink.bench.energy import integrate
-from blink.bench.figures import compute, report
-from blink.bench.loadgen import arrival_times
-from blink.bench.server import running_server
+from blink.bench.lib.backends import RequestRecord
+from blink.bench.lib.dataset import LengthLimits, load_tokenizer, prefix_repetition, sharegpt, synthetic
+from blink.bench.lib.energy import integrate
+from blink.bench.lib.figures import compute, report
+from blink.bench.lib.loadgen import arrival_times
+from blink.bench.lib.server import running_server
+from blink.bench.serving.classes import assign, class_figures, class_report, parse_mix, parse_slo
 from tests.scripted_openai import Script, scripted_server
 
 BENCH = [sys.executable, "-m", "blink.services.cli", "bench"]
@@ -279,7 +279,7 @@ def interference_workers(parent: int) -> list[int]:
             cmdline = (stat.parent / "cmdline").read_bytes()
         except OSError:
             continue
-        if int(fields[1]) == parent and b"blink.bench.interference" in cmdline:
+        if int(fields[1]) == parent and b"blink.bench.lib.interference" in cmdline:
             pids.append(int(stat.parent.name))
     return pids
 
@@ -454,7 +454,7 @@ def test_an_http_error_is_reported_as_such(tmp_path, tokenizer_dir):
 
 def test_llama_cpp_says_what_is_missing(monkeypatch, tmp_path):
     """Without a compiler the CPU benchmark's llama.cpp baseline is left out with the reason, not a traceback."""
-    from blink.bench import llama_cpp
+    from blink.bench.cpu import llama_cpp
 
     monkeypatch.setattr(llama_cpp.shutil, "which", lambda tool: None if tool == "cmake" else f"/usr/bin/{tool}")
     with pytest.raises(llama_cpp.Missing, match="needs cmake"):
@@ -493,7 +493,7 @@ def test_bench_gpu_dry_run_runs_every_phase_and_says_what_it_skipped(tmp_path, c
 
 def test_bench_gpu_keeps_what_a_hung_phase_found(tmp_path, monkeypatch):
     """A phase past its timeout is killed with what it started; the JSON it left so far is kept."""
-    from blink.bench import gpu
+    from blink.bench.gpu import gpu
 
     monkeypatch.setitem(gpu.PHASES, "interference", 4)  # starts a server: not ready within 4 s
     found = gpu._phase("interference", tmp_path, 4, dry_run=True)
@@ -502,7 +502,7 @@ def test_bench_gpu_keeps_what_a_hung_phase_found(tmp_path, monkeypatch):
 
 
 def test_gpu_idle_time_between_kernels_and_what_preceded_it():
-    from blink.bench.gpu_drive import _idle
+    from blink.bench.gpu.drive import _idle
 
     # Overlapping kernels (two streams) leave no gap; the idle time is charged to the kernel that ended last.
     spans = [(0, 10, "plan"), (12, 20, "gemm"), (15, 18, "norm"), (30, 31, "emit"), (31, 40, "pick")]

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from blink.bench.server import running_server
+from blink.bench.lib.server import running_server
 from blink.ingress.chat import load_chat_template
 from blink.ingress.cors import CorsPolicy
 from blink.ingress.generation_config import SamplingDefaults

@@ -8,7 +8,7 @@ import openai
 import pytest
 import torch
 
-from blink.bench.server import running_server
+from blink.bench.lib.server import running_server
 from blink.engine import LLM, SamplingParams
 from blink.shared.checkpoints import default_model
 

@@ -11,7 +11,7 @@ import httpx
 import pytest
 import torch
 
-from blink.bench.server import free_port, running_server
+from blink.bench.lib.server import free_port, running_server
 from blink.engine.drive.modes import candidates
 from blink.shared.slot_table import Geometry, Request, SlotTable
 

@@ -9,7 +9,7 @@ import httpx
 import pytest
 import torch
 
-from blink.bench.server import running_server
+from blink.bench.lib.server import running_server
 from blink.engine.model.tiny_model import ensure_tiny_model
 
 pytestmark = pytest.mark.slow  # a whole deployment

@@ -18,7 +18,7 @@ import httpx
 import pytest
 import zmq
 
-from blink.bench.server import free_port, running_server
+from blink.bench.lib.server import free_port, running_server
 from blink.ingress.zmq_client import BlinkError, Client
 from blink.shared import control, sockets
 from blink.shared.slot_table import SlotTable

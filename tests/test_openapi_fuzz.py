@@ -13,7 +13,7 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from blink.bench.server import running_server
+from blink.bench.lib.server import running_server
 from blink.engine.model.tiny_model import ensure_tiny_model
 
 pytestmark = pytest.mark.slow  # a whole deployment

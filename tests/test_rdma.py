@@ -17,7 +17,7 @@ import httpx
 import pytest
 import zmq
 
-from blink.bench.server import running_server
+from blink.bench.lib.server import running_server
 from blink.engine import Engine, EngineConfig
 from blink.engine.drive.host import HostDriver
 from blink.ingress.slots import SlotClient

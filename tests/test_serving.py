@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 
-from blink.bench.server import running_server
+from blink.bench.lib.server import running_server
 from blink.engine import LLM, SamplingParams
 from blink.engine.model.tiny_model import ensure_tiny_model
 from blink.ingress.chat import render_chat

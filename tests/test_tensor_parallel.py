@@ -14,7 +14,7 @@ import httpx
 import pytest
 import torch
 
-from blink.bench.server import running_server
+from blink.bench.lib.server import running_server
 from blink.engine import LLM, SamplingParams
 from blink.engine.engine import Engine, EngineConfig
 from blink.engine.model.tiny_model import ensure_tiny_model

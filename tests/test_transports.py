@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from blink.bench.server import free_port, running_server
+from blink.bench.lib.server import free_port, running_server
 from blink.engine import LLM, SamplingParams
 from blink.engine.model.tiny_model import ensure_tiny_model
 from blink.shared import control

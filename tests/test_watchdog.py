@@ -22,7 +22,7 @@ import httpx
 import pytest
 import zmq
 
-from blink.bench.server import running_server
+from blink.bench.lib.server import running_server
 from blink.shared import control, sockets
 from blink.shared.slot_table import EngineState, Geometry, SlotState, SlotTable
 
@@ -307,7 +307,7 @@ def test_standalone_watchdog_kills_a_stalled_engine_for_the_orchestrator_to_rest
     import sys
     import uuid
 
-    from blink.bench.server import Server, free_port
+    from blink.bench.lib.server import Server, free_port
     from blink.shared.settings import Settings
     from blink.shared.sockets import write_key
 

@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from blink.bench.machine import blink_source, machine, save
-from blink.bench.offline import MODEL_SHAPE
+from blink.bench.engine.offline import MODEL_SHAPE
+from blink.bench.lib.machine import blink_source, machine, save
 from blink.engine.model import huge_pages
 from blink.engine.model import linear as projections
 

@@ -26,12 +26,12 @@ from pathlib import Path
 
 import httpx
 
-from blink.bench.backends import OpenAIBackend, RequestOptions
-from blink.bench.dataset import load_tokenizer, prefix_repetition
-from blink.bench.figures import compute
-from blink.bench.loadgen import run_load
-from blink.bench.machine import blink_source, machine, save
-from blink.bench.server import running_server
+from blink.bench.lib.backends import OpenAIBackend, RequestOptions
+from blink.bench.lib.dataset import load_tokenizer, prefix_repetition
+from blink.bench.lib.figures import compute
+from blink.bench.lib.loadgen import run_load
+from blink.bench.lib.machine import blink_source, machine, save
+from blink.bench.lib.server import running_server
 
 SETTINGS = {"on": "--enable-prefix-caching", "off": "--no-enable-prefix-caching"}
 

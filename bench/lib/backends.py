@@ -20,7 +20,7 @@ import httpx
 import zmq
 import zmq.asyncio
 
-from blink.bench.dataset import SampleRequest
+from blink.bench.lib.dataset import SampleRequest
 
 
 @dataclass

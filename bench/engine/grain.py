@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from blink.bench.machine import blink_source, machine, save
+from blink.bench.lib.machine import blink_source, machine, save
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import httpx
 
-from blink.bench.machine import blink_source, machine, save
+from blink.bench.lib.machine import blink_source, machine, save
 
 SERVING = re.compile(r"blink serving at (http://\S+)/v1")
 

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import httpx
 
-from blink.bench.gpu_drive import drive_modes, model_dir
-from blink.bench.gpu_interference import bench_serve, cpu_layout
-from blink.bench.server import running_server
+from blink.bench.gpu.drive import drive_modes, model_dir
+from blink.bench.gpu.interference import bench_serve, cpu_layout
+from blink.bench.lib.server import running_server
 
 
 def kv_pressure(out: dict, dry_run: bool, save) -> None:

@@ -1,5 +1,5 @@
 """`blink bench cpu`: decode on the CPU at batch 1 and batch 16, Blink against transformers' `generate` and
-llama.cpp (`llama-bench`, `llama-batched-bench`, on the same weights converted to GGUF: bench/llama_cpp.py), in
+llama.cpp (`llama-bench`, `llama-batched-bench`, on the same weights converted to GGUF: bench/cpu/llama_cpp.py), in
 float32 and bfloat16, the systems alternated round after round in one sitting, with the memory floor measured in
 the same sitting (this VM's read bandwidth changes from one process to the next).
 
@@ -29,9 +29,9 @@ from pathlib import Path
 import torch
 import transformers
 
-from blink.bench import llama_cpp
-from blink.bench.machine import blink_source, environment, machine, save
-from blink.bench.offline import MODEL_SHAPE, PROMPT_VOCAB, build_checkpoint, on_checkpoint, seed_everything
+from blink.bench.cpu import llama_cpp
+from blink.bench.engine.offline import MODEL_SHAPE, PROMPT_VOCAB, build_checkpoint, on_checkpoint, seed_everything
+from blink.bench.lib.machine import blink_source, environment, machine, save
 
 DTYPES = {"float32": "f32", "bfloat16": "bf16"}  # torch's names, and llama.cpp's
 

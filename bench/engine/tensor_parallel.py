@@ -14,7 +14,7 @@ import statistics
 import time
 from pathlib import Path
 
-from blink.bench.machine import blink_source, machine, save
+from blink.bench.lib.machine import blink_source, machine, save
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -33,7 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> None:
     if args.model is not None:
         return _measure(args, args.model)
-    from blink.bench.offline import build_checkpoint, on_checkpoint
+    from blink.bench.engine.offline import build_checkpoint, on_checkpoint
 
     def measure(model_dir: Path) -> None:
         build_checkpoint(model_dir, 0)

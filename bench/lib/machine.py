@@ -44,7 +44,7 @@ def gpus() -> list[dict[str, object]]:
 
 def blink_source() -> dict[str, object]:
     """Which Blink code ran: its directory, and the git commit and local changes there, when it is a checkout."""
-    path = Path(__file__).resolve().parents[1]
+    path = Path(__file__).resolve().parents[2]
     commit = _git(path, "rev-parse", "HEAD")
     changes = _git(path, "status", "--porcelain", "--", ".") if commit else None
     return {"path": str(path), "git_commit": commit, "modified": bool(changes) if commit else None}

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from blink.bench.backends import RequestRecord
+from blink.bench.lib.backends import RequestRecord
 
 LATENCIES = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
              "itl": "Inter-token Latency", "e2el": "End-to-end Latency"}

@@ -16,8 +16,8 @@ import time
 import numpy as np
 from tqdm.asyncio import tqdm
 
-from blink.bench.backends import Backend, RequestRecord
-from blink.bench.dataset import SampleRequest
+from blink.bench.lib.backends import Backend, RequestRecord
+from blink.bench.lib.dataset import SampleRequest
 
 
 def arrival_times(n: int, rate: float, burstiness: float, seed: int) -> list[float]:

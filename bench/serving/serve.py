@@ -4,7 +4,7 @@ One JSON file per invocation: the configuration, the machine, the server's drive
 /ready reports them), what interference ran, and one entry per request rate with every figure, the energy
 where NVML can measure it, and each request's lengths, class, latencies and error. With --class-mix, each
 request carries a service class (and its class's --class-slo), and each rate's entry has every class's figures
-(bench/classes.py).
+(bench/serving/classes.py).
 """
 
 from __future__ import annotations
@@ -21,9 +21,8 @@ from pathlib import Path
 
 import httpx
 
-from blink.bench.backends import Backend, OpenAIBackend, RequestOptions, RequestRecord, ZmqBackend, error_message
-from blink.bench.classes import MergeSlos, assign, class_figures, class_report, parse_mix, parse_slo
-from blink.bench.dataset import (
+from blink.bench.lib.backends import Backend, OpenAIBackend, RequestOptions, RequestRecord, ZmqBackend, error_message
+from blink.bench.lib.dataset import (
     LengthLimits,
     SampleRequest,
     load_tokenizer,
@@ -32,11 +31,12 @@ from blink.bench.dataset import (
     sharegpt,
     synthetic,
 )
-from blink.bench.energy import EnergyMeter
-from blink.bench.figures import LATENCIES, PERCENTILES, RequestTimes, compute, report
-from blink.bench.interference import Interference
-from blink.bench.loadgen import run_load
-from blink.bench.machine import blink_source, machine, save
+from blink.bench.lib.energy import EnergyMeter
+from blink.bench.lib.figures import LATENCIES, PERCENTILES, RequestTimes, compute, report
+from blink.bench.lib.interference import Interference
+from blink.bench.lib.loadgen import run_load
+from blink.bench.lib.machine import blink_source, machine, save
+from blink.bench.serving.classes import MergeSlos, assign, class_figures, class_report, parse_mix, parse_slo
 from blink.shared.cpus import parse_cpus
 
 BACKENDS = ("openai", "openai-chat", "blink-zmq", "vllm")  # vllm: vLLM's name for the completions backend

@@ -50,7 +50,7 @@ class Interference:
     def __enter__(self) -> Interference:
         try:
             for _ in range(self.processes):
-                cmd = [sys.executable, "-m", "blink.bench.interference", str(self.buffer_bytes), str(os.getpid())]
+                cmd = [sys.executable, "-m", "blink.bench.lib.interference", str(self.buffer_bytes), str(os.getpid())]
                 pin = (lambda: os.sched_setaffinity(0, self.cpus)) if self.cpus else None  # before it runs
                 self.workers.append(subprocess.Popen(cmd, stdin=subprocess.DEVNULL, preexec_fn=pin))
         except BaseException:

@@ -1,7 +1,7 @@
 """`blink bench gpu`: first light for the device drive modes, validated and measured in one command that fits one
 call of a lent GPU machine (`--budget-s`, 9 minutes by default; docs/gpu.md).
 
-Each phase (blink.bench.gpu_phases) is a process of its own with its own timeout, cut to what is left of the
+Each phase (blink.bench.gpu.phases) is a process of its own with its own timeout, cut to what is left of the
 budget, and leaves its JSON before the next starts: a phase that hangs (a persistent loop that never yields, say)
 loses nothing else. At the end: one JSON result naming the machine, and a short table, printed last.
 `--dry-run` runs the same phases on the CPU over the tiny random model in the host mode (CI does, so this never
@@ -38,7 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    from blink.bench.machine import blink_source, machine, save
+    from blink.bench.lib.machine import blink_source, machine, save
 
     deadline = time.monotonic() + args.budget_s
     phases: dict[str, dict] = {}
@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> None:
 
 
 def _phase(name: str, work: Path, timeout_s: float, dry_run: bool, compile_bookkeeping: bool = False) -> dict:
-    cmd = [sys.executable, "-m", "blink.bench.gpu_phases", name, str(work), *(["--dry-run"] if dry_run else [])]
+    cmd = [sys.executable, "-m", "blink.bench.gpu.phases", name, str(work), *(["--dry-run"] if dry_run else [])]
     env = {**os.environ, "BLINK_COMPILE_BOOKKEEPING": "1"} if compile_bookkeeping else None
     started = time.monotonic()
     # Its own session, so a timeout kills what it started too (a server, interference workers).

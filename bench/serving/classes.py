@@ -15,9 +15,9 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
-from blink.bench.backends import RequestRecord
-from blink.bench.dataset import SampleRequest
-from blink.bench.figures import RequestTimes, compute, report_row
+from blink.bench.lib.backends import RequestRecord
+from blink.bench.lib.dataset import SampleRequest
+from blink.bench.lib.figures import RequestTimes, compute, report_row
 
 CLASSES = ("latency_sensitive", "best_effort")
 ALIASES = {"ls": "latency_sensitive", "be": "best_effort"} | {name: name for name in CLASSES}

@@ -54,7 +54,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> None:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel is defined: the CPU runs them interpreted
-    from blink.bench.machine import blink_source, machine, save
+    from blink.bench.lib.machine import blink_source, machine, save
 
     rows = []
     vocabs = sorted({args.vocab or SHAPES[s]["vocab"] for s in args.shape})
@@ -95,7 +95,7 @@ def count_step(model_dir: Path, slots: int, context: int, bucket: int, kernels: 
     model's forward and logits."""
     import torch
 
-    from blink.bench.machine import environment
+    from blink.bench.lib.machine import environment
     from blink.engine.core.sampler import TORCH_SAMPLER, Sampler
     from blink.engine.drive import device_step
     from blink.engine.drive.device_step import DeviceStep

@@ -16,9 +16,9 @@ import tempfile
 from contextlib import nullcontext
 from pathlib import Path
 
-from blink.bench.gpu_drive import drive_modes, model_dir
-from blink.bench.interference import Interference
-from blink.bench.server import running_server
+from blink.bench.gpu.drive import drive_modes, model_dir
+from blink.bench.lib.interference import Interference
+from blink.bench.lib.server import running_server
 
 FIGURES = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "completed")
 CLASS_FIGURES = ("completed", "output_throughput", "median_ttft_ms", "p99_ttft_ms", "p99_tpot_ms",

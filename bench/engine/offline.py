@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from blink.bench.machine import blink_source, machine, save
+from blink.bench.lib.machine import blink_source, machine, save
 
 PROMPT_VOCAB = 1174  # prompt token ids are drawn below the engine tokenizer's vocabulary size
 MODEL_SHAPE = dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,

@@ -1,5 +1,5 @@
-"""The phases of `blink bench gpu` (blink.bench.gpu), each in a process of its own:
-`python -m blink.bench.gpu_phases PHASE OUT_DIR [--dry-run]` writes OUT_DIR/PHASE.json, so a phase that hangs or
+"""The phases of `blink bench gpu` (blink.bench.gpu.gpu), each in a process of its own:
+`python -m blink.bench.gpu.phases PHASE OUT_DIR [--dry-run]` writes OUT_DIR/PHASE.json, so a phase that hangs or
 breaks its CUDA context loses nothing the others found.
 
 A dry run (the CPU, in CI) runs the same code on the tiny random model in the host mode, so the command never rots.
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from blink.bench.gpu_drive import (
+from blink.bench.gpu.drive import (
     drive_modes,
     drive_requests,
     engine_for,
@@ -32,8 +32,8 @@ from blink.bench.gpu_drive import (
     step_times,
     weight_bytes,
 )
-from blink.bench.gpu_interference import interference
-from blink.bench.gpu_pressure import kv_pressure
+from blink.bench.gpu.interference import interference
+from blink.bench.gpu.pressure import kv_pressure
 
 SHAPES = ("llama3-1b", "llama3-8b", "qwen3-30b-a3b-24l")
 
@@ -93,7 +93,7 @@ def model(out: dict, dry_run: bool, shape: str) -> None:
     out["weight_bytes"] = weight_bytes(engine)
     out["kv_bytes_per_token"] = _kv_bytes_per_token(engine)
     if engine.device.type == "cuda":
-        from blink.bench.gpu_profile import eager_step_checks
+        from blink.bench.gpu.profile import eager_step_checks
 
         out.update(eager_step_checks(engine))
         _save(out)
@@ -286,7 +286,7 @@ PHASES = {"env": env, "model-llama3-1b": lambda o, d: model(o, d, SHAPES[0]),
 
 def main(argv: list[str]) -> int:
     global _PATH
-    p = argparse.ArgumentParser(prog="python -m blink.bench.gpu_phases")
+    p = argparse.ArgumentParser(prog="python -m blink.bench.gpu.phases")
     p.add_argument("phase", choices=PHASES)
     p.add_argument("out", type=Path)
     p.add_argument("--dry-run", action="store_true")

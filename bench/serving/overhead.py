@@ -22,8 +22,8 @@ from pathlib import Path
 
 import httpx
 
-from blink.bench.machine import blink_source, machine, save
-from blink.bench.server import running_server
+from blink.bench.lib.machine import blink_source, machine, save
+from blink.bench.lib.server import running_server
 
 PROMPT_WORDS = ["the", "engine", "admits", "requests", "plans", "a", "batch", "and", "writes", "tokens", "back",
                 "into", "slots"]

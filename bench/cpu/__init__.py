@@ -1,0 +1,1 @@
+"""`blink bench cpu`: CPU decode against its peers, transformers and llama.cpp."""
