@@ -14,6 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from blink.ingress.client import EngineHealth
 from blink.ingress.errors import (
     APIError,
     api_error_handler,
@@ -53,6 +54,16 @@ DISCONNECT_POLL_S = 0.25
 def create_app(state: IngressState) -> FastAPI:
     app = FastAPI(title="Blink", docs_url=None, redoc_url=None)
     app.state.blink = state
+    _install_guards(app, state)
+    # Registered in the order /openapi.json lists them.
+    _add_probe_routes(app, state)
+    _add_token_routes(app, state)
+    _add_generation_routes(app, state)
+    return app
+
+
+def _install_guards(app: FastAPI, state: IngressState) -> None:
+    """What every route shares: OpenAI's error envelope, the guard (request id, API key, limits), CORS, the schema."""
     app.add_exception_handler(APIError, api_error_handler)
     app.add_exception_handler(RequestValidationError, validation_error_handler)
     app.add_exception_handler(StarletteHTTPException, http_error_handler)
@@ -60,6 +71,10 @@ def create_app(state: IngressState) -> FastAPI:
     if state.cors is not None:
         state.cors.install(app)
     describe(app, secured=state.api_key is not None)
+
+
+def _add_probe_routes(app: FastAPI, state: IngressState) -> None:
+    """What orchestrators and Prometheus ask: liveness, readiness, metrics."""
 
     @app.get("/health", response_class=Response, responses={200: {"description": "up (an empty body)",
                                                                    "content": {}}})
@@ -69,28 +84,41 @@ def create_app(state: IngressState) -> FastAPI:
     @app.get("/ready")
     async def ready() -> JSONResponse:
         health = state.client.health()
-        age_s = health.heartbeat_age_s
-        reason = ("the ingress is draining" if state.draining else
-                  f"the engine is {health.state}" if health.state != "ready" else
-                  f"no engine heartbeat for {age_s:.1f} s" if age_s >= state.heartbeat_deadline_s else
-                  "the engine's admission limit is 0 (set_limits): it admits no request" if health.admission_limit == 0
-                  else None)
-        ok = reason is None
-        body = {"ready": ok, **({"reason": reason} if reason else {}), "engine": health.state,
-                "heartbeat_age_s": round(age_s, 3) if age_s < 1e9 else None,
-                "admission_limit": health.admission_limit,
-                "draining": state.draining, "drive": state.info.drive, "transport": state.transport,
-                "degraded": state.degraded, "device": state.info.device, "epoch": health.epoch,
-                "failovers": health.failovers, "scheduling_policy": state.info.scheduling_policy,
-                "kv_host_pages": state.info.kv_host_pages, "prefix_caching": state.info.prefix_caching,
-                "limitations": state.info.limitations}
-        return JSONResponse(body, status_code=200 if ok else 503)
+        reason = _not_ready_because(state, health)
+        return JSONResponse(_readiness(state, health, reason), status_code=200 if reason is None else 503)
 
     @app.get("/metrics", response_class=PlainTextResponse,
              responses={200: {"description": "Prometheus' text format", "content": {"text/plain": {}}}})
     async def metrics() -> Response:
         status = await asyncio.to_thread(state.engine_status)
         return Response(state.metrics.render(state.client, status, state.degraded), media_type="text/plain")
+
+
+def _not_ready_because(state: IngressState, health: EngineHealth) -> str | None:
+    """Why this ingress should get no traffic now; None when it is ready."""
+    age_s = health.heartbeat_age_s
+    return ("the ingress is draining" if state.draining else
+            f"the engine is {health.state}" if health.state != "ready" else
+            f"no engine heartbeat for {age_s:.1f} s" if age_s >= state.heartbeat_deadline_s else
+            "the engine's admission limit is 0 (set_limits): it admits no request" if health.admission_limit == 0
+            else None)
+
+
+def _readiness(state: IngressState, health: EngineHealth, reason: str | None) -> dict:
+    """/ready's body: the verdict, then what the ingress knows of itself and its engine."""
+    age_s = health.heartbeat_age_s
+    return {"ready": reason is None, **({"reason": reason} if reason else {}), "engine": health.state,
+            "heartbeat_age_s": round(age_s, 3) if age_s < 1e9 else None,
+            "admission_limit": health.admission_limit,
+            "draining": state.draining, "drive": state.info.drive, "transport": state.transport,
+            "degraded": state.degraded, "device": state.info.device, "epoch": health.epoch,
+            "failovers": health.failovers, "scheduling_policy": state.info.scheduling_policy,
+            "kv_host_pages": state.info.kv_host_pages, "prefix_caching": state.info.prefix_caching,
+            "limitations": state.info.limitations}
+
+
+def _add_token_routes(app: FastAPI, state: IngressState) -> None:
+    """The served model's names, and its tokenizer both ways (vLLM's /tokenize and /detokenize)."""
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -116,6 +144,10 @@ def create_app(state: IngressState) -> FastAPI:
         check_token_ids(state, body.tokens, "tokens")
         return {"prompt": await state.off_loop(state.tokenizer.decode, body.tokens, False)}
 
+
+def _add_generation_routes(app: FastAPI, state: IngressState) -> None:
+    """Completions and chat: each turns its body into prompts and choices, then shares _respond."""
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         p = body.prompt  # counted before any is tokenized: a million empty prompts are refused at once
@@ -136,8 +168,6 @@ def create_app(state: IngressState) -> FastAPI:
         return await _respond(state, request, body, jobs, body.max_completion_tokens or body.max_tokens, logprobs,
                               chat=True, tools=tools, reasoning=reasoning,
                               thinking=reasoning is not None and reasoning.starts_thinking(text))
-
-    return app
 
 
 class _ClientGone(Exception):
