@@ -8,7 +8,7 @@ record into them (blink.engine.core.admission, on the host and on the device).
 
 A *knob* is a sampling parameter that means the same everywhere: the same name in the OpenAI body, in
 `SamplingParams`, in the record and in the engine's state, copied as it is. Adding one is a line in FIELDS, its
-declaration in `Request` and in `blink.engine.core.state.Slots` (tests/test_admission.py holds both to FIELDS and
+declaration in `Request` and in `blink.engine.core.state.Slots` (tests/engine/test_admission.py holds both to FIELDS and
 prints the lines to write), and the sampler code that reads `state.<name>`. The other fields have their own
 shapes at the edges (an optional seed, a class name, SLOs in ms that become a deadline) and their own line in the
 admission.
@@ -106,7 +106,7 @@ def record_fields(max_stop_ids: int, max_page_hashes: int) -> list[tuple]:
 def request_fields() -> list[tuple[str, object, object]]:
     """(name, type, default) of each attribute of `Request`, as FIELDS makes them: the prompt, max_tokens, every field
     of FIELDS but those derived from the prompt and the arrays, then the arrays and the cache salt. `Request` declares
-    them in its source, for an editor to see; tests/test_admission.py checks the two agree."""
+    them in its source, for an editor to see; tests/engine/test_admission.py checks the two agree."""
     derived = {"prompt_len", "num_stop_ids", "num_logit_bias"}
     return [("prompt", list[int], MISSING), ("max_tokens", int, MISSING),
             *((f.name, f.python_type, f.default) for f in FIELDS if f.name not in derived | {"max_tokens"}),

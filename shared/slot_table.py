@@ -125,7 +125,7 @@ def window_room(produced, consumed, window: int):
     """Entries a slot's output window has room for, from its `produced` and `consumed` counters (Python ints, or int64
     arrays or tensors): the window's one rule, for every mode; none left pauses the slot. The counters are uint32 and
     wrap, so their difference counts modulo 2**32. The exchange kernel's Triton copy and the persistent loop's CUDA C
-    copy are tested against this (tests/test_window_rule.py)."""
+    copy are tested against this (tests/engine/test_window_rule.py)."""
     return window - (produced - consumed) % 2**32
 
 

@@ -201,8 +201,8 @@ def persistent(out: dict, dry_run: bool) -> None:
         table.unlink()
 
 
-GPU_TESTS = ("tests/test_kernels.py", "tests/test_device_step.py", "tests/test_drive_modes.py",
-             "tests/test_persistent_drive.py", "tests/test_step.py", "tests/test_loading.py")
+GPU_TESTS = ("tests/engine/test_kernels.py", "tests/engine/test_device_step.py", "tests/serving/test_drive_modes.py",
+             "tests/engine/test_persistent_drive.py", "tests/engine/test_step.py", "tests/engine/test_loading.py")
 
 
 def tests(out: dict, dry_run: bool) -> None:

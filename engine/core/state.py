@@ -108,7 +108,7 @@ class Slots:
 
     def status_is(self, status: SlotStatus) -> torch.Tensor:
         """[S] whether each slot is in `status`. torch.eq, not ==: torch.compile traces `tensor == IntEnum` as a
-        Python bool, and the step's bookkeeping must stay traceable (tests/test_device_step.py)."""
+        Python bool, and the step's bookkeeping must stay traceable (tests/engine/test_device_step.py)."""
         return self.status.eq(status)
 
     def release_slot(self, slot: int) -> None:

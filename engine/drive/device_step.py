@@ -156,13 +156,13 @@ def wants_a_step(state, room, cancel, admissible=True):
     """Whether a slot of this engine's epoch gives the device step work (numpy arrays or numbers): a request published
     (and `admissible` under the admission limit), or an admitted one whose reader made room in its window (`room`:
     window_room) or which was cancelled: the step refreshes `paused` and ends cancellations. The persistent loop's
-    pick kernel has a C copy of it, tested against this one (tests/test_window_rule.py)."""
+    pick kernel has a C copy of it, tested against this one (tests/engine/test_window_rule.py)."""
     return (((state == SlotState.SUBMITTED) & admissible)
             | ((state == SlotState.ADMITTED) & ((room > 0) | (cancel != 0))))
 
 
 # window_room and wants_a_step in CUDA C, for the persistent loop's pick kernel (which is not held to the limit:
-# admission is). tests/test_window_rule.py compiles them for the host and runs them against the Python ones.
+# admission is). tests/engine/test_window_rule.py compiles them for the host and runs them against the Python ones.
 WANTS_A_STEP_C = r"""
 static __host__ __device__ __forceinline__ long long window_room(unsigned int produced, unsigned int consumed,
                                                                   long long window) {

@@ -20,7 +20,7 @@ from blink.engine import LLM, SamplingParams
 from blink.engine.model.tiny_model import ensure_tiny_model
 from blink.shared import control
 from blink.shared.slot_table import SlotTable
-from tests.test_watchdog import MODEL, engine_pid, stream, wait_ready_and_serving, wait_until
+from tests.support.deployment import MODEL, engine_pid, stream, wait_ready_and_serving, wait_until
 
 pytestmark = pytest.mark.slow  # whole deployments (blink serve): CI runs them; `-m "not slow"` skips them
 
@@ -106,7 +106,7 @@ def test_switching_to_zmq_mid_run_loses_nothing(tmp_path):
     exactly the tokens they would have had; new ones go through the relay."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from tests.test_watchdog import decoding, table_empty
+    from tests.support.deployment import decoding, table_empty
 
     prompts = [f"switch number {i}" for i in range(8)]
     expected = [o.text for o in LLM(str(ensure_tiny_model()), max_num_seqs=8).generate(

@@ -26,7 +26,7 @@ from blink.bench.lib.figures import compute, report
 from blink.bench.lib.loadgen import arrival_times
 from blink.bench.lib.server import running_server
 from blink.bench.serving.classes import assign, class_figures, class_report, parse_mix, parse_slo
-from tests.scripted_openai import Script, scripted_server
+from tests.support.scripted_openai import Script, scripted_server
 
 BENCH = [sys.executable, "-m", "blink.services.cli", "bench"]
 NORMAL = [f"normal request number {i} about the weather today" for i in range(8)]

@@ -1,6 +1,6 @@
 """Prefix caching: the page hashes requests carry, and the engine reusing cached KV pages (the host mode here; the
-device step in tests/test_device_step.py): the same tokens with and without a hit, the hits counted, reference counts
-right through preemption, rotation and cancellation."""
+device step in tests/engine/test_device_step.py): the same tokens with and without a hit, the hits counted,
+reference counts right through preemption, rotation and cancellation."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from blink.engine.core.kv_cache import NULL_PAGE
 from blink.engine.core.state import SlotStatus
 from blink.shared.prefix_hash import page_hashes
 from blink.shared.service_class import ServiceClass
-from tests.churn import assert_ended_as, churn
+from tests.support.churn import assert_ended_as, churn
 
 SHAPE = dict(max_num_seqs=4, max_num_batched_tokens=32, page_size=8, max_model_len=96)
 PROMPT = list(range(10, 60))  # 50 tokens: 6 full pages of 8 and 2 tokens

@@ -21,7 +21,16 @@ from blink.engine.model.tiny_model import ensure_tiny_model
 from blink.engine.ranks import RankLost, Ranks, free_init_method
 from blink.shared import control
 from blink.shared.slot_table import SlotTable
-from tests.test_watchdog import DEADLINE_S, MODEL, SLACK_S, decoding, gone, stream, wait_ready_and_serving, wait_until
+from tests.support.deployment import (
+    DEADLINE_S,
+    MODEL,
+    SLACK_S,
+    decoding,
+    gone,
+    stream,
+    wait_ready_and_serving,
+    wait_until,
+)
 
 PROMPTS = [list(range(3, 8)), list(range(10, 110)), list(range(200, 240)), [7] * 17, list(range(300, 333))]
 OPTIONS = dict(max_num_seqs=4, max_num_batched_tokens=64, num_pages=80, page_size=8, max_model_len=256,

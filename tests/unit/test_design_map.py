@@ -6,7 +6,7 @@ import re
 import subprocess
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DESIGN = ROOT / "docs" / "design.md"
 PACKAGES = ("engine", "ingress", "shared", "services", "bench")
 SOURCE = (".py", ".cpp", ".cu")

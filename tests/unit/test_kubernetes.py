@@ -17,9 +17,9 @@ from blink.ingress.guard import OPEN_PATHS
 from blink.ingress.metrics import Metrics
 from blink.services.cli import main as blink_main
 from blink.shared.settings import Settings
-from tests.test_compose import EXTRA_VARIABLES
+from tests.support.environment import EXTRA_VARIABLES
 
-KUBERNETES = Path(__file__).resolve().parents[1] / "deploy" / "kubernetes"
+KUBERNETES = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"
 KUSTOMIZATIONS = ("base", "cpu", "autoscaling")
 VERSIONS = ("1.29.0", kubernetes_validate.latest_version())  # the oldest Kubernetes still widely run, the newest
 

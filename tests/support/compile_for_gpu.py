@@ -1,8 +1,8 @@
 """Compiles Blink's Triton kernels for an H100 (sm_90) without a GPU: Triton's front end, its passes and the ptxas
 its wheel ships, so code the interpreter accepts but the compiler would not fails here, in CI. The model's and the
 sampler's kernels with signatures written here; the exchange kernels with the arguments one device step (on the
-CPU, the kernels recorded rather than run) hands them. Run as `python -m tests.compile_for_gpu` without
-TRITON_INTERPRET (tests/test_kernels.py does)."""
+CPU, the kernels recorded rather than run) hands them. Run as `python -m tests.support.compile_for_gpu` without
+TRITON_INTERPRET (tests/engine/test_kernels.py does)."""
 
 import os
 import sys
@@ -16,7 +16,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from blink.engine.kernels import attention, exchange, moe, rms_norm, rope_kv, rotation, sampler  # noqa: E402
-from tests.launches import Launch, Launches  # noqa: E402
+from tests.support.launches import Launch, Launches  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 

@@ -10,7 +10,6 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from gguf_files import write_gguf, write_sentencepiece_gguf
 from safetensors.torch import load_file
 
 from blink.engine import LLM, SamplingParams
@@ -19,6 +18,7 @@ from blink.shared.checkpoints.errors import CheckpointError
 from blink.shared.checkpoints.source import resolve
 from blink.shared.model_cache import cache_root
 from blink.shared.tokenizer import Tokenizer
+from tests.support.gguf_files import write_gguf, write_sentencepiece_gguf
 
 # Not qwen3-moe: its dense layer has no place in llama.cpp's qwen3moe.
 KINDS = ["llama-gqa", "llama-tied", "llama-bias", "mistral", "qwen2", "qwen3", "qwen3-moe-top1", "qwen2-moe", "mixtral"]

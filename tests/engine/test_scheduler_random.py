@@ -9,7 +9,7 @@ import torch
 
 from blink.engine import LLM, SamplingParams
 from blink.engine.core.state import SlotStatus
-from tests.churn import assert_ended_as, churn
+from tests.support.churn import assert_ended_as, churn
 
 
 @pytest.fixture(scope="module")

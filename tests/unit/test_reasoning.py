@@ -12,7 +12,7 @@ import pytest
 from blink.ingress.reasoning import PARSERS, ReasoningStream
 from blink.ingress.tools import PARSERS as TOOL_PARSERS
 from blink.shared.settings import REASONING_PARSERS, Settings
-from tests.scripted_engine import ScriptedEngine, write_chat_model
+from tests.support.scripted_engine import ScriptedEngine, write_chat_model
 
 OPEN = "<|im_start|>assistant\n<think>\n"  # the end of a prompt whose template opened the block
 CLOSED = "<|im_start|>assistant\n<think>\n\n</think>\n\n"  # Qwen3's with enable_thinking false

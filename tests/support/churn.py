@@ -1,6 +1,7 @@
 """A random churn through the offline driver: requests arrive a few at a time, some are cancelled, and a check runs
 after every step; then every request ended once, uncancelled ones with the tokens expected, cancelled ones with a
-prefix of them. Shared by the memory-pressure tests (tests/test_scheduler_random.py, tests/test_prefix_cache.py)."""
+prefix of them. Shared by the memory-pressure tests (tests/engine/test_scheduler_random.py,
+tests/engine/test_prefix_cache.py)."""
 
 from __future__ import annotations
 

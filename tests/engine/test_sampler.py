@@ -193,7 +193,7 @@ def test_top_p_of_one_keeps_every_token_when_others_filter():
 
 
 def test_a_top_p_of_zero_in_a_record_keeps_the_top_token():
-    """The edges refuse it (tests/test_requests.py), but a record the engine reads must never crash its step."""
+    """The edges refuse it (tests/engine/test_requests.py), but a record the engine reads must never crash its step."""
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     assert set(_draws(logits, 200, top_p=0.0).tolist()) == {0}
 

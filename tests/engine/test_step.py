@@ -2,41 +2,17 @@
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
 from blink.engine import LLM, SamplingParams
-from blink.engine.core import commit, scheduler
+from blink.engine.core import scheduler
 from blink.engine.core.kv_cache import PagePool
 from blink.engine.core.sampler import SamplerFeatures
 from blink.engine.drive.host import _events
 from blink.engine.drive.offline import OfflineDriver
 from blink.engine.model.config import ModelConfig, RopeScaling
-
-
-@contextlib.contextmanager
-def host_reads_forbidden():
-    """Makes every way of reading a tensor's value on the host raise, with the step as a device runs it: the host
-    mode's skips (state.none_set), which read, turned off as they are on a GPU and under torch.compile."""
-    def refuse(*args, **kwargs):
-        raise AssertionError("host read inside the step")
-
-    names = ["item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__", "__index__"]
-    saved = {n: getattr(torch.Tensor, n) for n in names}
-    skips = {module: module.none_set for module in (scheduler, commit)}
-    for n in names:
-        setattr(torch.Tensor, n, refuse)
-    for module in skips:
-        module.none_set = lambda *masks: False
-    try:
-        yield
-    finally:
-        for n, f in saved.items():
-            setattr(torch.Tensor, n, f)
-        for module, f in skips.items():
-            module.none_set = f
+from tests.support.host_reads import host_reads_forbidden
 
 
 def test_plan_and_run_never_read_tensors_on_the_host(checkpoint):

@@ -19,7 +19,7 @@ from blink.ingress.generation_config import SamplingDefaults
 from blink.services.cli import add_settings_flags, settings_from_args
 from blink.services.watchdog import ProcessSupervisor
 from blink.shared.settings import Settings
-from tests.scripted_engine import ScriptedEngine, write_chat_model
+from tests.support.scripted_engine import ScriptedEngine, write_chat_model
 
 USER = [{"role": "user", "content": "hi"}]
 

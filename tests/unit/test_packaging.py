@@ -12,7 +12,7 @@ import tomllib
 import zipfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 IMPORT_ALL = """
 import importlib, sys

@@ -14,10 +14,10 @@ import yaml
 
 from blink.services.cli import main as blink_main
 from blink.shared.settings import Settings
+from tests.support.environment import EXTRA_VARIABLES
 
-COMPOSE = Path(__file__).resolve().parents[1] / "compose"
+COMPOSE = Path(__file__).resolve().parents[2] / "compose"
 FILES = sorted(COMPOSE.glob("docker-compose*.yml"))
-EXTRA_VARIABLES = {"BLINK_CACHE_DIR", "HF_HOME", "HF_TOKEN"}  # read by blink.shared.model_cache and huggingface_hub
 
 
 class ComposeLoader(yaml.SafeLoader):

@@ -13,7 +13,7 @@ import torch
 
 from blink.engine import LLM, SamplingParams
 from blink.engine.core.sampler import SamplerFeatures
-from blink.engine.core.scheduler import QUERY_BLOCK, QueryRows
+from blink.engine.core.scheduler import QUERY_BLOCK
 from blink.engine.kernels import attention as attention_kernel
 from blink.engine.kernels import rms_norm as norm_kernel
 from blink.engine.kernels import rope_kv as rope_kernel
@@ -24,12 +24,9 @@ from blink.engine.model.attention import AttentionBatch, build_row_group
 from blink.engine.model.attention import paged_attention as reference_attention
 from blink.engine.model.kernel_sets import rms_norm as reference_rms_norm
 from blink.engine.model.rope import apply_rope, rotate, step_rope
-from tests.launches import Launches
-from tests.test_step import host_reads_forbidden
-
-# The kernels run compiled on a GPU and in Triton's interpreter without one (conftest): inputs are drawn on the CPU
-# (the same numbers either way) and moved to where the kernels run.
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+from tests.support.host_reads import host_reads_forbidden
+from tests.support.kernel_inputs import DEVICE, SEQUENCES, rope_tables, scene
+from tests.support.launches import Launches
 
 TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3),
              torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
@@ -38,55 +35,8 @@ TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol
 ELEMENTWISE = {torch.float32: dict(atol=1e-6, rtol=1e-6), torch.float16: dict(atol=0, rtol=0),
                torch.bfloat16: dict(atol=2**-5, rtol=2**-7)}
 
-# (tokens already in the cache, tokens computed this step) per sequence: decodes (1), a prompt's first chunk longer
-# than QUERY_BLOCK, chunks that continue a long context, a two-token chunk, and rows ending on page boundaries.
-SEQUENCES = [(37, 1), (0, 70), (5, 1), (100, 20), (0, 2), (63, 1), (64, 1), (15, 65)]
-
-
-def _rows(runs: list[tuple[int, int, int, int]], capacity: int, batch: int, gen: torch.Generator) -> QueryRows:
-    """runs: (start, length, first_pos, slot) of the real rows; the rest of the capacity holds plausible junk that a
-    kernel reading past `count` would attend with."""
-    junk = capacity - len(runs)
-    start = torch.tensor([r[0] for r in runs] + torch.randint(0, batch, (junk,), generator=gen).tolist())
-    length = torch.tensor([r[1] for r in runs] + [1] * junk)
-    first_pos = torch.tensor([r[2] for r in runs] + torch.randint(0, 8, (junk,), generator=gen).tolist())
-    slot = torch.tensor([r[3] for r in runs] + [0] * junk)
-    return QueryRows(*(t.to(DEVICE) for t in (start, length, first_pos, slot, torch.tensor(len(runs)))))
-
-
-def _scene(sequences, page_size, kv_heads, group, head_dim, dtype, padding=3, seed=0):
-    """A step over random caches: q, k and v of every batch token, where their K/V go, and the two row groups."""
-    gen = torch.Generator().manual_seed(seed)
-    S = len(sequences)
-    pages_per_seq = max(-(-(done + take) // page_size) for done, take in sequences)
-    num_pages = S * pages_per_seq + 3
-    table = torch.zeros(S, pages_per_seq + 1, dtype=torch.int64)
-    shuffled = torch.randperm(num_pages - 1, generator=gen) + 1  # page 0 is the null page
-    for s in range(S):
-        table[s, :pages_per_seq] = shuffled[s * pages_per_seq:(s + 1) * pages_per_seq]
-    B = sum(take for _, take in sequences) + padding
-    shape = (num_pages, page_size, kv_heads, head_dim)
-    k_cache, v_cache = (torch.randn(shape, generator=gen).to(dtype) for _ in range(2))
-    q = torch.randn(B, kv_heads * group, head_dim, generator=gen).to(dtype)
-    k, v = (torch.randn(B, kv_heads, head_dim, generator=gen).to(dtype) for _ in range(2))
-    write_rows = torch.zeros(B, dtype=torch.int64)
-    decodes, chunks, start = [], [], 0
-    for s, (done, take) in enumerate(sequences):
-        pos = torch.arange(done, done + take)
-        write_rows[start:start + take] = table[s, pos // page_size] * page_size + pos % page_size
-        if take == 1:
-            decodes.append((start, 1, done, s))
-        for j in range(0, take if take > 1 else 0, QUERY_BLOCK):
-            chunks.append((start + j, min(QUERY_BLOCK, take - j), done + j, s))
-        start += take
-    decode_rows = _rows(decodes, len(decodes) + 2, B, gen)
-    chunk_rows = _rows(chunks, len(chunks) + 2, B, gen)
-    inputs = (q, k, v, k_cache, v_cache, table, write_rows)
-    return (*(t.to(DEVICE) for t in inputs), decode_rows, chunk_rows)
-
-
 def _check_attention(sequences, page_size, kv_heads, group, dtype, window=None, head_dim=16, splits=None):
-    q, k, v, k_cache, v_cache, table, write_rows, decode_rows, chunk_rows = _scene(
+    q, k, v, k_cache, v_cache, table, write_rows, decode_rows, chunk_rows = scene(
         sequences, page_size, kv_heads, group, head_dim, dtype)
     B, scale = q.shape[0], head_dim ** -0.5
     context = table.shape[1] * page_size
@@ -135,25 +85,18 @@ def test_the_kernels_compile_for_a_gpu(tmp_path):
     """The interpreter runs kernels as Python; this compiles them for sm_90 (no GPU needed) so what only the
     compiler refuses fails in CI too."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(tmp_path)}
-    done = subprocess.run([sys.executable, "-m", "tests.compile_for_gpu"], env=env, capture_output=True, text=True,
-                          cwd=Path(__file__).parent.parent, timeout=300)
+    done = subprocess.run([sys.executable, "-m", "tests.support.compile_for_gpu"], env=env, capture_output=True,
+                          text=True, cwd=Path(__file__).parents[2], timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
 
 
 def test_attention_of_an_empty_batch_touches_nothing():
-    q, _, _, k_cache, v_cache, table, _, decode_rows, chunk_rows = _scene(SEQUENCES, 4, 2, 2, 16, torch.float32)
+    q, _, _, k_cache, v_cache, table, _, decode_rows, chunk_rows = scene(SEQUENCES, 4, 2, 2, 16, torch.float32)
     out = torch.full_like(q, 7.0)
     for rows, queries in ((decode_rows, 1), (chunk_rows, QUERY_BLOCK)):
         rows.count.zero_()  # the capacity keeps its junk rows
         paged_attention(q, k_cache, v_cache, rows, queries, table, 0.25, None, out)
     assert bool((out == 7.0).all())
-
-
-def _rope_tables(max_len: int, head_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
-    freqs = torch.arange(max_len).float()[:, None] * inv_freq[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 @pytest.mark.parametrize(("dtype", "heads", "kv_heads", "head_dim"), [
@@ -168,7 +111,7 @@ def test_rope_and_cache_write_match_the_reference(dtype, heads, kv_heads, head_d
     # Strided views of the fused projection, as the model hands them over.
     q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
     q, k, v = q.view(B, heads, head_dim), k.view(B, kv_heads, head_dim), v.view(B, kv_heads, head_dim)
-    cos, sin = _rope_tables(64, head_dim, dtype)
+    cos, sin = rope_tables(64, head_dim, dtype)
     positions = torch.randint(0, 64, (B,), generator=gen)
     cos, sin, positions = cos.to(DEVICE), sin.to(DEVICE), positions.to(DEVICE)
     rows = (torch.randperm((num_pages - 1) * page_size, generator=gen)[:B] + page_size).to(DEVICE)  # not page 0
@@ -193,7 +136,7 @@ def test_the_torch_paths_rotation_is_transformers_bit_for_bit(dtype):
     """The CPU path rotates queries and keys together with one roll and a sign-folded sin: the same values as
     rotate_half's slices, negation and concatenation."""
     gen = torch.Generator().manual_seed(3)
-    cos, sin = _rope_tables(64, 24, dtype)
+    cos, sin = rope_tables(64, 24, dtype)
     positions = torch.randint(0, 64, (9,), generator=gen)
     x = torch.randn(9, 6, 24, generator=gen).to(dtype)
     assert torch.equal(rotate(x, *step_rope(cos, sin, positions)), apply_rope(x, cos[positions], sin[positions]))

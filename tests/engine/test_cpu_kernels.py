@@ -18,7 +18,7 @@ from blink.engine.model.attention import AttentionBatch, attend_groups, build_ro
 from blink.engine.model.attention import paged_attention as reference_attention
 from blink.engine.model.kernel_sets import rms_norm
 from blink.engine.model.rope import rotate, step_rope
-from tests.test_kernels import SEQUENCES, _rope_tables, _scene
+from tests.support.kernel_inputs import SEQUENCES, rope_tables, scene
 
 pytestmark = pytest.mark.skipif(not (os.environ.get("CXX") or shutil.which("c++")),
                                 reason="the CPU kernels are built with a C++ compiler, and none is on PATH")
@@ -52,7 +52,7 @@ def test_rope_and_cache_are_the_reference_bit_for_bit(ops, dtype, heads, kv_head
     q_size, kv_size = heads * head_dim, kv_heads * head_dim
     qkv = torch.randn(B, q_size + 2 * kv_size, generator=gen).to(dtype)
     q, k, v = (part.unflatten(-1, (-1, head_dim)) for part in qkv.split([q_size, kv_size, kv_size], dim=-1))
-    cos, sin = step_rope(*_rope_tables(64, head_dim, dtype), torch.randint(0, 64, (B,), generator=gen))
+    cos, sin = step_rope(*rope_tables(64, head_dim, dtype), torch.randint(0, 64, (B,), generator=gen))
     rows = torch.randperm(num_pages * page_size, generator=gen)[:B]
     k_cache, v_cache = (torch.randn(num_pages, page_size, kv_heads, head_dim, generator=gen).to(dtype)
                         for _ in range(2))
@@ -71,11 +71,11 @@ def test_a_decode_step_in_one_call_is_the_separate_ops_bit_for_bit(ops, dtype):
     kv_heads, group, head_dim, page_size = 2, 3, 16, 4
     q, k, v, k_cache, v_cache, table, write_rows, decode_rows, _ = (
         t.cpu() if isinstance(t, torch.Tensor) else t
-        for t in _scene([(37, 1), (5, 1), (63, 1), (64, 1)], page_size, kv_heads, group, head_dim, dtype))
+        for t in scene([(37, 1), (5, 1), (63, 1), (64, 1)], page_size, kv_heads, group, head_dim, dtype))
     rows = type(decode_rows)(*(t.cpu() for t in vars(decode_rows).values()))
     B, heads = q.shape[0], kv_heads * group
     qkv = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], 1)
-    cos, sin = step_rope(*_rope_tables(128, head_dim, dtype), torch.randint(0, 128, (B,)))
+    cos, sin = step_rope(*rope_tables(128, head_dim, dtype), torch.randint(0, 128, (B,)))
     scale, args = head_dim ** -0.5, (table, rows.slot, rows.start, rows.first_pos, rows.count)
     caches = k_cache.clone(), v_cache.clone()
     roped = ops.rope_and_cache(q, k, v, cos, sin, write_rows, *caches)
@@ -92,7 +92,7 @@ def _check_attention(ops, sequences, page_size, kv_heads, group, dtype, window=N
     """Decode rows through the kernel, chunks through the reference's gathers, against the reference for all."""
     q, k, v, k_cache, v_cache, table, write_rows, decode_rows, chunk_rows = (
         t.cpu() if isinstance(t, torch.Tensor) else t
-        for t in _scene(sequences, page_size, kv_heads, group, head_dim, dtype))
+        for t in scene(sequences, page_size, kv_heads, group, head_dim, dtype))
     decode_rows, chunk_rows = (type(r)(*(t.cpu() for t in vars(r).values())) for r in (decode_rows, chunk_rows))
     B, scale, context = q.shape[0], head_dim ** -0.5, table.shape[1] * page_size
     groups = [build_row_group(rows, table, page_size, queries, context, window, B)

@@ -247,7 +247,7 @@ def test_doctor_names_each_transport_and_drive_mode_and_why():
                 ("model", "gguf"), ("model", "hub"), ("model", "default")):
         assert key in found and found[key]["why"]
     assert found[("transport", "zmq")]["available"] and found[("drive", "host")]["available"]
-    from conftest import _rdma_missing
+    from tests.conftest import _rdma_missing
 
     assert found[("transport", "rdma")]["available"] == (_rdma_missing() is None)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine_builder import ModelFreeEngine
+from tests.support.engine_builder import ModelFreeEngine
 
 
 def test_decodes_go_first_and_a_prompt_takes_the_rest_of_the_budget_as_a_chunk():
