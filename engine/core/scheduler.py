@@ -15,7 +15,8 @@ from typing import Generic, NamedTuple, TypeVar
 
 import torch
 
-from blink.engine.core.kv_cache import NULL_PAGE, PagePool
+from blink.engine.core.kv_cache import PagePool
+from blink.engine.core.page_sharing import frees_a_page, held_pages, pages_by_position, positions
 from blink.engine.core.policy import Policy, StepCost, ahead, lexsort
 from blink.engine.core.prefix_cache import PrefixCache
 from blink.engine.core.rotation import HostMirror, PageMoves
@@ -83,23 +84,38 @@ class PlanSizes(NamedTuple, Generic[Size]):
 def plan(state: Slots, pool: PagePool, token_budget: int, policy: Policy, mirror: HostMirror | None,
          cost: StepCost, prompt_rows: int) -> StepPlan:
     """cost: the driver's step-time model; prompt_rows: the prompt logprobs one step may compute at most."""
-    S = state.num_slots
-    device = state.status.device
-    page = pool.page_size
+    running, resident = _start_admitted(state)
+    precedence = lexsort(policy.keep_keys(state), first=torch.zeros_like(resident))  # the policy's order alone
+    live = _live(state, pool, policy, mirror, resident, precedence)
+    take, entries = _hand_out(state, policy, cost, token_budget, prompt_rows, live)
+    take, moves, moved = _find_pages(state, pool, policy, mirror, token_budget, take, running, resident, precedence)
+    state.wait_s += torch.where(running & ~state.paused & (take == 0), cost.since_last_plan, 0.0)
+    if entries is not None:
+        entries = torch.where(take > 0, entries, 0)  # a slot that lost its pages to a victim's need computes nothing
+    return _lay_out(state, take, entries, moves, moved, token_budget)
 
-    # Admit.
+
+def _start_admitted(state: Slots) -> tuple[torch.Tensor, torch.Tensor]:
+    """ADMITTED slots start RUNNING. Returns the running slots and the resident ones (not rotated out)."""
     admitted = state.status_is(SlotStatus.ADMITTED)
     state.status.masked_fill_(admitted, SlotStatus.RUNNING)
     running = state.status_is(SlotStatus.RUNNING)
-    resident = running & ~state.rotated
+    return running, running & ~state.rotated
 
-    # Hand out the token budget in the policy's order, up to its cap.
+
+def _live(state: Slots, pool: PagePool, policy: Policy, mirror: HostMirror | None, resident: torch.Tensor,
+          precedence: torch.Tensor) -> torch.Tensor:
+    """The resident slots that may compute; those starting first take what the prefix cache holds of their prompt."""
     fresh = resident & (state.num_computed == 0) & (state.pages_held == 0)
-    precedence = lexsort(policy.keep_keys(state), first=torch.zeros_like(resident))  # the policy's order alone
     held_back = fresh & _hold_new(state, policy, mirror, precedence)
     if pool.prefix_cache is not None and not none_set(fresh):
         _reuse_prefix(state, pool.prefix_cache, fresh & ~held_back & ~state.cancel)
-    live = resident & ~state.paused & ~state.cancel & ~held_back
+    return resident & ~state.paused & ~state.cancel & ~held_back
+
+
+def _hand_out(state: Slots, policy: Policy, cost: StepCost, token_budget: int, prompt_rows: int,
+              live: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The token budget, in the policy's order up to its cap: (tokens per slot, prompt logprobs per slot or None)."""
     demand = torch.where(live, state.seq_len - state.num_computed, 0)
     if prompt_rows:  # else no resident request asked for its prompt's logprobs
         # A request that does publishes one per prompt token it computes (and then its first token): no more than
@@ -111,39 +127,60 @@ def plan(state: Slots, pool: PagePool, token_budget: int, policy: Policy, mirror
     wanted = demand[order]
     before = wanted.cumsum(0) - wanted
     take = torch.empty_like(demand).scatter_(0, order, (cap - before).clamp(min=0).minimum(wanted))
-    take, entries = _score_prompts(state, take, order, prompt_rows) if prompt_rows else (take, None)
+    return _score_prompts(state, take, order, prompt_rows) if prompt_rows else (take, None)
 
-    # Pages: victims give theirs back when they run short, rotated out while the mirror has room.
-    covered = (state.num_computed + take + page - 1) // page
-    need = torch.where(take > 0, covered - state.pages_held, 0).clamp(min=0)
+
+def _find_pages(state: Slots, pool: PagePool, policy: Policy, mirror: HostMirror | None, token_budget: int,
+                take: torch.Tensor, running: torch.Tensor, resident: torch.Tensor, precedence: torch.Tensor):
+    """Pages for the tokens taken: victims give theirs back when they run short, rotated out while the mirror has
+    room; rotated requests come back when pages free. Returns (take, the page moves or None, [out, in] counts)."""
+    page = pool.page_size
+    need, crossing = _pages_needed(state, take, page, mirror)
     # A cancelled request ends in this step's commit: its pages are the first to give, not kept at its precedence
     # while another is preempted.
     keep = ahead(precedence, resident & ~state.cancel)
-    # With a mirror, room is also kept for the page each sequence running on will start in the next step.
-    crossing = ((take > 0) & ((state.num_computed + take) % page == 0)).long() if mirror else torch.zeros_like(take)
     if none_set(need.sum() + crossing.sum() > pool.num_free):  # the free pages cover all: nobody gives any back
         evicted, reserve = torch.zeros_like(resident), crossing.sum()
+        moves_out = _no_pairs(state) if mirror else None
     else:
         victims = lexsort(policy.victim_keys(state), first=resident & state.cancel)
         need, take, evicted, reserve = _make_room(state, pool, need, take, keep, victims, crossing)
-    if none_set(evicted):
-        moves_out = _no_pairs(state) if mirror else None
-    else:  # _make_room ran: only it evicts
-        rotate_out = _rotate_out(state, mirror, evicted, victims) if mirror else torch.zeros_like(evicted)
-        moves_out = _move_out(state, mirror, rotate_out) if mirror else None
-        _evict(state, pool, evicted, recompute=evicted & ~rotate_out)
+        moves_out = _give_back(state, pool, mirror, evicted, victims)
     if not none_set(need > 0):
         pool.allocate(need, state.block_table, state.pages_held, max_new=max_new_pages(token_budget, page))
-    if mirror:
-        moves_in = _come_back(state, pool, mirror, running, evicted, keep, reserve, token_budget)
-        moves = PageMoves(moves_out[0], moves_out[1], moves_in[0], moves_in[1])
-        moved = torch.stack([moves_out[2], moves_in[2]])
-        mirror.pages_moved += moved
-    else:
-        moves, moved = None, torch.zeros(2, dtype=torch.int64, device=device)
-    state.wait_s += torch.where(running & ~state.paused & (take == 0), cost.since_last_plan, 0.0)
+    if not mirror:
+        return take, None, torch.zeros(2, dtype=torch.int64, device=state.status.device)
+    moves_in = _come_back(state, pool, mirror, running, evicted, keep, reserve, token_budget)
+    moved = torch.stack([moves_out[2], moves_in[2]])
+    mirror.pages_moved += moved
+    return take, PageMoves(moves_out[0], moves_out[1], moves_in[0], moves_in[1]), moved
 
-    # Lay the batch out flat, slot after slot.
+
+def _pages_needed(state: Slots, take: torch.Tensor, page: int,
+                  mirror: HostMirror | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The new pages each slot's tokens reach into, and (with a mirror, 1 or 0) whether it starts a page next step."""
+    covered = (state.num_computed + take + page - 1) // page
+    need = torch.where(take > 0, covered - state.pages_held, 0).clamp(min=0)
+    # With a mirror, room is also kept for the page each sequence running on will start in the next step.
+    crossing = ((take > 0) & ((state.num_computed + take) % page == 0)).long() if mirror else torch.zeros_like(take)
+    return need, crossing
+
+
+def _give_back(state: Slots, pool: PagePool, mirror: HostMirror | None, evicted: torch.Tensor,
+               victims: torch.Tensor):
+    """The evicted slots' pages: to the mirror while it has room, else dropped for recompute. Returns the moves out."""
+    if none_set(evicted):
+        return _no_pairs(state) if mirror else None
+    rotate_out = _rotate_out(state, mirror, evicted, victims) if mirror else torch.zeros_like(evicted)
+    moves_out = _move_out(state, mirror, rotate_out) if mirror else None
+    _evict(state, pool, evicted, recompute=evicted & ~rotate_out)
+    return moves_out
+
+
+def _lay_out(state: Slots, take: torch.Tensor, entries: torch.Tensor | None, moves: PageMoves | None,
+             moved: torch.Tensor, token_budget: int) -> StepPlan:
+    """The batch's tokens flat, slot after slot; the query rows, the sampling rows and the sizes the driver reads."""
+    S, device = state.num_slots, state.status.device
     ends = take.cumsum(0)
     starts = ends - take
     t = torch.arange(token_budget, device=device)
@@ -161,8 +198,6 @@ def plan(state: Slots, pool: PagePool, token_budget: int, policy: Policy, mirror
     sample_token = torch.where(sample_valid, ends[sample_slot] - 1, 0)
 
     max_context = torch.where(token_valid, token_pos + 1, 0).amax()
-    if entries is not None:
-        entries = torch.where(take > 0, entries, 0)  # a slot that lost its pages to a victim's need computes nothing
     sizes = PlanSizes(tokens=ends[-1], max_context=max_context, decode_rows=num_decodes, chunk_rows=chunk_rows.count,
                       pages_out=moved[0], pages_in=moved[1],
                       prompt_entries=moved.new_zeros(()) if entries is None else entries.sum())
@@ -255,59 +290,23 @@ def _make_room(state: Slots, pool: PagePool, need: torch.Tensor, take: torch.Ten
     A page frees when every slot mapping it gives it back (prefix caching shares pages), so what giving back frees
     is counted per page, by the first slot (in keep order) or the last victim that maps it; a slot whose every page
     a kept slot maps too (a request that has just mapped a shared prefix) would free nothing and is not a victim."""
-    S, table = state.num_slots, state.block_table
-    # With prefix caching, who maps which page: each slot's block-table entries in use.
-    held = (torch.arange(table.shape[1], device=table.device)[None, :] < state.pages_held[:, None]
-            if pool.prefix_cache is not None else None)
+    S = state.num_slots
+    held = held_pages(state, pool)  # with prefix caching, who maps which page
     need_o, cross_o = need[keep], crossing[keep]
-    first_o = _pages_by_position(state, pool, held, _positions(keep), "amin").cumsum(0)  # pages kept by slots <= k
+    first_o = pages_by_position(state, pool, held, positions(keep), "amin").cumsum(0)  # pages kept by slots <= k
     freed_after = first_o[-1] - first_o
     fits_o = need_o.cumsum(0) + cross_o.cumsum(0) - cross_o <= pool.num_free + freed_after
     fits = torch.empty_like(fits_o).scatter_(0, keep, fits_o)
     reserve = (crossing * fits).sum()
     deficit = (need * fits).sum() + reserve - pool.num_free
-    candidate = ~fits & _frees_a_page(state, pool, held, fits)
-    at = torch.where(candidate, _positions(victims), S)  # a page a kept slot maps never frees
-    last_v = _pages_by_position(state, pool, held, at, "amax")
+    candidate = ~fits & frees_a_page(state, pool, held, fits)
+    at = torch.where(candidate, positions(victims), S)  # a page a kept slot maps never frees
+    last_v = pages_by_position(state, pool, held, at, "amax")
     evict_v = candidate[victims] & (last_v.cumsum(0) - last_v < deficit)  # short before this victim gives back
     evicted = torch.empty_like(evict_v).scatter_(0, victims, evict_v)
     # A slot past the prefix still runs if it needs no new page and keeps its own.
     runs = fits | ((need == 0) & ~evicted)
     return torch.where(fits, need, 0), torch.where(runs, take, 0), evicted, reserve
-
-
-def _frees_a_page(state: Slots, pool: PagePool, held: torch.Tensor | None, kept: torch.Tensor) -> torch.Tensor:
-    """[S] whether a slot holds a page that no slot in `kept` maps: giving its pages back could free one. held:
-    `_make_room`'s, None without prefix caching."""
-    if held is None:  # no page is shared
-        return state.pages_held > 0
-    table = state.block_table
-    kept_page = torch.zeros(pool.num_pages, dtype=torch.bool, device=table.device)
-    kept_page[torch.where(held & kept[:, None], table, NULL_PAGE)] = True
-    kept_page[NULL_PAGE] = False
-    return (held & ~kept_page[table]).any(1)
-
-
-def _positions(order: torch.Tensor) -> torch.Tensor:
-    """[S] each slot's position in `order` (a permutation of the slots)."""
-    return torch.empty_like(order).scatter_(0, order, torch.arange(order.shape[0], device=order.device))
-
-
-def _pages_by_position(state: Slots, pool: PagePool, held: torch.Tensor | None, position: torch.Tensor,
-                       reduce: str) -> torch.Tensor:
-    """[S] how many pages have their first ('amin') or last ('amax') mapping slot at each position (slot s at
-    `position[s]`, in [0, S]; S counts nowhere). held: `_make_room`'s, None without prefix caching."""
-    S, table = state.num_slots, state.block_table
-    counts = torch.zeros(S + 1, dtype=torch.int64, device=table.device)
-    if held is None:  # no page is shared: a page's only holder is the slot whose pages_held counts it
-        return counts.scatter_add_(0, position, state.pages_held)[:S]
-    pages = torch.where(held, table, NULL_PAGE).flatten()
-    start = S if reduce == "amin" else -1
-    by_page = torch.full((pool.num_pages,), start, dtype=torch.int64, device=table.device)
-    by_page.scatter_reduce_(0, pages, torch.where(held, position[:, None], start).flatten(), reduce=reduce)
-    by_page = torch.where(by_page < 0, S, by_page)  # mapped by no slot
-    by_page[NULL_PAGE] = S
-    return counts.scatter_add_(0, by_page, torch.ones_like(by_page))[:S]
 
 
 def _hold_new(state: Slots, policy: Policy, mirror: HostMirror | None, precedence: torch.Tensor) -> torch.Tensor:
@@ -318,7 +317,7 @@ def _hold_new(state: Slots, policy: Policy, mirror: HostMirror | None, precedenc
     if mirror is None or none_set(state.rotated):
         return torch.zeros_like(state.rotated)
     waiting = state.rotated & state.status_is(SlotStatus.RUNNING) & ~state.cancel & ~state.paused
-    rank = _positions(precedence)
+    rank = positions(precedence)
     behind = rank > torch.where(waiting, rank, state.num_slots).amin()
     return ((mirror.nearly_full() & waiting.any()) | behind) & ~policy.latency_sensitive(state)
 
