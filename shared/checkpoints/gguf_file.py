@@ -24,8 +24,9 @@ from blink.shared.model_cache import cache_root
 SHARD_BYTES = 2 << 30
 
 
-def converted(path: Path, weights: bool = True, key: str | None = None) -> Path:
-    """The checkpoint directory for a GGUF file; key: its content's sha256 when the caller knows it already."""
+def converted(path: Path, weights: bool = True, key: str | None = None, sampling: dict | None = None) -> Path:
+    """The checkpoint directory for a GGUF file; key: its content's sha256 when the caller knows it already;
+    sampling: defaults for generation_config.json, which GGUF files do not carry (what the model's card recommends)."""
     if not path.is_file():
         raise CheckpointError(f"{path}: no such GGUF file")
     key = key or content_key(path)
@@ -35,7 +36,7 @@ def converted(path: Path, weights: bool = True, key: str | None = None) -> Path:
     target = _directory(key, weights)
     with _one_writer(target):  # tensor-parallel ranks, or an engine and an ingress, starting together
         if cached(key, weights) is None:
-            _write(path, target, weights)
+            _write(path, target, weights, sampling or {})
     return target
 
 
@@ -75,7 +76,7 @@ def content_key(path: Path) -> str:
     return key
 
 
-def _write(path: Path, target: Path, weights: bool) -> None:
+def _write(path: Path, target: Path, weights: bool, sampling: dict) -> None:
     from gguf import GGUFReader
 
     from blink.shared.checkpoints import gguf_config, gguf_tokenizer
@@ -94,7 +95,7 @@ def _write(path: Path, target: Path, weights: bool) -> None:
         gguf_tokenizer.build_tokenizer(tokenizer_meta).save(str(staging / "tokenizer.json"))
         _write_json(staging / "tokenizer_config.json", gguf_config.tokenizer_config(meta))
         _write_json(staging / "generation_config.json", {"bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
-                                                         "eos_token_id": gguf_config.end_token_ids(meta)})
+                                                         "eos_token_id": gguf_config.end_token_ids(meta), **sampling})
         if weights:
             _write_weights(reader, meta, staging)
         shutil.rmtree(target, ignore_errors=True)

@@ -29,7 +29,8 @@ def resolve(model: str | None, weights: bool = True, revision: str | None = None
     its weights are fetched (the engine passes its config loader, which refuses what it cannot run)."""
     if model is None:  # once converted, the GGUF file is not needed (nor fetched) again
         key = default_model.SHA256
-        path = gguf_file.cached(key, weights) or gguf_file.converted(default_model.gguf_path(), weights, key=key)
+        path = gguf_file.cached(key, weights) or gguf_file.converted(default_model.gguf_path(), weights, key=key,
+                                                                     sampling=default_model.SAMPLING)
         return Checkpoint(path, default_model.NAME)
     path = Path(model).expanduser()
     if path.is_dir():

@@ -89,3 +89,13 @@ def test_lm_eval_loglikelihoods_match_transformers(server, reference):
     assert served[0] is None
     expected = reference["logprobs"][torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
     assert torch.allclose(torch.tensor(served[1:]), expected, atol=1e-4)
+
+
+def test_requests_that_set_no_sampling_get_the_model_cards():
+    """GGUF files carry no sampling defaults: the default model's are written beside it, and the ingress's
+    `--generation-config auto` (its default) applies them to requests that set none."""
+    from blink.ingress.generation_config import SamplingDefaults
+    from blink.shared.checkpoints.source import resolve
+
+    model_dir = resolve(None, weights=False).path
+    assert SamplingDefaults.read("auto", [model_dir]).knobs == default_model.SAMPLING
