@@ -9,6 +9,7 @@ refused, never guessed.
 
 from __future__ import annotations
 
+from gguf import TokenType
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
 from blink.shared.checkpoints.errors import CheckpointError
@@ -41,7 +42,6 @@ PRE_TOKENIZERS = {
     "smaug-bpe": lambda: _split(_LLAMA3),
     "qwen2": lambda: _split(_QWEN2), "deepseek-r1-qwen": lambda: _split(_QWEN2),
 }
-_UNKNOWN, _CONTROL, _USER_DEFINED = 2, 3, 4  # llama.cpp's token types
 SPACE = "\u2581"  # SentencePiece's visible space
 
 
@@ -58,10 +58,11 @@ def build_tokenizer(meta: dict) -> Tokenizer:
     tokens: list[str] = meta["tokens"]
     types = meta.get("token_type") or [1] * len(tokens)
     # Control tokens (<|im_end|>) are special and skipped when decoding; user-defined ones (<think>) are matched whole.
+    special = (TokenType.UNKNOWN, TokenType.CONTROL)
     tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                  for t, type_ in zip(tokens, types, strict=True) if type_ in (_UNKNOWN, _CONTROL)])
+                                  for t, type_ in zip(tokens, types, strict=True) if type_ in special])
     tokenizer.add_tokens([AddedToken(t, special=False, normalized=False)
-                          for t, type_ in zip(tokens, types, strict=True) if type_ == _USER_DEFINED])
+                          for t, type_ in zip(tokens, types, strict=True) if type_ == TokenType.USER_DEFINED])
     bos = meta.get("bos_token_id")
     # SentencePiece files add BOS unless they say not to (llama.cpp's default for the llama model)
     if meta.get("add_bos_token", kind == "llama") and bos is not None:
