@@ -202,7 +202,8 @@ def persistent(out: dict, dry_run: bool) -> None:
 
 
 GPU_TESTS = ("tests/engine/test_kernels.py", "tests/engine/test_device_step.py", "tests/serving/test_drive_modes.py",
-             "tests/engine/test_persistent_drive.py", "tests/engine/test_step.py", "tests/engine/test_loading.py")
+             "tests/engine/test_persistent_drive.py", "tests/engine/test_step.py", "tests/engine/test_loading.py",
+             "tests/engine/test_window_rule.py")
 
 
 def tests(out: dict, dry_run: bool) -> None:
