@@ -24,6 +24,7 @@ from blink.engine.model.parallel import Shard
 from blink.engine.ranks import meet
 from blink.shared.checkpoints.source import resolve
 from blink.shared.prefix_hash import prefix_seed
+from blink.shared.request_schema import MAX_GRAMMAR_BYTES
 from blink.shared.slot_table import Geometry
 from blink.shared.tokenizer import Tokenizer
 
@@ -140,11 +141,14 @@ class Engine:
                  num_pages, page, max_len, config.scheduling_policy, max(0, self._mirror_pages - 1),
                  "on" if config.enable_prefix_caching else "off", "compiled" if config.compile_bookkeeping else "eager")
 
-    def geometry(self, window: int, max_prompt_tokens: int | None = None) -> Geometry:
+    def geometry(self, window: int, max_prompt_tokens: int | None = None,
+                 max_grammar_bytes: int = MAX_GRAMMAR_BYTES) -> Geometry:
         """The slot table this engine reads: its slots, prompts up to its context limit (or fewer), its page size
-        and prefix seed, so the page hashes the ingress writes are this engine's."""
+        and prefix seed, so the page hashes the ingress writes are this engine's, and grammars up to
+        `max_grammar_bytes`."""
         return Geometry(self.state.num_slots, max_prompt_tokens or self.max_model_len, window,
-                        page_size=self.pool.page_size, prefix_seed=self.prefix_seed)
+                        page_size=self.pool.page_size, prefix_seed=self.prefix_seed,
+                        max_grammar_bytes=max_grammar_bytes)
 
     def check_geometry(self, g: Geometry) -> None:
         """Raises unless this engine can serve a slot table of geometry `g`: as many slots, page hashes made for

@@ -35,6 +35,7 @@ from blink.ingress.protocol import (
 from blink.ingress.reasoning import ReasoningParser
 from blink.ingress.responses import Shape, collect, sse
 from blink.ingress.state import IngressState
+from blink.ingress.structured import grammar_of_body
 from blink.ingress.tools import ToolParser
 from blink.ingress.validation import (
     chat_prompt,
@@ -45,6 +46,7 @@ from blink.ingress.validation import (
     context_room,
     encode,
 )
+from blink.shared.grammar import GrammarSpec
 from blink.shared.service_class import CLASS_NAMES
 
 log = structlog.get_logger()
@@ -153,21 +155,24 @@ def _add_generation_routes(app: FastAPI, state: IngressState) -> None:
         p = body.prompt  # counted before any is tokenized: a million empty prompts are refused at once
         if (1 if isinstance(p, str) or (p and isinstance(p[0], int)) else len(p)) * body.n > MAX_CHOICES:
             raise APIError(400, f"at most {MAX_CHOICES} choices (prompts times n) per request", param="n")
+        grammar = await grammar_of_body(state, body)
         prompts = await completion_prompts(state, body)
         jobs = [(p, i * body.n + j) for i, p in enumerate(prompts) for j in range(body.n)]
         echo = await _echoed_texts(state, body, prompts) if body.echo else None
-        return await _respond(state, request, body, jobs, body.max_tokens, body.logprobs, chat=False, echo=echo)
+        return await _respond(state, request, body, jobs, body.max_tokens, body.logprobs, chat=False, echo=echo,
+                              grammar=grammar)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
         tools = chat_tool_parser(state, body)
+        grammar = await grammar_of_body(state, body)
         prompt, text = await chat_prompt(state, body)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         jobs = [(prompt, j) for j in range(body.n)]
         reasoning = state.reasoning_parser
         return await _respond(state, request, body, jobs, body.max_completion_tokens or body.max_tokens, logprobs,
                               chat=True, tools=tools, reasoning=reasoning,
-                              thinking=reasoning is not None and reasoning.starts_thinking(text))
+                              thinking=reasoning is not None and reasoning.starts_thinking(text), grammar=grammar)
 
 
 class _ClientGone(Exception):
@@ -200,10 +205,11 @@ async def _echoed_texts(state: IngressState, body: CompletionRequest, prompts: l
 
 async def _respond(state: IngressState, request: Request, body: SamplingFields, jobs: list[tuple[list[int], int]],
                    max_tokens: int | None, logprobs: int | None, chat: bool, echo: list[str] | None = None,
-                   tools: ToolParser | None = None, reasoning: ReasoningParser | None = None, thinking: bool = False):
+                   tools: ToolParser | None = None, reasoning: ReasoningParser | None = None, thinking: bool = False,
+                   grammar: GrammarSpec | None = None):
     """echo: each prompt's text, to go before its choices' (completions' echo); tools: the parser that finds tool
     calls in the choices' text, reasoning the one that splits their think block out, thinking whether the prompt
-    opened one (chat's)."""
+    opened one (chat's); grammar: the structured output every choice follows (checked)."""
     check_model(state, body.model)
     check_token_ids(state, [int(t) for t in body.logit_bias or ()], "logit_bias")
     capacity = state.client.num_slots + state.client.max_waiting
@@ -221,7 +227,7 @@ async def _respond(state: IngressState, request: Request, body: SamplingFields, 
         room = context_room(state, prompt, max_tokens, "messages" if chat else "prompt")
         seed = body.seed + index if body.seed is not None else state.seeds.getrandbits(63)
         requests.append((slot_request(prompt, body, max_tokens, room, logprobs, seed, state.classes,
-                                      state.sampling_defaults, named_class, prompt_logprobs), index))
+                                      state.sampling_defaults, named_class, prompt_logprobs, grammar), index))
     choices = [choice_deltas(state.client, state.tokenizer, r, body, i, state.metrics, state.info.eos_token_ids,
                              counts_prompt=i % body.n == 0) for r, i in requests]
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex

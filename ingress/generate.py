@@ -17,6 +17,7 @@ from blink.ingress.errors import APIError, overloaded
 from blink.ingress.generation_config import SamplingDefaults
 from blink.ingress.metrics import ChoiceRecord, ClassMetrics, Metrics
 from blink.ingress.protocol import SamplingFields
+from blink.shared.grammar import GrammarSpec
 from blink.shared.request_schema import request_of
 from blink.shared.service_class import ClassDefaults, ServiceClass
 from blink.shared.slot_table import Finish, Output, Request, RequestStats, TokenLogprob
@@ -38,15 +39,17 @@ class Delta:
 
 def slot_request(prompt: list[int], fields: SamplingFields, max_tokens: int | None, room: int,
                  logprobs: int | None, seed: int, classes: ClassDefaults, sampling: SamplingDefaults,
-                 named_class: str | None = None, prompt_logprobs: int | None = None) -> Request:
+                 named_class: str | None = None, prompt_logprobs: int | None = None,
+                 grammar: GrammarSpec | None = None) -> Request:
     """The request as the slot carries it, with the defaults of what the body did not give: its class's SLOs, the
     checkpoint's sampling defaults, and max_tokens (the generation config's within the context's `room`).
-    named_class: the x-blink-class header's, which the body's field overrides."""
+    named_class: the x-blink-class header's, which the body's field overrides; grammar: the structured output's,
+    checked (blink.ingress.structured)."""
     service_class, ttft, tpot = classes.resolve(fields.service_class or named_class, fields.ttft_slo_ms,
                                                 fields.tpot_slo_ms)
     max_tokens = sampling.max_tokens_within(room) if max_tokens is None else max_tokens
     return request_of(sampling.fill(fields), prompt, max_tokens, seed, int(service_class), ttft, tpot, logprobs,
-                      prompt_logprobs, fields.cache_salt or "")
+                      prompt_logprobs, fields.cache_salt or "", grammar)
 
 
 def engine_failed() -> APIError:

@@ -6,6 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator, model_validator
 
+from blink.shared.grammar import StructuredOutputs
 from blink.shared.request_schema import MAX_LOGIT_BIAS, MAX_LOGPROBS, EdgeFields, logit_bias_pairs
 from blink.shared.service_class import ClassName
 from blink.shared.settings import RESERVED_TEMPLATE_VARIABLES
@@ -44,6 +45,12 @@ class SamplingFields(EdgeFields):
                                    "pages only with requests of the same salt (vLLM's; prefix caching)")
     # Blink's: the service class (else the x-blink-class header, else the default); SLOs not given are its.
     service_class: ClassName | None = None
+    # vLLM's structured outputs (blink.ingress.structured): one of these, or chat's response_format or forced tools.
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict | str | None = Field(None, description="a JSON schema the output follows (vLLM's older name)")
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(None, min_length=1)
+    guided_grammar: str | None = Field(None, description="an EBNF grammar whose start rule is root")
 
     @model_validator(mode="after")
     def _stream_options_need_a_stream(self) -> SamplingFields:
@@ -131,9 +138,24 @@ class NamedToolChoice(BaseModel):
     function: FunctionName
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = Field(max_length=64)
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema", description="the JSON schema; none: any JSON object")
+    strict: StrictBool | None = None
+
+
 class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow")  # json_schema's body: refused whole while there is no constrained decoding
+    model_config = ConfigDict(extra="forbid")
     type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is given with type json_schema, and only then")
+        return self
 
 
 class ChatRequest(SamplingFields):

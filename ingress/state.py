@@ -18,6 +18,7 @@ from blink.ingress.reasoning import ReasoningParser
 from blink.ingress.tools import ToolParser
 from blink.shared import transports
 from blink.shared.control import EngineInfo, EngineStatus
+from blink.shared.grammar import COMPILE_TIMEOUT_S, GrammarCompiler
 from blink.shared.service_class import ClassDefaults
 from blink.shared.settings import Settings
 from blink.shared.tokenizer import Tokenizer
@@ -51,6 +52,8 @@ class IngressState:
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
     chat_template: str | None = None  # --chat-template's, instead of the tokenizer's
     default_chat_template_kwargs: dict = field(default_factory=dict)  # under each request's chat_template_kwargs
+    grammars: GrammarCompiler | None = None  # structured outputs' compiles (blink.ingress.structured), made when asked
+    grammar_timeout_s: float = COMPILE_TIMEOUT_S  # a spec that compiles no faster is refused
     workers: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(WORKERS, thread_name_prefix="ingress-work"))
 
@@ -61,6 +64,8 @@ class IngressState:
 
     def close(self) -> None:
         self.workers.shutdown(wait=False, cancel_futures=True)
+        if self.grammars is not None:
+            self.grammars.close()
 
     @property
     def degraded(self) -> bool:

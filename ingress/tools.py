@@ -115,7 +115,34 @@ class Llama3JsonParser:
         return len(unsent) if not seen.strip() else 0
 
 
-ToolParser = HermesParser | Llama3JsonParser
+class ForcedParser:
+    """tool_choice "required" or a named function: the output was constrained to the calls' JSON
+    (blink.ingress.structured builds the schemas as vLLM does), so the whole answer is held and read as calls: a list
+    of {"name", "parameters"}, or the named function's arguments."""
+
+    name = "forced"
+
+    def __init__(self, function: str | None):
+        self.function = function  # None: "required", any of the tools
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall]] | None:
+        try:
+            obj = json.loads(text)
+        except (ValueError, RecursionError):  # cut by max_tokens: given back as content
+            return None
+        if self.function is not None:
+            return ("", [ToolCall(self.function, text.strip())]) if isinstance(obj, dict) else None
+        calls = [_call(item, "parameters") for item in obj] if isinstance(obj, list) else []
+        return ("", calls) if calls and all(calls) else None
+
+    def call_start(self, seen: str, unsent: str) -> int | None:
+        return 0  # the whole answer is the calls
+
+    def undecided(self, seen: str, unsent: str) -> int:
+        return 0
+
+
+ToolParser = HermesParser | Llama3JsonParser | ForcedParser
 PARSERS: dict[str, ToolParser] = {p.name: p for p in (HermesParser(), Llama3JsonParser())}
 
 

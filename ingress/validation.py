@@ -9,7 +9,7 @@ from blink.ingress.chat import render_chat
 from blink.ingress.errors import APIError
 from blink.ingress.protocol import ChatRequest, CompletionRequest, NamedToolChoice
 from blink.ingress.state import IngressState
-from blink.ingress.tools import ToolParser
+from blink.ingress.tools import ForcedParser, ToolParser
 from blink.shared.tokenizer import TokenizerError
 
 T = TypeVar("T")
@@ -86,19 +86,13 @@ async def encode(state: IngressState, tokenize: Callable[[], T], param: str) -> 
 
 
 def chat_tool_parser(state: IngressState, body: ChatRequest) -> ToolParser | None:
-    """The parser that finds tool calls in this request's output (None: its output is all content); a 400 for what
-    would need constrained decoding (docs/design.md: how it would fit the device loop)."""
-    if body.response_format is not None and body.response_format.type != "text":
-        raise APIError(400, f"response_format {body.response_format.type!r} needs constrained decoding (a grammar "
-                       "masking the vocabulary each step), which this server does not do yet", param="response_format",
-                       code="unsupported_parameter")
+    """The parser that finds tool calls in this request's output (None: its output is all content). A forced call
+    ("required", or a named function) is read whole as the calls its grammar made (blink.ingress.structured)."""
     choice = body.tool_choice
     if choice not in (None, "none") and not body.tools:
         raise APIError(400, "tool_choice needs tools", param="tool_choice")
     if choice == "required" or isinstance(choice, NamedToolChoice):
-        raise APIError(400, "forcing a tool call (tool_choice 'required' or a named function) needs constrained "
-                       "decoding, which this server does not do yet; 'auto' lets the model choose",
-                       param="tool_choice", code="unsupported_parameter")
+        return ForcedParser(choice.function.name if isinstance(choice, NamedToolChoice) else None)
     if not body.tools or choice == "none":
         return None
     if state.tool_parser is None:

@@ -72,7 +72,7 @@ class EngineService:
             self.ranks = Ranks(settings.model, options, follow)
         self.engine = Engine(EngineConfig(model=settings.model, **options),
                              lost_rank=self.ranks.lost if self.ranks else None)
-        geometry = self.engine.geometry(settings.window)
+        geometry = self.engine.geometry(settings.window, max_grammar_bytes=settings.max_grammar_bytes)
         self.keys = sockets.load_keys(settings, create=True)
         self.table = open_table(settings.deployment, geometry, settings.watchdog_deadline)
         self.driver = self._build_driver()
@@ -90,6 +90,7 @@ class EngineService:
             kv_host_pages=self.driver.mirror.num_pages - 1 if self.driver.mirror else 0,
             prefix_caching=settings.enable_prefix_caching,
             limitations=list(self.driver.limitations),
+            max_grammar_bytes=geometry.max_grammar_bytes,
         )
         log.info("drive mode", mode=self.driver.mode, kv_host_pages=self.info.kv_host_pages, **self.info.policies())
 

@@ -134,6 +134,7 @@ class EngineInfo(BaseModel):
     kv_host_pages: int = 0  # the host mirror KV pages rotate to; 0: recompute only
     prefix_caching: bool = True
     limitations: list[str] = []  # what the drive mode does not do yet (blink.engine.drive.driver.Driver)
+    max_grammar_bytes: int = 0  # the largest structured-output spec a record holds; 0: none
 
     @property
     def model(self) -> str:

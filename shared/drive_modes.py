@@ -12,6 +12,7 @@ class DriveMode:
     summary: str  # for --drive's help
     how: str  # blink doctor's, where it can run
     needs_cuda: bool  # doctor says it cannot run where torch or a CUDA GPU is missing, without asking the engine
+    grammars: bool = False  # masks structured outputs' grammars (the ingress refuses them to the others)
 
 
 # Best first: what `auto` tries.
@@ -21,7 +22,8 @@ MODES = {m.name: m for m in (
     DriveMode("graph", "CUDA graph replays queued ahead by a host thread",
               "the step captured as CUDA graphs, replayed ahead by a host thread", needs_cuda=True),
     DriveMode("host", "a host loop; the CPU path",
-              "always: a host loop steps the engine (the CPU path, and the baseline)", needs_cuda=False),
+              "always: a host loop steps the engine (the CPU path, and the baseline)", needs_cuda=False,
+              grammars=True),
 )}
 DRIVE_MODES = tuple(MODES)
 

@@ -26,9 +26,12 @@ import numpy as np
 from pydantic import AfterValidator, ConfigDict, StrictBool, StrictFloat, StrictInt, create_model, field_validator
 from pydantic import Field as PydanticField
 
+from blink.shared.grammar import GrammarSpec
+
 MAX_STOP_IDS = 16  # stop token ids a request may give
 MAX_LOGPROBS = 20  # top logprobs a request may ask for per token
 MAX_LOGIT_BIAS = 128  # tokens a request may bias
+MAX_GRAMMAR_BYTES = 16384  # a record's grammar area (--max-grammar-bytes): a structured output's spec, UTF-8
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for a bias: [-100, 100]
 INT32_MAX = 2**31 - 1
 INF = float("inf")
@@ -86,6 +89,8 @@ FIELDS: tuple[RequestField, ...] = (
     RequestField("min_tokens", "<u4", 0, "int64", knob=True, ge=0, le=INT32_MAX,
                  doc="tokens generated before the end-of-sequence token, a stop id or a stop string may end the "
                      "request (vLLM's)"),
+    RequestField("grammar_kind", "<u4", 0, doc="blink.shared.grammar.GrammarKind of the record's grammar; 0: none"),
+    RequestField("grammar_len", "<u4", 0, doc="bytes of the grammar area its spec takes"),
 )
 BY_NAME = {f.name: f for f in FIELDS}
 KNOBS = tuple(f for f in FIELDS if f.knob)
@@ -105,21 +110,28 @@ def record_fields(max_stop_ids: int, max_page_hashes: int) -> list[tuple]:
 
 def request_fields() -> list[tuple[str, object, object]]:
     """(name, type, default) of each attribute of `Request`, as FIELDS makes them: the prompt, max_tokens, every field
-    of FIELDS but those derived from the prompt and the arrays, then the arrays and the cache salt. `Request` declares
-    them in its source, for an editor to see; tests/engine/test_admission.py checks the two agree."""
-    derived = {"prompt_len", "num_stop_ids", "num_logit_bias"}
+    of FIELDS but those derived from the prompt and the arrays, then the arrays, the cache salt and the grammar.
+    `Request` declares them in its source, for an editor to see; tests/engine/test_admission.py checks the two agree."""
+    derived = {"prompt_len", "num_stop_ids", "num_logit_bias", "grammar_len"}
     return [("prompt", list[int], MISSING), ("max_tokens", int, MISSING),
             *((f.name, f.python_type, f.default) for f in FIELDS if f.name not in derived | {"max_tokens"}),
             ("stop_token_ids", tuple[int, ...], ()), ("logit_bias", tuple[tuple[int, float], ...], ()),
-            ("cache_salt", str, "")]
+            ("cache_salt", str, ""), ("grammar", str, "")]
+
+
+def grammar_area(max_grammar_bytes: int) -> tuple:
+    """The record's grammar area (numpy dtype entry), after the prompt: outside what admission copies, read by the
+    host once per constrained request (blink.engine.core.grammar)."""
+    return ("grammar", "u1", (max_grammar_bytes,))
 
 
 @dataclass
 class Request:
     """What the ingress writes into a slot: the prompt, max_tokens, then every field of FIELDS with its default
     (`logprobs` -1: none; `ttft_slo_ms`: what remains of the SLO at publication, inf: none), the stop token ids, the
-    logit biases ((token id, bias) pairs) and the cache salt (vLLM's: requests share cached KV pages only with
-    requests of the same salt; it goes into the page hashes, not the record).
+    logit biases ((token id, bias) pairs), the cache salt (vLLM's: requests share cached KV pages only with
+    requests of the same salt; it goes into the page hashes, not the record) and the grammar's text (structured
+    outputs: blink.shared.grammar.GrammarSpec, its kind in grammar_kind).
 
     Written out as `request_fields()` generates them from FIELDS (a test holds the two equal): a new field of FIELDS
     is a line here too, which that test's failure spells out."""
@@ -142,9 +154,11 @@ class Request:
     ttft_slo_ms: float = INF
     tpot_slo_ms: float = INF
     min_tokens: int = 0
+    grammar_kind: int = 0
     stop_token_ids: tuple[int, ...] = ()
     logit_bias: tuple[tuple[int, float], ...] = ()
     cache_salt: str = ""
+    grammar: str = ""
 
 
 def _pydantic_knob(f: RequestField) -> tuple:
@@ -224,7 +238,7 @@ def knobs_of(source: object) -> dict[str, object]:
 
 def request_of(fields: EdgeFields, prompt: list[int], max_tokens: int, seed: int, service_class: int,
                ttft_slo_ms: float | None, tpot_slo_ms: float | None, logprobs: int | None,
-               prompt_logprobs: int | None, cache_salt: str = "") -> Request:
+               prompt_logprobs: int | None, cache_salt: str = "", grammar: GrammarSpec | None = None) -> Request:
     """The request a slot record carries, from what an edge validated (`fields`) and decided (the rest: the seed
     drawn when none was given, the class and SLOs resolved); what was not asked for is the record's -1 or inf."""
     def unless(value, none):
@@ -235,4 +249,5 @@ def request_of(fields: EdgeFields, prompt: list[int], max_tokens: int, seed: int
         logprobs=unless(logprobs, -1), prompt_logprobs=unless(prompt_logprobs, -1),
         ttft_slo_ms=unless(ttft_slo_ms, INF), tpot_slo_ms=unless(tpot_slo_ms, INF),
         stop_token_ids=tuple(fields.stop_token_ids), logit_bias=logit_bias_pairs(fields.logit_bias),
-        cache_salt=cache_salt, **knobs_of(fields))
+        cache_salt=cache_salt, grammar_kind=int(grammar.kind) if grammar else 0,
+        grammar=grammar.text if grammar else "", **knobs_of(fields))

@@ -12,6 +12,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from blink.shared import drive_modes, transports
 from blink.shared.cpus import CPU_LIST
+from blink.shared.request_schema import MAX_GRAMMAR_BYTES
 from blink.shared.service_class import ClassDefaults, ClassName, ClassSLO
 
 SCHEDULING_POLICIES = ("fcfs", "priority", "slo")  # blink.engine.core.policy
@@ -43,6 +44,9 @@ class Settings(BaseSettings):
     max_model_len: int | None = Field(None, ge=2)
     num_pages: int | None = Field(None, ge=2)
     window: int = Field(64, ge=1, description="output tokens a slot buffers before the engine pauses it")
+    max_grammar_bytes: int = Field(MAX_GRAMMAR_BYTES, ge=0, le=1 << 20, description="the largest structured-output "
+                                   "spec a request may carry (a JSON schema, regex or grammar, UTF-8): each slot "
+                                   "record holds this many bytes for it; 0 refuses structured outputs")
     max_waiting: int = Field(256, ge=0, description="requests that may wait for a slot before 429")
     api_key: str | None = Field(None, description="the key every client entry point asks for (HTTP `Authorization: "
                                 "Bearer KEY`, the ZeroMQ API's `api_key`); /health, /ready and /metrics stay open")

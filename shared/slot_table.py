@@ -25,11 +25,20 @@ from pathlib import Path
 
 import numpy as np
 
+from blink.shared.grammar import GrammarKind, GrammarSpec
 from blink.shared.prefix_hash import page_hashes
-from blink.shared.request_schema import FIELDS, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_IDS, Request, record_fields
+from blink.shared.request_schema import (
+    FIELDS,
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_STOP_IDS,
+    Request,
+    grammar_area,
+    record_fields,
+)
 
 MAGIC = 0x424C494E4B534C54  # "BLINKSLT"
-VERSION = 6  # 6: records carry their prompt's page hashes (prefix caching)
+VERSION = 7  # 6: records carry their prompt's page hashes (prefix caching); 7: a grammar area (structured outputs)
 SHM_DIR = Path(os.environ.get("BLINK_SHM_DIR", "/dev/shm"))  # another directory stands for another host in tests
 
 
@@ -85,6 +94,7 @@ class Geometry:
     max_stop_ids: int = MAX_STOP_IDS
     page_size: int = 16  # tokens per KV page: a record holds a hash per full page of its prompt
     prefix_seed: int = 0  # the engine's part of the page hashes (blink.shared.prefix_hash)
+    max_grammar_bytes: int = 0  # a record's grammar area (structured outputs); 0: the table carries no grammar
 
     @property
     def max_page_hashes(self) -> int:
@@ -98,7 +108,7 @@ HEADER = np.dtype([
     ("top_logprobs", "<u4"), ("max_stop_ids", "<u4"), ("engine_state", "<u4"), ("failovers", "<u4"),
     ("epoch", "<u8"), ("steps", "<u8"), ("last_step_ns", "<u8"), ("client", "<u4"),
     ("admission_limit", "<u4"),  # requests the engine admits at once (the control plane's set_limits)
-    ("page_size", "<u4"), ("prefix_seed", "<u8"),
+    ("page_size", "<u4"), ("prefix_seed", "<u8"), ("max_grammar_bytes", "<u4"),
 ], align=True)
 NO_LIMIT = 0xFFFFFFFF
 HEADER_BYTES = 256
@@ -110,7 +120,7 @@ def slot_dtype(g: Geometry) -> np.dtype:
         ("state", "<u4"), ("seq", "<u4"), ("epoch", "<u4"), ("cancel", "<u4"),
         # The request, written by the ingress before it publishes the slot (blink.shared.request_schema).
         *record_fields(g.max_stop_ids, g.max_page_hashes),
-        ("prompt", "<i4", (g.max_prompt_tokens,)),
+        ("prompt", "<i4", (g.max_prompt_tokens,)), grammar_area(g.max_grammar_bytes),
         # The output window, written by the engine; consumed is the ingress's.
         ("produced", "<u4"), ("consumed", "<u4"), ("finish_reason", "<u4"),
         # What the engine did to the request, written before it finishes the slot.
@@ -164,7 +174,11 @@ def write_request(record: np.void, request: Request, g: Geometry) -> None:
     bias = request.logit_bias
     if len(bias) > MAX_LOGIT_BIAS:
         raise ValueError(f"at most {MAX_LOGIT_BIAS} logit biases fit a slot")
-    given = {"prompt_len": n, "num_stop_ids": len(stops), "num_logit_bias": len(bias)}
+    grammar = request.grammar.encode()
+    if len(grammar) > g.max_grammar_bytes or bool(grammar) != bool(request.grammar_kind):
+        raise ValueError(f"a grammar of {len(grammar)} bytes (kind {request.grammar_kind}) does not fit a slot's "
+                         f"{g.max_grammar_bytes}")
+    given = {"prompt_len": n, "num_stop_ids": len(stops), "num_logit_bias": len(bias), "grammar_len": len(grammar)}
     for f in FIELDS:
         record[f.name] = given[f.name] if f.name in given else getattr(request, f.name)
     record["stop_ids"][: len(stops)] = stops
@@ -174,6 +188,15 @@ def write_request(record: np.void, request: Request, g: Geometry) -> None:
     hashes = page_hashes(request.prompt, g.page_size, g.prefix_seed, request.cache_salt)
     record["page_hashes"][: len(hashes)] = hashes
     record["page_hashes"][len(hashes):] = 0
+    record["grammar"][: len(grammar)] = np.frombuffer(grammar, dtype=np.uint8)
+
+
+def grammar_of(record: np.void) -> GrammarSpec | None:
+    """The grammar a record carries (structured outputs), or None."""
+    kind = int(record["grammar_kind"])
+    if kind == GrammarKind.NONE:
+        return None
+    return GrammarSpec(GrammarKind(kind), record["grammar"][: int(record["grammar_len"])].tobytes().decode())
 
 
 class SlotTable:
@@ -211,6 +234,7 @@ class SlotTable:
                              ("max_prompt_tokens", geometry.max_prompt_tokens), ("window", geometry.window),
                              ("top_logprobs", geometry.top_logprobs), ("max_stop_ids", geometry.max_stop_ids),
                              ("page_size", geometry.page_size), ("prefix_seed", geometry.prefix_seed),
+                             ("max_grammar_bytes", geometry.max_grammar_bytes),
                              ("epoch", epoch), ("engine_state", EngineState.STARTING),
                              ("admission_limit", NO_LIMIT)):
             h[field] = value
@@ -230,7 +254,8 @@ class SlotTable:
         if int(h["magic"]) != MAGIC or int(h["version"]) != VERSION:
             raise ValueError(f"{path} is not a version-{VERSION} Blink slot table")
         geometry = Geometry(int(h["num_slots"]), int(h["max_prompt_tokens"]), int(h["window"]),
-                            int(h["top_logprobs"]), int(h["max_stop_ids"]), int(h["page_size"]), int(h["prefix_seed"]))
+                            int(h["top_logprobs"]), int(h["max_stop_ids"]), int(h["page_size"]), int(h["prefix_seed"]),
+                            int(h["max_grammar_bytes"]))
         if size != cls.size_for(geometry):
             raise ValueError(f"{path} is {size} bytes, its header describes {cls.size_for(geometry)}")
         return cls(path, mapping, geometry, inode)

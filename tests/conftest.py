@@ -158,6 +158,7 @@ def small_table():
 
     from blink.shared.slot_table import Geometry, SlotTable
 
-    table = SlotTable.create(f"test-{uuid.uuid4().hex[:10]}", Geometry(4, 64, 3, page_size=8))
+    table = SlotTable.create(f"test-{uuid.uuid4().hex[:10]}", Geometry(4, 64, 3, page_size=8,
+                                                                          max_grammar_bytes=64))
     yield table
     table.unlink()

@@ -61,6 +61,7 @@ class Step:
         # The bookkeeping's tensor functions (admit: the device modes' admission, in every step they run);
         # compile_bookkeeping may swap in compiled ones.
         self.admitter, self.planner, self.committer = admit, plan, commit
+        self.grammar = None  # the host mode's constrained slots (engine/core/grammar.py SlotGrammars), masked in run
         # The device modes capture a graph per token bucket: few, from 16. The host mode captures nothing, so its
         # forward runs on the next power of two of the live tokens: a lone decode is a matrix-vector product, not
         # 16 rows of padding (on a CPU, where the matmuls are compute-bound, that padding cost 16x the work).
@@ -118,6 +119,8 @@ class Step:
         logits = model.logits(hidden[rows_read])
         logits, prompt_logits = logits[:R], logits[R:]
         slot = plan.sample_slot[:R]
+        if self.grammar is not None:  # structured outputs: -inf where a constrained row's grammar says no
+            self.grammar.mask(logits, slot)
         rows = SamplingRows(
             temperature=state.temperature[slot], top_p=state.top_p[slot], top_k=state.top_k[slot],
             min_p=state.min_p[slot], repetition_penalty=state.repetition_penalty[slot],

@@ -22,6 +22,7 @@ import torch
 
 from blink.engine.core.admission import Admitted, admit_records
 from blink.engine.core.commit import PromptScores, StepOutput
+from blink.engine.core.grammar import SlotGrammars
 from blink.engine.core.kv_cache import PagePool
 from blink.engine.core.policy import StepCostModel
 from blink.engine.core.sampler import SamplerFeatures, features_asked
@@ -106,6 +107,9 @@ class HostRank:
         self.page_bytes = PagePool.bytes_per_page(engine.model_config, engine.pool.page_size)
         self._planned_at: float | None = None
         self._arrivals = 0
+        self.grammars = SlotGrammars(engine.tokenizer.raw, engine.model_config.vocab_size,
+                                     list(engine.generation.eos_token_ids))
+        engine.step.grammar = self.grammars  # structured outputs: the step masks their rows
 
     def admit(self, records: np.ndarray, slots: list[int], now: float) -> list[int]:
         """records: indexed by slot. Returns the slots whose record is invalid: not admitted."""
@@ -114,6 +118,8 @@ class HostRank:
                                  engine.max_model_len)
         self.asked.update(Asked.of(admitted))
         self._arrivals += len(admitted.slots)
+        for slot in self.grammars.admit(records, admitted.slots):  # compiled already where HostDriver admits
+            engine.state.cancel[slot] = True
         return admitted.invalid
 
     def step(self, windows: Windows | None) -> dict[int, SlotEvent]:
@@ -127,7 +133,10 @@ class HostRank:
             state.room[index] = torch.from_numpy(windows.room).to(state.room.device)
         events = self._run()
         for slot, event in events.items():
+            if event.token is not None:
+                self.grammars.advance(slot, event.token)
             if event.finish_reason:
+                self.grammars.release(slot)
                 state.release_slot(slot)
                 del self.asked[slot]
         return events
@@ -306,10 +315,12 @@ class HostDriver:
         submitted = self.table.submitted().tolist()
         if self.max_running is not None:
             submitted = submitted[:max(0, self.max_running - self.resident)]  # the rest wait, SUBMITTED
+        # A slot whose grammar still compiles waits, SUBMITTED; one whose grammar cannot be served is ended.
+        submitted, failed = self.rank.grammars.ready(self.table.slots, submitted)
         invalid = self.rank.admit(self.table.slots, submitted, now) if submitted else []
-        for slot in submitted:
+        for slot in submitted + failed:
             self.table.admit(slot)
-            if slot in invalid:  # the ingress validates; a record that still fails is ended, not served
+            if slot in invalid or slot in failed:  # the ingress validates; a record that still fails is ended
                 self.table.finish(slot, Finish.ABORT)
         return submitted
 

@@ -110,5 +110,6 @@ class OfflineDriver:
         params = pending.params
         ttft_left_ms = params.ttft_slo_ms - (now - pending.received) * 1000 if params.ttft_slo_ms else None
         seed = self._seeds.getrandbits(63) if params.seed is None else params.seed
+        grammar = params.structured_outputs.spec() if params.structured_outputs else None
         return request_of(params, pending.prompt_token_ids, pending.max_tokens, seed, int(params.service_class),
-                          ttft_left_ms, params.tpot_slo_ms, params.logprobs, params.prompt_logprobs)
+                          ttft_left_ms, params.tpot_slo_ms, params.logprobs, params.prompt_logprobs, grammar=grammar)

@@ -23,9 +23,9 @@ EVERY_FIELD = Request(
     prompt=[5, 6, 7, 8, 9], max_tokens=7, priority=-3, ignore_eos=True, temperature=0.7, top_p=0.9, top_k=12,
     min_p=0.05, repetition_penalty=1.2, presence_penalty=0.3, frequency_penalty=-0.4, logprobs=3, seed=2**62 + 5,
     service_class=int(ServiceClass.BEST_EFFORT), ttft_slo_ms=250.0, tpot_slo_ms=40.0, stop_token_ids=(3, 4),
-    min_tokens=2, prompt_logprobs=4, logit_bias=((2, -1.5), (11, 3.0)),
+    min_tokens=2, prompt_logprobs=4, logit_bias=((2, -1.5), (11, 3.0)), grammar_kind=2, grammar="[a-z]+",
 )
-DERIVED = {"prompt_len", "num_stop_ids", "num_logit_bias"}  # from the prompt and the arrays
+DERIVED = {"prompt_len", "num_stop_ids", "num_logit_bias", "grammar_len"}  # from the prompt and the arrays
 # Every state tensor admission writes: the schema's, and what it derives or resets.
 LANDED = [f.name for f in FIELDS if f.state is not None] + [
     "seq_len", "stop_ids", "logit_bias_ids", "logit_bias", "tpot_slo", "status", "num_computed", "finish_reason",

@@ -1,0 +1,118 @@
+"""Structured outputs in the host mode: a grammar matcher per constrained slot, its mask on the step's logits.
+
+As vLLM does it: the engine compiles each request's grammar (blink.shared.grammar, cached by spec, on worker threads),
+keeps a matcher per constrained slot, fills the bitmask of the constrained rows before sampling (`mask`, which
+`Step.run` calls) and advances each matcher with the token its slot committed (`advance`, from the host's events).
+Rows without a grammar pay nothing, and a step with no constrained slot resident does no mask work at all. The device
+modes do not call this: the ingress refuses them constrained requests (docs/design.md has the device table walk).
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future
+from typing import Any
+
+import numpy as np
+import torch
+
+from blink.shared.grammar import GrammarCompiler, GrammarError, XGrammar
+from blink.shared.slot_table import grammar_of
+
+log = logging.getLogger(__name__)
+
+
+class SlotGrammars:
+    """The engine's constrained slots. `tokenizer`: the checkpoint's `tokenizers` Tokenizer; `vocab_size`: the
+    logits' width; `eos_ids`: what ends a request (the matcher allows them once the grammar is complete)."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_ids: list[int]):
+        self._tokenizer, self.vocab_size, self.eos_ids = tokenizer, vocab_size, list(eos_ids)
+        self._compiler: GrammarCompiler | None = None
+        self.matchers: dict[int, Any] = {}  # constrained slot -> its matcher
+        self._bitmask: torch.Tensor | None = None  # [rows, ceil(V / 32)] int32, reused
+
+    @property
+    def compiler(self) -> GrammarCompiler:
+        if self._compiler is None:  # xgrammar (and torch's kernels for its masks) only once a grammar comes
+            self._compiler = GrammarCompiler(XGrammar(self._tokenizer, self.vocab_size, self.eos_ids))
+        return self._compiler
+
+    def ready(self, records: np.ndarray, slots: list[int]) -> tuple[list[int], list[int]]:
+        """Of submitted `slots` (records indexed by slot): those that may be admitted now (no grammar, or compiled)
+        and those whose grammar cannot be served; the others' compiles are started, and they wait, unadmitted, so a
+        compile never holds a step up."""
+        ready, failed = [], []
+        for slot in slots:
+            future = self._compile(records[slot])
+            if future is None or (future.done() and future.exception() is None):
+                ready.append(slot)
+            elif future.done():
+                log.warning("slot %d's grammar cannot be served: %s", slot, future.exception())
+                failed.append(slot)
+        return ready, failed
+
+    def admit(self, records: np.ndarray, slots: list[int]) -> list[int]:
+        """A matcher for each admitted slot whose record carries a grammar (compiled now where `ready` did not);
+        returns the slots whose grammar failed, which the caller ends."""
+        failed = []
+        for slot in slots:
+            try:
+                spec = grammar_of(records[slot])
+                if spec is not None:
+                    self.matchers[slot] = self.compiler.backend.matcher(self.compiler.compile(spec))
+            except (GrammarError, ValueError) as e:
+                log.warning("slot %d's grammar cannot be served: %s", slot, e)
+                failed.append(slot)
+        return failed
+
+    def _compile(self, record: np.void) -> Future | None:
+        try:
+            spec = grammar_of(record)
+        except ValueError as e:  # a kind or text no edge wrote
+            future: Future = Future()
+            future.set_exception(GrammarError(str(e)))
+            return future
+        return None if spec is None else self.compiler.submit(spec)
+
+    def mask(self, logits: torch.Tensor, slot: torch.Tensor) -> None:
+        """In place: each constrained row's logits outside what its grammar allows next are -inf. logits: [R, V];
+        slot: [R], the slot each row samples for. Nothing at all when no constrained slot is resident."""
+        if not self.matchers:
+            return
+        slots = slot.tolist()
+        rows, filled = [], {}
+        bitmask = self._rows(len(slots))
+        for row, s in enumerate(slots):
+            matcher = self.matchers.get(s)
+            if matcher is None:
+                continue
+            if s in filled:  # a padding row of the same slot: its copy
+                bitmask[row] = bitmask[filled[s]]
+            else:
+                matcher.fill_next_token_bitmask(bitmask, row)
+                filled[s] = row
+            rows.append(row)
+        if rows:
+            import xgrammar
+
+            xgrammar.apply_token_bitmask_inplace(logits, bitmask[:len(slots)].to(logits.device),
+                                                 vocab_size=self.vocab_size, indices=rows)
+
+    def _rows(self, n: int) -> torch.Tensor:
+        if self._bitmask is None or self._bitmask.shape[0] < n:
+            import xgrammar
+
+            self._bitmask = xgrammar.allocate_token_bitmask(n, self.vocab_size)
+        return self._bitmask
+
+    def advance(self, slot: int, token: int) -> None:
+        """The slot committed `token`: its matcher moves on. A token the grammar refuses (only a request mixing a
+        grammar with what overrides it could draw one) frees the slot of its grammar, logged."""
+        matcher = self.matchers.get(slot)
+        if matcher is not None and not matcher.accept_token(token):
+            log.error("slot %d drew token %d, which its grammar refuses; the rest of it is unconstrained", slot, token)
+            del self.matchers[slot]
+
+    def release(self, slot: int) -> None:
+        self.matchers.pop(slot, None)
