@@ -202,6 +202,20 @@ class StepCostModel:
         a = torch.where(n > 0, (sy - b * sx) / n.clamp(min=1e-300), 0.0).clamp(min=0.0)
         self.cost.fit.copy_(torch.stack([a, b]), non_blocking=True)
 
+    def observe_since(self, now: torch.Tensor, last_now: torch.Tensor, last_tokens: torch.Tensor,
+                      nap_over: float) -> None:
+        """The device step's timing, by the clock it reads: the seconds since the previous step (`now` less
+        `last_now`, [1] float64 each; none before the first) are what that step took, `last_tokens` (0-d int64) of
+        them, and what each resident request not scheduled waited. The fit learns from it unless that step computed
+        nothing or a nap came after it (longer than `nap_over` times the prediction). The torch reference of
+        blink.engine.kernels.step_cost, which the device step launches."""
+        cost = self.cost
+        took = torch.where(last_now > 0, now - last_now, 0.0)[0]
+        cost.since_last_plan.copy_(took)
+        nap = (self.sums[0] >= 3) & (took > nap_over * (cost.per_step + cost.per_token * last_tokens))
+        self.observe(last_tokens, took, (last_tokens > 0) & (took > 0) & ~nap)
+        last_now.copy_(now)
+
     def planning(self, since_last_plan: float) -> None:
         """Host side: the seconds since the previous plan, for the time resident requests spent waiting."""
         self.cost.since_last_plan.fill_(since_last_plan)

@@ -15,7 +15,7 @@ import contextlib
 import numpy as np
 import torch
 
-from blink.engine.core.admission import field_views
+from blink.engine.core.admission import admit, field_views
 from blink.engine.core.kv_cache import PagePool
 from blink.engine.core.policy import StepCostModel
 from blink.engine.core.sampler import SamplerFeatures
@@ -23,6 +23,7 @@ from blink.engine.core.scheduler import max_chunk_rows
 from blink.engine.core.step import StepShape
 from blink.engine.drive.table_memory import TableMemory, device_alias
 from blink.engine.engine import Engine
+from blink.engine.kernels import admission, step_cost
 from blink.engine.kernels.exchange import DeviceTable, Inbox, emit, report_demand, take_requests
 from blink.engine.kernels.rotation import copy_pages
 from blink.shared.slot_table import SlotState, SlotTable, slot_dtype, window_room
@@ -102,12 +103,8 @@ class DeviceStep:
         """Seconds since the previous step, by the clock the step reads: what that step took (the step-cost fit
         learns from it unless it computed nothing or a nap came after it), and what each resident request that was
         not scheduled waited."""
-        cost, last = self.step.cost, self._last_tokens
-        took = torch.where(self._last_now > 0, self.inbox.now - self._last_now, 0.0)[0]
-        cost.since_last_plan.copy_(took)
-        nap = (self.cost_model.sums[0] >= 3) & (took > NAP_OVER_PREDICTION * (cost.per_step + cost.per_token * last))
-        self.cost_model.observe(last, took, (last > 0) & (took > 0) & ~nap)
-        self._last_now.copy_(self.inbox.now)
+        step_cost.observe_since(self.cost_model, self.inbox.now, self._last_now, self._last_tokens,
+                                NAP_OVER_PREDICTION)  # StepCostModel.observe_since in one kernel
 
     @contextlib.contextmanager
     def _beside_the_forward(self):
@@ -131,6 +128,10 @@ class DeviceStep:
         with the request fields the exchange kernel copied out of the table."""
         engine, inbox = self.engine, self.inbox
         take_requests(self.table, inbox, self.state, engine.model_config.vocab_size, engine.max_model_len)
+        if self.step.admitter is admit:  # the torch reference's landing in one kernel, unless it was compiled
+            admission.admit(self.state, inbox.admit, inbox.requests, self._record, inbox.now, inbox.arrival,
+                            engine.max_model_len)
+            return
         self.step.admitter(self.state, inbox.admit, field_views(inbox.requests, self._record), inbox.now,
                            inbox.arrival, engine.max_model_len)
 
