@@ -16,7 +16,7 @@ COMMANDS = {
     "plot": ("blink.bench.lib.plot", "P99 TTFT and TPOT against request rate, a line per result set, as PNGs"),
     "offline": ("blink.bench.engine.offline", "the engine's offline throughput against transformers' generate"),
     "overhead": ("blink.bench.serving.overhead", "HTTP streaming through `blink serve` against the offline engine"),
-    "step": ("blink.bench.engine.step", "ops and bytes one captured step spends outside the model, for Llama 3 shapes"),
+    "step": ("blink.bench.engine.step", "a captured step's kernels and its bytes outside the model, Llama 3 shapes"),
     "gpu": ("blink.bench.gpu.gpu", "first light for the device drive modes: checks and figures in one GPU call"),
     "grain": ("blink.bench.engine.grain", "what a best-effort prompt chunk in a step costs the decodes beside it"),
     "tp": ("blink.bench.engine.tensor_parallel", "decode with the model split over N ranks against one rank"),

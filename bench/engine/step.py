@@ -1,23 +1,32 @@
-"""`blink bench step`: what one captured step costs outside the model, counted rather than timed.
+"""`blink bench step`: what one captured decode step costs, counted rather than timed: its kernels, and the bytes
+its work outside the model touches.
 
-The device modes replay the same step whatever the batch, so its bookkeeping (admission, planning, sampling, the
-commit, the exchange with the slot table) is paid every step. This runs that step (`DeviceStep.run`, on the CPU
-with the exchange kernels in Triton's interpreter) under a torch dispatch mode that counts every tensor op outside
-the model's forward and logits, and the bytes each one reads and writes: its tensors' sizes, except that a view
-moves nothing and an indexed read or write (index, index_put_, scatter_...) touches the rows it names, not the
-whole tensor it indexes. The exchange kernels (admission from the table,
-emission into it, the demand) are not counted: interpreted, they copy every argument, which a GPU does not; on
-the device they read each slot's control words, and a prompt once, when it is admitted. The shapes that matter
-are the vocabulary, the context, the slots and the token bucket; the model itself is a one-layer stand-in with
-the real vocabulary, so the counts hold for the 1B and 8B Llama 3 shapes alike, and are compared with their
-weight bytes.
+The device modes replay the same step whatever the batch, so every kernel of it is paid every step, a few
+microseconds each in a replayed graph. This runs that step (`DeviceStep.run`, on the CPU with the Triton kernels in
+Triton's interpreter) under a torch dispatch mode and counts, as blink.bench.engine.kernel_count says (a Triton
+launch 1, an aten op that computes or moves data 1, a view or an `empty` 0, a projection 1), the kernels a GPU
+would launch in a replay of it, by phase: one layer of the forward (the stand-in has one; a shape's count is that
+times its layers), the rest of the forward (embedding, last residual add), the logits (final norm, output
+projection, cast) and the bookkeeping (everything else: admission, planning, the prefix cache, penalties, sampling,
+commit, the exchange with the slot table, the cost fit). The attention's key splits are chosen as on an H100
+(`_as_on_a_gpu`), which the CPU would not split. Each JSON row has `kernels_per_step`, `kernels_forward_per_layer`,
+`kernels_bookkeeping` (and `kernels_forward_rest`, `kernels_logits`, `kernel_ops`: per phase, per op).
 
-The step is counted as a GPU runs it (`--kernels triton`: the model's Triton kernels, interpreted here and
-uncounted like the rest of the forward, so the step builds only their row lists; the fused sampler, whose kernels
-count their own passes over the logits, each pass counted as reading a row of logits). `--kernels torch` counts
-the step as the CPU runs it: the torch attention's gathers and the torch sampler. `--requests` picks what the resident
-requests ask for: `greedy`, or `mixed` (half greedy, half sampling with temperature, top-k, top-p, min-p,
-penalties, a logit bias and logprobs): the captured step is the same code for both; what it costs is not.
+Bytes: every tensor op outside the model's forward and logits, and the bytes each one reads and writes: its
+tensors' sizes, except that a view moves nothing and an indexed read or write (index, index_put_, scatter_...)
+touches the rows it names, not the whole tensor it indexes. The exchange kernels' bytes (admission from the table,
+emission into it, the demand) are not counted: interpreted, they copy every argument, which a GPU does not; on the
+device they read each slot's control words, and a prompt once, when it is admitted. The shapes that matter are the
+vocabulary, the context, the slots and the token bucket; the model itself is a one-layer bfloat16 stand-in with the
+real vocabulary and Llama's layer, so the counts hold for the 1B and 8B Llama 3 shapes alike, and are compared with
+their weight bytes.
+
+The step is counted as a GPU runs it (`--kernels triton`: the model's Triton kernels; the fused sampler, whose
+kernels count their own passes over the logits, each pass counted as reading a row of logits). `--kernels torch`
+counts the step as the CPU's torch reference runs it: the torch attention's gathers and the torch sampler.
+`--requests` picks what the resident requests ask for: `greedy`, or `mixed` (half greedy, half sampling with
+temperature, top-k, top-p, min-p, penalties, a logit bias and logprobs): the captured step is the same code for
+both; what it costs is not.
 """
 
 from __future__ import annotations
@@ -32,9 +41,9 @@ from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 
-SHAPES = {  # Llama 3's vocabulary; the weight bytes one decode step reads in bf16
-    "llama3-1b": {"vocab": 128256, "weight_bytes": 2.47e9},
-    "llama3-8b": {"vocab": 128256, "weight_bytes": 16.06e9},
+SHAPES = {  # Llama 3's vocabulary, its layers; the weight bytes one decode step reads in bf16
+    "llama3-1b": {"vocab": 128256, "layers": 16, "weight_bytes": 2.47e9},
+    "llama3-8b": {"vocab": 128256, "layers": 32, "weight_bytes": 16.06e9},
 }
 
 
@@ -66,13 +75,18 @@ def run(args: argparse.Namespace) -> None:
                     if (args.vocab or SHAPES[shape]["vocab"]) != vocab:
                         continue
                     share = counted["bytes"] / SHAPES[shape]["weight_bytes"]
+                    figures = kernel_figures(counted, SHAPES[shape]["layers"])
                     rows.append({"shape": shape, "vocab": vocab, "slots": slots, "context": args.context,
-                                 "bucket": args.bucket, "kernels": args.kernels, "requests": requests, **counted,
+                                 "bucket": args.bucket, "kernels": args.kernels, "requests": requests,
+                                 "layers": SHAPES[shape]["layers"], **figures, **counted,
                                  "weight_bytes": SHAPES[shape]["weight_bytes"], "bytes_over_weights": share})
                     print(f"{shape:10s} vocab {vocab:6d} slots {slots:4d} context {args.context:6d} bucket "
-                          f"{args.bucket:3d} {requests:6s} ({args.kernels}): {counted['ops']:4d} ops, "
-                          f"{counted['bytes'] / 1e9:7.3f} GB outside the forward = {share:6.1%} of the weights "
-                          f"({counted['seconds']:.2f} s on this CPU)")
+                          f"{args.bucket:3d} {requests:6s} ({args.kernels}): {figures['kernels_per_step']:5d} "
+                          f"kernels a step = {figures['kernels_forward_per_layer']} a layer x "
+                          f"{SHAPES[shape]['layers']} + {figures['kernels_forward_rest']} + "
+                          f"{figures['kernels_logits']} logits + {figures['kernels_bookkeeping']} bookkeeping; "
+                          f"{counted['ops']:4d} ops, {counted['bytes'] / 1e9:7.3f} GB outside the forward = "
+                          f"{share:6.1%} of the weights ({counted['seconds']:.2f} s on this CPU)")
                     for name, (ops, nbytes) in list(counted["top"].items())[:5]:
                         print(f"    {nbytes / 1e9:7.3f} GB in {ops:3d} × {name}")
     result = {"benchmark": "step", "label": args.label, "machine": machine(), "blink": blink_source(), "rows": rows}
@@ -91,16 +105,20 @@ REQUESTS = {
 
 def count_step(model_dir: Path, slots: int, context: int, bucket: int, kernels: str = "triton",
                requests: str = "greedy") -> dict[str, object]:
-    """Ops and bytes of one steady decode step of the device step (every slot resident, decoding), outside the
-    model's forward and logits."""
+    """One steady decode step of the device step (every slot resident, decoding): the kernels of its phases
+    (`layer`: the stand-in's one layer; `forward`: the rest of the forward, the embedding and the last residual
+    add; `logits`: the final norm and the output projection; `bookkeeping`: everything else, the sampler and the
+    exchange with the table included), and the ops and bytes outside the model's forward and logits."""
     import torch
 
+    from blink.bench.engine import kernel_count as kc
     from blink.bench.lib.machine import environment
     from blink.engine.core.sampler import TORCH_SAMPLER, Sampler
     from blink.engine.drive import device_step
     from blink.engine.drive.device_step import DeviceStep
     from blink.engine.engine import Engine, EngineConfig
     from blink.engine.kernels import sampler as sampler_kernels
+    from blink.engine.model import model as model_module
     from blink.shared.slot_table import Request, SlotTable
 
     with environment(BLINK_KERNELS=kernels):
@@ -113,18 +131,23 @@ def count_step(model_dir: Path, slots: int, context: int, bucket: int, kernels: 
                                   partial(sampler_kernels.token_logprobs, **wide))
     engine.step.sampler = TORCH_SAMPLER  # the warm-up's tokens need not be the kernels' (interpreted, they are slow)
     table = SlotTable.create(f"bench-step-{uuid.uuid4().hex[:10]}", engine.geometry(window=1 << 16))
+    model = engine.model
     try:
         device = DeviceStep(engine, table)
         for slot in range(slots):
             table.publish(slot, Request([1 + slot % 50, 2, 3], max_tokens=context - 8, **REQUESTS[requests](slot)))
-        with torch.inference_mode():
+        with torch.inference_mode(), _as_on_a_gpu():
             for _ in range(3):  # admission and prefill, then decodes
                 device.clock[0] = time.monotonic()
                 device.run(device.buckets[-1])
             engine.step.sampler = counted_sampler
-            counter = _OpCounter()
-            with counter, _uncounted(counter, engine.model, ("forward", "logits")), \
-                    _uncounted(counter, device_step, ("take_requests", "emit", "report_demand")), \
+            counter = kc.KernelCounter()
+            with counter, kc.triton_launches(counter), \
+                    kc.as_one_kernel(counter, model_module, "linear", "cublas.linear"), \
+                    kc.phase(counter, model, "forward", "forward", count_bytes=False), \
+                    kc.phase(counter, model, "layer", "layer", count_bytes=False), \
+                    kc.phase(counter, model, "logits", "logits", count_bytes=False), \
+                    kc.bytes_paused(counter, device_step, ("take_requests", "emit", "report_demand")), \
                     _kernel_passes(counter, sampler_kernels):
                 started = time.perf_counter()
                 device.clock[0] = time.monotonic()
@@ -134,115 +157,87 @@ def count_step(model_dir: Path, slots: int, context: int, bucket: int, kernels: 
     finally:
         table.unlink()
     top = dict(sorted(counter.by_op.items(), key=lambda kv: -kv[1][1]))
-    return {"ops": counter.ops, "bytes": counter.bytes, "seconds": seconds, "top": top}
+    summary = counter.summary()
+    if summary["kernels"].get("layer", 0) and len(model.layers) != 1:
+        raise AssertionError("the stand-in must have one layer: its layer's kernels are counted per layer")
+    return {"ops": counter.ops, "bytes": counter.bytes, "seconds": seconds, "top": top, **summary}
 
 
-_INDEXED_READS = {"aten.index", "aten.gather", "aten.index_select"}
-_INDEXED_WRITES = {"aten.index_put_", "aten._index_put_impl_", "aten.scatter_", "aten.scatter_add_",
-                   "aten.index_copy_", "aten.index_fill_"}
+def kernel_figures(counted: dict, layers: int) -> dict[str, int]:
+    """A step's kernels for a model of `layers` layers, from a one-layer stand-in's count."""
+    phases = counted["kernels"]
+    per_layer, rest, logits = phases.get("layer", 0), phases.get("forward", 0), phases.get("logits", 0)
+    bookkeeping = phases.get("bookkeeping", 0)
+    return {"kernels_per_step": per_layer * layers + rest + logits + bookkeeping,
+            "kernels_forward_per_layer": per_layer, "kernels_forward_rest": rest, "kernels_logits": logits,
+            "kernels_bookkeeping": bookkeeping}
 
 
-class _OpCounter:
-    """Counts the aten ops dispatched while it is active (and not paused), and their tensors' bytes."""
-
-    def __init__(self) -> None:
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        counter = self
-
-        class Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                out = func(*args, **(kwargs or {}))
-                if not counter.paused:
-                    counter.record(func, args, kwargs or {}, out)
-                return out
-
-        self.mode = Mode()
-        self.paused = False
-        self.ops = 0
-        self.bytes = 0
-        self.by_op: dict[str, list[int]] = {}
-
-    def add(self, name: str, ops: int, nbytes: int) -> None:
-        self.ops += ops
-        self.bytes += nbytes
-        entry = self.by_op.setdefault(name, [0, 0])
-        entry[0] += ops
-        entry[1] += nbytes
-
-    def record(self, func, args: tuple, kwargs: dict, out) -> None:
-        import torch
-        from torch.utils._pytree import tree_leaves
-
-        def size(*values) -> int:
-            return sum(t.numel() * t.element_size() for t in tree_leaves(values) if isinstance(t, torch.Tensor))
-
-        name = str(func.overloadpacket)
-        if func.is_view:
-            nbytes = 0  # a new shape over the same memory
-        elif name in _INDEXED_READS:
-            nbytes = size(args[1:], kwargs) + 2 * size(out)  # the rows read, the indices, the rows written
-        elif name in _INDEXED_WRITES:
-            nbytes = 2 * size(args[1:], kwargs)  # the indices and values, read; as many elements updated
-        else:
-            nbytes = size(args, kwargs, out)
-        self.add(name, 1, nbytes)
-
-    def __enter__(self):
-        self.mode.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        return self.mode.__exit__(*exc)
+H100_SMS = 132
 
 
 @contextmanager
-def _uncounted(counter: _OpCounter, owner, names: tuple[str, ...]):
-    """These attributes of `owner` run uncounted: the model's forward and logits (this benchmark is about
-    everything else), the exchange kernels (see the module's docstring)."""
-    originals = {name: getattr(owner, name) for name in names}
+def _as_on_a_gpu():
+    """The step's choices as an H100 makes them, so it launches what it launches there: the attention's key splits
+    (`key_splits` reads the SM count on CUDA; on the CPU it chooses none), and no part skipped for having nothing to
+    do (`state.none_set` looks only on the CPU, eager; every module that took it by name gets the GPU's answer)."""
+    import sys
 
-    def paused(fn):
-        def call(*args, **kwargs):
-            counter.paused = True
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                counter.paused = False
-        return call
+    import triton
 
-    for name, fn in originals.items():
-        setattr(owner, name, paused(fn))
+    from blink.engine.core import state
+    from blink.engine.kernels import attention
+
+    looks = state.none_set
+    takers = [m for name, m in list(sys.modules.items())
+              if name.startswith("blink.") and getattr(m, "none_set", None) is looks]
+    for module in takers:
+        module.none_set = lambda *masks: False
+    chosen = attention.key_splits
+
+    def on_an_h100(q, kv_heads, queries_per_row):
+        if queries_per_row != 1:
+            return 1
+        return min(attention.MAX_SPLITS, triton.next_power_of_2(-(-2 * H100_SMS // kv_heads)))
+
+    attention.key_splits = on_an_h100
     try:
         yield
     finally:
-        for name, fn in originals.items():
-            setattr(owner, name, fn)
-
+        attention.key_splits = chosen
+        for module in takers:
+            module.none_set = looks
 
 
 @contextmanager
-def _kernel_passes(counter: _OpCounter, kernels):
-    """The fused sampler's kernels, counted by their own count of passes: each pass reads its row of logits
-    (interpreted, a launch copies its arguments, which a GPU does not)."""
+def _kernel_passes(counter, kernels):
+    """The fused sampler's kernels' bytes, by their own count of passes: each pass reads its row of logits
+    (interpreted, a launch copies its arguments, which a GPU does not). Their kernels count as any others."""
     draw, logprobs = kernels._draw, kernels._logprobs
 
+    def read(name: str, passes, logits) -> None:
+        counter.in_launch = True  # the sum below is the benchmark's, not the step's
+        try:
+            counter.add(name, 1, int(passes.sum()) * logits.shape[1] * logits.element_size())
+        finally:
+            counter.in_launch = False
+
     def counted_draw(logits, rows, block):
-        counter.paused = True
+        outer, counter.bytes_paused = counter.bytes_paused, True
         try:
             tokens, passes = draw(logits, rows, block)
-            counter.add("triton.sample", 1, int(passes.sum()) * logits.shape[1] * logits.element_size())
         finally:
-            counter.paused = False
+            counter.bytes_paused = outer
+        read("triton.sample", passes, logits)
         return tokens, passes
 
     def counted_logprobs(logits, asked, tokens, block):
-        counter.paused = True
+        outer, counter.bytes_paused = counter.bytes_paused, True
         try:
             out = logprobs(logits, asked, tokens, block)
-            counter.add("triton.logprobs", 1, int(out[3].sum()) * logits.shape[1] * logits.element_size())
         finally:
-            counter.paused = False
+            counter.bytes_paused = outer
+        read("triton.logprobs", out[3], logits)
         return out
 
     kernels._draw, kernels._logprobs = counted_draw, counted_logprobs
@@ -254,8 +249,8 @@ def _kernel_passes(counter: _OpCounter, kernels):
 
 @contextmanager
 def _stand_in(vocab: int, context: int):
-    """A one-layer Llama with the real vocabulary and context, random weights, and the tiny model's tokenizer
-    (the step never detokenizes)."""
+    """A one-layer bfloat16 Llama with the real vocabulary and context, random weights, and the tiny model's
+    tokenizer (the step never detokenizes)."""
     import shutil
 
     from safetensors.torch import save_file
@@ -265,7 +260,7 @@ def _stand_in(vocab: int, context: int):
     config = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=vocab, hidden_act="silu",
                   hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
                   num_key_value_heads=1, head_dim=32, max_position_embeddings=context, rms_norm_eps=1e-5,
-                  rope_theta=500000.0, tie_word_embeddings=False, torch_dtype="float32", eos_token_id=vocab - 1)
+                  rope_theta=500000.0, tie_word_embeddings=False, torch_dtype="bfloat16", eos_token_id=vocab - 1)
     with tempfile.TemporaryDirectory(prefix="blink-bench-step-") as tmp:
         target = Path(tmp)
         (target / "config.json").write_text(json.dumps(config))

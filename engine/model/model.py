@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from blink.engine.errors import CheckpointError
-from blink.engine.model import kernel_sets, moe
+from blink.engine.model import kernel_sets, moe, quant
 from blink.engine.model.attention import AttentionBatch
-from blink.engine.model.checkpoint import load_tensors
+from blink.engine.model.checkpoint import load_quantized, load_tensors
 from blink.engine.model.config import ModelConfig
 from blink.engine.model.dummy import dummy_tensors
 from blink.engine.model.kernel_sets import Tokens
@@ -67,8 +67,9 @@ class Transformer:
     """Weights as plain tensors and a forward pass over [B] tokens that reads and writes the paged cache."""
 
     def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], max_len: int, device: torch.device,
-                 shard: Shard | None = None):
-        """cfg and tensors: this rank's part when `shard` is set (Transformer.from_checkpoint cuts them)."""
+                 shard: Shard | None = None, quantization: str | None = None):
+        """cfg and tensors: this rank's part when `shard` is set (Transformer.from_checkpoint cuts them); tensors may
+        hold `quant.Quantized` projections (a GGUF's blocks); quantization: int8 or int4 quantizes the float ones."""
         self.cfg, self.shard = cfg, shard
         missing = [n for n in checkpoint_tensor_names(cfg) if n not in tensors]
         if missing:
@@ -86,7 +87,7 @@ class Transformer:
             sparse = cfg.moe is not None and cfg.moe.sparse_layers[i]
             self.layers.append(LayerWeights(
                 input_norm=get(p + "input_layernorm.weight"),
-                qkv=torch.cat([get(attn + f"{n}_proj.weight") for n in ("q", "k", "v")]),
+                qkv=quant.cat([get(attn + f"{n}_proj.weight") for n in ("q", "k", "v")]),
                 qkv_bias=torch.cat([get(attn + f"{n}_proj.bias") for n in ("q", "k", "v")])
                 if cfg.attention_bias else None,
                 q_norm=get(attn + "q_norm.weight") if cfg.qk_norm else None,
@@ -94,20 +95,22 @@ class Transformer:
                 o_proj=get(attn + "o_proj.weight"),
                 o_proj_bias=get(attn + "o_proj.bias") if cfg.o_proj_bias else None,
                 post_norm=get(p + "post_attention_layernorm.weight"),
-                gate_up=None if sparse else torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]),
+                gate_up=None if sparse else quant.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]),
                 down=None if sparse else get(p + "mlp.down_proj.weight"),
                 moe=moe.load(cfg.moe, i, get) if sparse else None,
             ))
         self.norm = get("model.norm.weight")
-        self.lm_head = self.embed if cfg.tie_word_embeddings else get("lm_head.weight")
+        tied = cfg.tie_word_embeddings and "lm_head.weight" not in tensors  # a GGUF's blocks may stand in for it
+        self.lm_head = self.embed if tied else get("lm_head.weight")
         # On the CPU each projection's weight takes the form its products run fastest in (linear.prepare); a tied
         # output embedding in another layout is a copy, as the lookup reads the plain one.
         for w in self.layers:
-            w.qkv, w.o_proj = prepare(w.qkv), prepare(w.o_proj)
+            w.qkv, w.o_proj = prepare(w.qkv, quantization), prepare(w.o_proj, quantization)
             if w.moe is None:
-                w.gate_up, w.down = prepare(w.gate_up), prepare(w.down)
-        self.lm_head = prepare(self.lm_head)
-        if cfg.tie_word_embeddings and self.lm_head.layout == torch.strided and self.lm_head.dim() == 2:
+                w.gate_up, w.down = prepare(w.gate_up, quantization), prepare(w.down, quantization)
+        self.lm_head = prepare(self.lm_head, quantization)
+        if (tied and isinstance(self.lm_head, torch.Tensor) and self.lm_head.layout == torch.strided
+                and self.lm_head.dim() == 2):
             self.embed = self.lm_head  # still plain (moved into huge pages, maybe): one copy serves both
         self.cos, self.sin = rope_tables(cfg, max_len, device)
         self.scale = cfg.head_dim ** -0.5
@@ -119,18 +122,20 @@ class Transformer:
 
     @classmethod
     def from_checkpoint(cls, model_dir: Path, cfg: ModelConfig, max_len: int, device: torch.device,
-                        load_format: str = "auto", shard: Shard | None = None) -> Transformer:
+                        load_format: str = "auto", shard: Shard | None = None,
+                        quantization: str | None = None) -> Transformer:
         """load_format: auto (the safetensors) or dummy (random weights of their shapes, made on `device`); shard:
         this rank's part, with tensor parallelism (blink.engine.model.parallel)."""
         names = checkpoint_tensor_names(cfg)
         if load_format == "dummy":
             tensors = dummy_tensors(cfg, names, device)
         else:
-            tensors = load_tensors(model_dir, set(names), cfg.dtype)
+            quantized = load_quantized(model_dir, set(names), cfg.tie_word_embeddings) if quantization == "gguf" else {}
+            tensors = load_tensors(model_dir, set(names) - quantized.keys(), cfg.dtype) | quantized
         if shard is None:
-            return cls(cfg, tensors, max_len, device)
+            return cls(cfg, tensors, max_len, device, quantization=quantization)
         shard.check(cfg)
-        return cls(shard.config(cfg), shard.tensors(cfg, tensors), max_len, device, shard)
+        return cls(shard.config(cfg), shard.tensors(cfg, tensors), max_len, device, shard, quantization)
 
     def forward(
         self,
@@ -141,22 +146,30 @@ class Transformer:
         v_cache: torch.Tensor,
     ) -> torch.Tensor:
         """input_ids, positions: [B]; caches: [layers, pages, page_size, kv_heads, head_dim]. Returns [B, hidden]."""
-        cfg, kernels = self.cfg, self.kernels
+        kernels = self.kernels
         tokens = Tokens(positions, batch, kernels.rope(self.cos, self.sin, positions))
         x = F.embedding(input_ids, self.embed)
         delta = None  # each sublayer's output, added to x by the next norm
         for w, k_layer, v_layer in zip(self.layers, k_cache.unbind(0), v_cache.unbind(0), strict=True):
-            x, h = self._add_norm(x, delta, w.input_norm)
-            attn = kernels.attention(linear(h, w.qkv, w.qkv_bias), w, cfg, tokens, k_layer, v_layer, self.scale)
-            x, h = self._add_norm(x, self._sum(linear(attn.reshape(-1, cfg.q_size), w.o_proj, w.o_proj_bias)),
-                                  w.post_norm)
-            self.sublayers_run += 1
-            if w.moe is not None:
-                delta = self._sum(kernels.moe_mlp(h, w.moe, cfg))
-            else:
-                delta = self._sum(linear(kernels.silu_and_mul(linear(h, w.gate_up)), w.down))
-            self.sublayers_run += 1
+            x, delta = self.layer(x, delta, w, tokens, k_layer, v_layer)
         return x if delta is None else x + delta
+
+    def layer(self, x: torch.Tensor, delta: torch.Tensor | None, w: LayerWeights, tokens: Tokens,
+              k_layer: torch.Tensor, v_layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decoder layer: the residual stream x (delta, the previous sublayer's output, not yet added) in, the
+        stream and this layer's MLP output out (`blink bench step` counts a layer's kernels through this call)."""
+        cfg, kernels = self.cfg, self.kernels
+        x, h = self._add_norm(x, delta, w.input_norm)
+        attn = kernels.attention(linear(h, w.qkv, w.qkv_bias), w, cfg, tokens, k_layer, v_layer, self.scale)
+        x, h = self._add_norm(x, self._sum(linear(attn.reshape(-1, cfg.q_size), w.o_proj, w.o_proj_bias)),
+                              w.post_norm)
+        self.sublayers_run += 1
+        if w.moe is not None:
+            delta = self._sum(kernels.moe_mlp(h, w.moe, cfg))
+        else:
+            delta = self._sum(linear(kernels.silu_and_mul(linear(h, w.gate_up)), w.down))
+        self.sublayers_run += 1
+        return x, delta
 
     def _add_norm(self, x: torch.Tensor, delta: torch.Tensor | None,
                   weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -355,22 +355,32 @@ def test_against_blink_serve_every_backend_and_plots(tmp_path):
         assert width > 400 and height > 300
 
 
-def test_bench_step_counts_what_a_step_does_outside_the_model(capsys):
-    """The dry run of `blink bench step`: a small vocabulary, a few slots; it counts ops and bytes, more slots cost
-    more bytes (the per-slot state it walks), and requests that sample, filter and ask for logprobs cost the fused
-    sampler's kernels more passes than greedy ones, in the same captured step (the same ops)."""
+def test_bench_step_counts_what_a_step_does_outside_the_model(tmp_path, capsys):
+    """The dry run of `blink bench step`: a small vocabulary, a few slots; it counts the step's kernels (a layer's
+    times the shape's layers, the rest once) and the ops and bytes outside the model; more slots cost more bytes
+    (the per-slot state it walks), and requests that sample, filter and ask for logprobs cost the fused sampler's
+    kernels more passes than greedy ones, in the same captured step (the same ops, the same kernels)."""
     from blink.bench.cli import main
 
-    assert main(["step", "--shape", "llama3-1b", "--slots", "2", "8", "--vocab", "4096", "--context", "128",
-                 "--requests", "greedy", "mixed", "--no-save"]) == 0
+    assert main(["step", "--shape", "llama3-1b", "llama3-8b", "--slots", "2", "8", "--vocab", "4096", "--context",
+                 "128", "--requests", "greedy", "mixed", "--result-dir", str(tmp_path)]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("llama3-1b")]
     assert len(lines) == 4
     gigabytes = {(line.split()[4], line.split()[9]): float(line.split(" GB outside")[0].rsplit(",", 1)[1])
                  for line in lines}
-    ops = {int(line.split(" ops,")[0].rsplit(":", 1)[1]) for line in lines}
-    assert len(ops) == 1 and ops.pop() > 100
     assert gigabytes[("8", "greedy")] > gigabytes[("2", "greedy")]
     assert gigabytes[("8", "mixed")] > gigabytes[("8", "greedy")]
+    rows = json.loads(next(tmp_path.glob("step-*.json")).read_text())["rows"]
+    assert len(rows) == 8 and len({row["ops"] for row in rows}) == 1 and rows[0]["ops"] > 100
+    for row in rows:
+        assert row["layers"] == {"llama3-1b": 16, "llama3-8b": 32}[row["shape"]]
+        assert row["kernels_per_step"] == (row["kernels_forward_per_layer"] * row["layers"] + row["kernels_bookkeeping"]
+                                           + row["kernels_forward_rest"] + row["kernels_logits"])
+        # A layer launches at least its two norms, its four projections, RoPE and the attention; no host read.
+        layer = row["kernel_ops"]["layer"]
+        assert layer["cublas.linear"] == 4 and layer["triton._rms_norm_kernel"] == 2
+        assert row["kernels_forward_per_layer"] >= 8 and row["kernels_bookkeeping"] > 100 and not row["host_reads"]
+    assert len({(row["kernels_forward_per_layer"], row["kernels_bookkeeping"]) for row in rows}) == 1
 
 
 def test_bench_projections_times_every_form_this_machine_has(tmp_path, capsys):
