@@ -59,7 +59,7 @@ class EngineService:
             device=settings.device, dtype=settings.dtype, max_num_seqs=settings.max_num_seqs,
             max_num_batched_tokens=settings.max_num_batched_tokens, max_model_len=settings.max_model_len,
             num_pages=settings.num_pages, scheduling_policy=settings.scheduling_policy, swap_space=settings.swap_space,
-            revision=settings.revision, load_format=settings.load_format,
+            revision=settings.revision, load_format=settings.load_format, quantization=settings.quantization,
             enable_prefix_caching=settings.enable_prefix_caching, compile_bookkeeping=settings.compile_bookkeeping,
             tensor_parallel_size=settings.tensor_parallel_size,
         )

@@ -16,6 +16,7 @@ from blink.shared.request_schema import MAX_GRAMMAR_BYTES
 from blink.shared.service_class import ClassDefaults, ClassName, ClassSLO
 
 SCHEDULING_POLICIES = ("fcfs", "priority", "slo")  # blink.engine.core.policy
+QUANTIZATIONS = ("int8", "int4", "gguf")  # blink.engine.model.quant
 REASONING_PARSERS = ("qwen3", "deepseek_r1")  # blink.ingress.reasoning
 # Variables a chat template gets from the request itself, which chat_template_kwargs may not replace.
 RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt"})
@@ -39,6 +40,10 @@ class Settings(BaseSettings):
     dtype: str = "auto"
     load_format: Literal["auto", "dummy"] = Field("auto", description="auto: the checkpoint's weights; dummy: "
                                                   "random weights of their shapes (vLLM's; for benchmarks)")
+    quantization: Literal[QUANTIZATIONS] | None = Field(
+        None, description="weights in fewer bits, on the CPU (vLLM's flag): int8 (a scale per output channel) or int4 "
+        "(groups of 32) quantize a float checkpoint on load; gguf runs a .gguf file's Q8_0/Q4_0/Q4_1/Q4_K blocks as "
+        "stored (default: the checkpoint's floats)")
     max_num_seqs: int | None = Field(None, ge=1)
     max_num_batched_tokens: int | None = Field(None, ge=1)
     max_model_len: int | None = Field(None, ge=2)

@@ -1,5 +1,5 @@
-"""The CPU's fused kernels (cpu.cpp) and projections (blocked_linear.cpp, amx_linear.cpp): built once per machine
-with torch's C++ extension tooling, then loaded from the build directory.
+"""The CPU's fused kernels (cpu.cpp) and projections (blocked_linear.cpp, amx_linear.cpp, quant_linear.cpp): built
+once per machine with torch's C++ extension tooling, then loaded from the build directory.
 
 The build needs a C++ compiler (g++ or clang++, found as torch finds it: $CXX, else c++) and ninja (the `ninja`
 wheel is an engine dependency); it takes about ten seconds on two cores and is kept in Blink's cache directory
@@ -25,7 +25,8 @@ from blink.shared.model_cache import cache_root
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu.cpp", "blocked_linear.cpp", "amx_linear.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu.cpp", "blocked_linear.cpp", "amx_linear.cpp",
+                                                          "quant_linear.cpp")]
 # OpenMP: at::parallel_for then shares torch's threads (serial without it). No contraction: a * b + c * d as two
 # products and a sum, rounded where torch's separate ops round.
 # decode_attention's float row of a key or value lives on the stack. 256 covers Llama, Qwen, Mistral and Gemma; a

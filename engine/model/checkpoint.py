@@ -1,4 +1,5 @@
-"""Load a Hugging Face checkpoint directory as it is: config, safetensors shards, generation config."""
+"""Load a Hugging Face checkpoint directory as it is: config, safetensors shards, generation config; and a converted
+GGUF's quantized matrices as the file stored them (`load_quantized`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from safetensors import safe_open
 
 from blink.engine.errors import CheckpointError
 from blink.engine.model.config import ModelConfig
+from blink.engine.model.quant import Quantized
+from blink.shared.checkpoints import gguf_blocks
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,25 @@ def load_tensors(model_dir: Path, wanted: set[str], dtype: torch.dtype) -> dict[
                                               f"load (it loads {', '.join(sorted(FLOAT_TYPES))})")
                     tensors[name] = f.get_tensor(name).to(dtype)
     return tensors
+
+
+def load_quantized(model_dir: Path, wanted: set[str], tied: bool) -> dict[str, Quantized]:
+    """The wanted matrices a GGUF file stored in a type Blink runs as it is (blink.shared.checkpoints.gguf_blocks),
+    for `--quantization gguf`; tied: the embedding's blocks serve as the output projection, `lm_head.weight`. The
+    embedding's lookup reads floats, so its own blocks are never among them."""
+    path = model_dir / gguf_blocks.FILE
+    if not path.is_file():
+        raise CheckpointError(f"{model_dir}: --quantization gguf runs the quantized blocks of a GGUF file (--model "
+                              "FILE.gguf); this checkpoint has none (safetensors: --quantization int8 or int4 "
+                              "quantizes them on load)")
+    out: dict[str, Quantized] = {}
+    with safe_open(str(path), framework="pt") as f:
+        for name, bits in json.loads(f.metadata()[gguf_blocks.BITS_KEY]).items():
+            target = "lm_head.weight" if tied and name == "model.embed_tokens.weight" else name
+            if target != "model.embed_tokens.weight" and (target in wanted or (tied and target == "lm_head.weight")):
+                out[target] = Quantized(*(f.get_tensor(f"{name}.{part}") for part in ("codes", "scale", "offset")),
+                                        bits)
+    return out
 
 
 def read_generation_defaults(model_dir: Path) -> GenerationDefaults:

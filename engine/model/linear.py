@@ -21,6 +21,9 @@ Measured on this project's 2-core VMs, all the projections of a token of a 125M 
   ms for two. Split the weight's output rows in as many equal parts as torch has threads (a view: no copy) and a
   batched product hands one part to each thread: 17.7 ms and 28 ms; no slower at prefill sizes.
 
+- Quantized weights (`--quantization`, blink.engine.model.quant): 8- and 4-bit codes in Blink's AVX-512 VNNI kernel
+  (engine/kernels/quant_linear.cpp), activations quantized to int8 on the fly.
+
 CUDA products go to cuBLAS as they are.
 """
 
@@ -31,15 +34,23 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from blink.engine.model import huge_pages
+from blink.engine.model import huge_pages, quant
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def prepare(weight: torch.Tensor) -> torch.Tensor:
-    """The weight as `linear` runs it fastest here: plain where the AMX kernel takes it, `block`ed where the AVX-512
+Weight = torch.Tensor | quant.Quantized | quant.LaidOut
+
+
+def prepare(weight: torch.Tensor | quant.Quantized, quantization: str | None = None) -> Weight:
+    """The weight as `linear` runs it fastest here: quantized where it is (a GGUF's blocks) or `quantization` asks
+    (int8, int4), laid out for the VNNI kernel; else plain where the AMX kernel takes it, `block`ed where the AVX-512
     kernel does, else `pack`ed where that pays, else as it is; on the CPU, in huge pages but where oneDNN packs it
     (blink.engine.model.huge_pages)."""
+    if quantization in ("int8", "int4") and isinstance(weight, torch.Tensor) and quant.takes(weight):
+        weight = quant.quantize(weight, quantization)
+    if isinstance(weight, quant.Quantized):
+        return quant.lay_out(weight)
     if amx_takes(weight):
         return huge_pages.moved(weight)
     if blocked_takes(weight):
@@ -126,8 +137,10 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight, None)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x: [M, K]; weight: [N, K] (as torch.nn.Linear holds it), or `prepare`d."""
+    if not isinstance(weight, torch.Tensor):
+        return quant.linear(x, weight, bias)
     if weight.dim() == 4:  # `block`ed
         return blocked_ops(weight.dtype).blocked_linear(x, weight, bias)
     if weight.is_mkldnn:

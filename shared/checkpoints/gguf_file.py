@@ -1,7 +1,8 @@
 """A GGUF file converted once into a checkpoint directory in the cache, keyed by the file's content.
 
-The engine asks for the whole checkpoint (dequantized safetensors, in shards of at most 2 GiB); an ingress without
-the engine's directory asks for the tokenizer's files only, which take a second. Each is written into a staging
+The engine asks for the whole checkpoint (dequantized safetensors, in shards of at most 2 GiB, and beside them the
+quantized matrices repacked as stored, gguf_blocks.FILE, which `--quantization gguf` runs); an ingress without the
+engine's directory asks for the tokenizer's files only, which take a second. Each is written into a staging
 directory and renamed into place, so a converter killed halfway leaves nothing that looks complete.
 """
 
@@ -22,6 +23,8 @@ from blink.shared.checkpoints.errors import CheckpointError
 from blink.shared.model_cache import cache_root
 
 SHARD_BYTES = 2 << 30
+# The layout a converted directory has; a newer one (2: the repacked quantized matrices) converts the file again.
+LAYOUT = 2
 
 
 def converted(path: Path, weights: bool = True, key: str | None = None, sampling: dict | None = None) -> Path:
@@ -59,7 +62,7 @@ def _one_writer(target: Path) -> Iterator[None]:
 
 
 def _directory(key: str, weights: bool) -> Path:
-    return cache_root() / "gguf" / (key[:24] if weights else f"{key[:24]}-tokenizer")
+    return cache_root() / "gguf" / (f"{key[:24]}-{LAYOUT}" if weights else f"{key[:24]}-tokenizer")
 
 
 def content_key(path: Path) -> str:
@@ -109,7 +112,7 @@ def _write_weights(reader: Any, meta: dict, staging: Path) -> None:
     from safetensors.numpy import save_file
     from tqdm import tqdm
 
-    from blink.shared.checkpoints import gguf_config, gguf_weights
+    from blink.shared.checkpoints import gguf_blocks, gguf_config, gguf_weights
 
     rope_freqs = next((t.data for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     config = gguf_config.hf_config(meta, {t.name for t in reader.tensors}, gguf_weights.stored_dtype(reader.tensors),
@@ -125,6 +128,13 @@ def _write_weights(reader: Any, meta: dict, staging: Path) -> None:
         shards[-1][name] = values
         sizes[-1] += values.nbytes
     _save_shard(shards, save_file, staging)
+    quantized, bits = {}, {}
+    for name, arrays, width in gguf_weights.hf_quantized(reader.tensors, config):
+        quantized.update(zip((f"{name}.codes", f"{name}.scale", f"{name}.offset"), arrays, strict=True))
+        bits[name] = width
+    if quantized:
+        save_file(quantized, str(staging / gguf_blocks.FILE), metadata={"format": "pt",
+                                                                      gguf_blocks.BITS_KEY: json.dumps(bits)})
     weight_map = {name: f"model-{i + 1:05d}.safetensors" for i, shard in enumerate(shards) for name in shard}
     _write_json(staging / "model.safetensors.index.json", {"metadata": {"total_size": sum(sizes)},
                                                              "weight_map": weight_map})

@@ -1,4 +1,5 @@
-"""A GGUF file's tensors under transformers' names, dequantized with the `gguf` package.
+"""A GGUF file's tensors under transformers' names, dequantized with the `gguf` package (`hf_tensors`), and its
+quantized matrices repacked as they are stored (`hf_quantized`, blink.shared.checkpoints.gguf_blocks).
 
 llama.cpp's converter permutes Llama's q and k rows (its RoPE pairs neighbouring dimensions, transformers' pairs
 halves) and stacks MoE experts into one tensor per projection; both are undone here, so the result is the checkpoint
@@ -14,6 +15,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, ReaderTensor
 from gguf.quants import dequantize
 
+from blink.shared.checkpoints import gguf_blocks
 from blink.shared.checkpoints.errors import CheckpointError
 
 _GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
@@ -71,6 +73,28 @@ def hf_tensors(tensors: Iterable[ReaderTensor], config: dict) -> Iterator[tuple[
             yield f"{prefix}{_LAYER[part]}.{kind}", values
         else:
             raise CheckpointError(f"GGUF tensor {tensor.name!r} has no counterpart in {config['architectures'][0]}")
+
+
+def hf_quantized(tensors: Iterable[ReaderTensor], config: dict) -> Iterator[tuple[str, tuple[np.ndarray, ...], int]]:
+    """(transformers name, (codes, scale, offset), bits) for every projection and embedding matrix stored in a type
+    gguf_blocks repacks; MoE experts and routers are left to `hf_tensors`' floats."""
+    unpermute = config["model_type"] in ("llama", "mixtral")
+    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    for tensor in tensors:
+        name, part = _GLOBAL.get(tensor.name), None
+        if name is None:
+            match = _BLOCK.fullmatch(tensor.name)
+            if match is None or match[2] not in _LAYER or match[2] == "ffn_gate_inp_shexp" or match[3] != "weight":
+                continue
+            part = match[2]
+            name = f"model.layers.{match[1]}.{_LAYER[part]}.weight"
+        packed = gguf_blocks.repack(tensor.tensor_type, tensor.data)
+        if packed is None:
+            continue
+        *arrays, bits = packed
+        if unpermute and part in heads:
+            arrays = [_unpermute(a, heads[part]) for a in arrays]
+        yield name, tuple(np.ascontiguousarray(a) for a in arrays), bits
 
 
 def _values(tensor: ReaderTensor) -> np.ndarray:

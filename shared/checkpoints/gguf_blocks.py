@@ -1,0 +1,60 @@
+"""GGUF's quantized blocks repacked, not dequantized: codes, one per byte, with a scale and an offset per 32 inputs.
+
+Each supported type is w = scale * code + offset over a group of 32 inputs of one output, codes unsigned:
+Q8_0 (code = q + 128, offset = -128 * d), Q4_0 (offset = -8 * d), Q4_1 (offset = its min), Q4_K (its 6-bit sub-block
+scales and mins times the super-block's d and dmin). Scales and offsets are float16, as the files store them: exact
+for Q8_0, Q4_0 and Q4_1; Q4_K's products d * scale are rounded to float16 (relative 2^-11, well inside 4 bits' error).
+The engine lays these out for its CPU kernels (blink.engine.model.quant); other types have no repacking (None).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from gguf import GGMLQuantizationType
+from gguf.quants import Q4_K
+
+GROUP = 32
+# Beside a converted GGUF's float shards (blink.shared.checkpoints.gguf_file): each repacked matrix as NAME.codes,
+# NAME.scale, NAME.offset, and the metadata's BITS_KEY a JSON map of NAME to its codes' bits.
+FILE = "quantized.safetensors"
+BITS_KEY = "blink.bits"
+# type -> bits of its codes
+REPACKED = {GGMLQuantizationType.Q8_0: 8, GGMLQuantizationType.Q4_0: 4, GGMLQuantizationType.Q4_1: 4,
+            GGMLQuantizationType.Q4_K: 4}
+
+
+def repack(kind: GGMLQuantizationType, data: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int] | None:
+    """data: the tensor's bytes, [outputs, bytes of a row] as gguf's reader gives them. Returns codes uint8 [N, K],
+    scale and offset float16 [N, K / 32], and the codes' bits; None for a type without a repacking."""
+    if kind not in REPACKED:
+        return None
+    rows = data.shape[0]
+    if kind == GGMLQuantizationType.Q8_0:
+        blocks = data.reshape(rows, -1, 34)
+        d = blocks[..., :2].copy().view(np.float16)[..., 0]
+        codes = (blocks[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+        return codes.reshape(rows, -1), d, (d * np.float16(-128)).astype(np.float16), 8
+    if kind in (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1):
+        head = 2 if kind == GGMLQuantizationType.Q4_0 else 4
+        blocks = data.reshape(rows, -1, head + 16)
+        d = blocks[..., :2].copy().view(np.float16)[..., 0]
+        offset = (d * np.float16(-8) if head == 2 else blocks[..., 2:4].copy().view(np.float16)[..., 0])
+        qs = blocks[..., head:]
+        codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # inputs 0-15 in the low nibbles, 16-31 in the high
+        return codes.reshape(rows, -1), d, offset.astype(np.float16), 4
+    blocks = data.reshape(-1, 144)  # Q4_K: 256 inputs a block, 8 groups of 32
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    sc, mins = Q4_K.get_scale_min(blocks[:, 4:16].copy())
+    qs = blocks[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    codes = (qs & 0x0F).reshape(rows, -1)
+    scale = (d * sc.astype(np.float32)).astype(np.float16).reshape(rows, -1)
+    offset = (-(dmin * mins.astype(np.float32))).astype(np.float16).reshape(rows, -1)
+    return codes, scale, offset, 4
+
+
+def dequantized(codes: np.ndarray, scale: np.ndarray, offset: np.ndarray) -> np.ndarray:
+    """The float32 weight a repacking stands for: scale * code + offset, group by group."""
+    rows, k = codes.shape
+    grouped = codes.reshape(rows, k // GROUP, GROUP).astype(np.float32)
+    return (grouped * scale.astype(np.float32)[..., None] + offset.astype(np.float32)[..., None]).reshape(rows, k)
