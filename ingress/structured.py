@@ -78,7 +78,7 @@ def _chat_grammar(body: ChatRequest) -> list[tuple[str, Callable[[], GrammarSpec
         asked.append(("response_format", partial(GrammarSpec.json_schema, ANY_OBJECT if schema is None else schema)))
     choice = body.tool_choice
     if body.tools and (choice == "required" or isinstance(choice, NamedToolChoice)):
-        asked.append(("tool_choice", partial(GrammarSpec.json_schema, forced_calls_schema(body))))
+        asked.append(("tool_choice", lambda: GrammarSpec.json_schema(forced_calls_schema(body))))
     return asked
 
 
@@ -112,7 +112,7 @@ async def check_grammar(state: IngressState, spec: GrammarSpec, param: str) -> N
     and it compiles within the time limit. Counted in blink:structured_output_requests."""
     kind = KIND_NAMES.get(spec.kind, "grammar")
     try:
-        _check_serving(state, spec)
+        _check_serving(state, spec, param)
         compiler = state.grammars or await state.off_loop(_compiler_for, state)
         await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(compiler.submit(spec))), compiler.timeout_s)
     except (APIError, GrammarError, TimeoutError) as e:
@@ -125,16 +125,16 @@ async def check_grammar(state: IngressState, spec: GrammarSpec, param: str) -> N
     state.metrics.structured.labels(model_name=state.info.model, kind=kind, outcome="host").inc()
 
 
-def _check_serving(state: IngressState, spec: GrammarSpec) -> None:
+def _check_serving(state: IngressState, spec: GrammarSpec, param: str) -> None:
     mode = MODES.get(state.info.drive)
     if mode is None or not mode.grammars:
         raise APIError(400, f"structured outputs are served in the host drive mode; this engine runs "
-                       f"{state.info.drive!r}, whose grammar walk on the device is not built yet",
+                       f"{state.info.drive!r}, whose grammar walk on the device is not built yet", param=param,
                        code="unsupported_parameter")
     size, limit = len(spec.text.encode()), state.info.max_grammar_bytes
     if size > limit:
         raise APIError(400, f"the structured output's spec is {size} bytes; this server takes {limit} at most "
-                       "(--max-grammar-bytes)", code="grammar_too_large")
+                       "(--max-grammar-bytes)", param=param, code="grammar_too_large")
 
 
 def _compiler_for(state: IngressState) -> GrammarCompiler:

@@ -112,7 +112,7 @@ class XGrammar:
 
     name = "xgrammar"
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_ids: list[int], max_whitespace: int = 8):
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_ids: list[int], max_whitespace: int = 4):
         import xgrammar as xgr
         from transformers import PreTrainedTokenizerFast
 
