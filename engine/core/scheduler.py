@@ -10,6 +10,7 @@ the plan's sizes (`PlanSizes`), to pick the forward's buckets and to run the pag
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, NamedTuple, TypeVar
 
@@ -82,8 +83,9 @@ class PlanSizes(NamedTuple, Generic[Size]):
 
 
 def plan(state: Slots, pool: PagePool, token_budget: int, policy: Policy, mirror: HostMirror | None,
-         cost: StepCost, prompt_rows: int) -> StepPlan:
-    """cost: the driver's step-time model; prompt_rows: the prompt logprobs one step may compute at most."""
+         cost: StepCost, prompt_rows: int, lay_out: Callable[..., StepPlan] | None = None) -> StepPlan:
+    """cost: the driver's step-time model; prompt_rows: the prompt logprobs one step may compute at most; lay_out:
+    `_lay_out` or a kernel of the same arguments and plan (blink.engine.kernels.lay_out, the device step's)."""
     running, resident = _start_admitted(state)
     precedence = lexsort(policy.keep_keys(state), first=torch.zeros_like(resident))  # the policy's order alone
     live = _live(state, pool, policy, mirror, resident, precedence)
@@ -92,7 +94,7 @@ def plan(state: Slots, pool: PagePool, token_budget: int, policy: Policy, mirror
     state.wait_s += torch.where(running & ~state.paused & (take == 0), cost.since_last_plan, 0.0)
     if entries is not None:
         entries = torch.where(take > 0, entries, 0)  # a slot that lost its pages to a victim's need computes nothing
-    return _lay_out(state, take, entries, moves, moved, token_budget)
+    return (lay_out or _lay_out)(state, take, entries, moves, moved, token_budget)
 
 
 def _start_admitted(state: Slots) -> tuple[torch.Tensor, torch.Tensor]:

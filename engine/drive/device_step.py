@@ -19,12 +19,13 @@ from blink.engine.core.admission import admit, field_views
 from blink.engine.core.kv_cache import PagePool
 from blink.engine.core.policy import StepCostModel
 from blink.engine.core.sampler import SamplerFeatures
-from blink.engine.core.scheduler import max_chunk_rows
+from blink.engine.core.scheduler import max_chunk_rows, plan
 from blink.engine.core.step import StepShape
 from blink.engine.drive.table_memory import TableMemory, device_alias
 from blink.engine.engine import Engine
 from blink.engine.kernels import admission, step_cost
 from blink.engine.kernels.exchange import DeviceTable, Inbox, emit, report_demand, take_requests
+from blink.engine.kernels.lay_out import lay_out
 from blink.engine.kernels.rotation import copy_pages
 from blink.shared.slot_table import SlotState, SlotTable, slot_dtype, window_room
 
@@ -84,8 +85,9 @@ class DeviceStep:
         state, engine, inbox = self.state, self.engine, self.inbox
         self._time_previous_step()
         self.take()
+        kernels = {} if self.step.planner is not plan else {"lay_out": lay_out}  # unless compiled, its kernel
         planned = self.step.planner(state, engine.pool, bucket, self.step.policy, self.mirror, self.step.cost,
-                                    self.prompt_rows(bucket))
+                                    self.prompt_rows(bucket), **kernels)
         sizes = planned.sizes
         self._last_tokens.copy_(sizes.tokens)
         if self.mirror is not None:
