@@ -16,6 +16,13 @@ decode cannot beat. Prints, saves JSON under --result-dir, asserts nothing.
 With `--model` (`default` or a .gguf file) Blink and transformers run the checkpoint the file converts to (its weights
 dequantized, in each --dtypes), and llama.cpp runs the file itself, quantized, as its users do: llama.cpp reads
 fewer bytes per token, and the floor printed is the dequantized weights'.
+
+`--quantized Q8_0,Q4_1,...` (with `--model`) adds a group per llama.cpp type: the file in that type (itself, or the
+copy llama.cpp's llama-quantize makes of it), run by llama.cpp and by Blink as stored (`blink-gguf`,
+`--quantization gguf`), and beside them Blink quantizing the float weights on load where a type has a counterpart
+(`blink-int8` by Q8_0, `blink-int4` by Q4_0); the group's floor is the file's matrices' bytes.
+
+    blink bench cpu --model default --dtypes float32 --quantized Q8_0,Q4_1,Q4_0
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from blink.bench.cpu import llama_cpp
+from blink.bench.cpu import llama_cpp, quality
 from blink.bench.engine.offline import MODEL_SHAPE, PROMPT_VOCAB, build_checkpoint, on_checkpoint, seed_everything
 from blink.bench.lib.machine import blink_source, environment, machine, save
 
@@ -53,6 +60,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "of the CPU's C++ kernels (blink-torch-kernels: one more system in the rotation)")
     p.add_argument("--small-pages", action="store_true", help="also Blink with its weights and KV cache in torch's "
                    "4 KiB pages, not huge pages (BLINK_HUGE_PAGES=0; blink-4k-pages: one more system in the rotation)")
+    p.add_argument("--quantized", default="", help="with --model: llama.cpp types (Q8_0, Q4_0, Q4_1, Q4_K_S...), a "
+                   "group each: Blink running that GGUF as stored against llama.cpp (and int8/int4 on load)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--result-dir", type=Path, default=Path("."))
 
@@ -67,6 +76,9 @@ def read_bandwidth() -> float:
         best = min(best, time.perf_counter() - start)
     return data.numel() * data.element_size() / best
 
+
+# A quantized group's Blink systems besides `blink-gguf`: the type -> (name, --quantization on load).
+ON_LOAD = {"Q8_0": ("blink-int8", "int8"), "Q4_0": ("blink-int4", "int4")}
 
 # Blink besides its defaults, one more system in the rotation each: the flag that adds it -> (its name, the
 # environment it starts in, engine options).
@@ -85,7 +97,7 @@ class BlinkDecoder:
         self.name = name
         with environment(**(env or {})):
             self.llm = LLM(str(model_dir), max_num_seqs=batch, max_num_batched_tokens=512, device="cpu",
-                           dtype=dtype, **(options or {}))
+                           dtype=dtype, max_model_len=1024, **(options or {}))  # a KV pool of what is measured
         self.kernels = self.llm.engine.model.kernels.name
         self.params = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
 
@@ -141,6 +153,17 @@ def benchmark(args: argparse.Namespace, model_dir: Path, native: Path | None = N
                 systems[d].append(BlinkDecoder(model_dir, d, args.batch, name, env, options))
     weight_bytes = {d: sum(p.numel() for p in systems[d][1].model.parameters()) * getattr(torch, d).itemsize
                     for d in dtypes}
+    for kind in filter(None, (k.strip() for k in args.quantized.split(","))):
+        if native is None or llama is None:
+            raise SystemExit("--quantized needs --model (a GGUF file) and llama.cpp")
+        path = native if quality.stored_type(native) == kind else llama.quantized(native, kind, native.parent)
+        systems[kind] = [BlinkDecoder(path, "float32", args.batch, "blink-gguf", options={"quantization": "gguf"})]
+        if kind in ON_LOAD:
+            name, method = ON_LOAD[kind]
+            systems[kind].append(BlinkDecoder(model_dir, "float32", args.batch, name,
+                                              options={"quantization": method}))
+        ggufs[kind], weight_bytes[kind] = path, matrix_bytes(path)
+        dtypes.append(kind)
     for d in dtypes:  # warm-up: weights in memory, first-call costs paid (compiling: every bucket measured)
         for system in systems[d]:
             system.generate(prompts[:1], 2)
@@ -180,6 +203,13 @@ def benchmark(args: argparse.Namespace, model_dir: Path, native: Path | None = N
     print(f"\nsaved {save('cpu', result, args.result_dir)}")
 
 
+def matrix_bytes(path: Path) -> int:
+    """Bytes of a GGUF file's matrices as stored: what a batch-1 decode reads (the embedding's lookup aside)."""
+    from gguf import GGUFReader
+
+    return sum(int(t.n_bytes) for t in GGUFReader(path).tensors if len(t.shape) > 1)
+
+
 def report(medians: dict, samples: dict, batch: int) -> None:
     for d, figs in medians.items():
         print(f"\n{d}: medians [min, max] of {len(samples[d]['floor_ms_per_token']['memory'])} alternated rounds")
@@ -189,7 +219,8 @@ def report(medians: dict, samples: dict, batch: int) -> None:
                 spread = samples[d][fig][system]
                 print(f"    {system:<20} {value:9.2f}  [{min(spread):.2f}, {max(spread):.2f}]")
         one, many = figs["batch1_ms_per_token"], figs[f"batch{batch}_tokens_per_s"]
-        for blink in (name for name in ("blink", *(v[0] for v in VARIANTS.values())) if name in one):
+        blinks = ("blink", "blink-gguf", *(v[0] for v in ON_LOAD.values()), *(v[0] for v in VARIANTS.values()))
+        for blink in (name for name in blinks if name in one):
             for other in ("transformers", "llama.cpp", "memory"):
                 base = one.get(other) or figs["floor_ms_per_token"].get(other)
                 if base:

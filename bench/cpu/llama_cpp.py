@@ -1,6 +1,7 @@
 """llama.cpp as a CPU baseline, from the source pip downloads: `llama-cpp-python`'s source distribution carries
-llama.cpp whole (vendor/llama.cpp): its `llama-bench` and `llama-batched-bench`, built here with cmake, and its
-`convert_hf_to_gguf.py`, which turns the benchmark's checkpoint into GGUF files of the same weights.
+llama.cpp whole (vendor/llama.cpp): its `llama-bench`, `llama-batched-bench`, `llama-quantize` and `llama-perplexity`,
+built here with cmake, and its `convert_hf_to_gguf.py`, which turns the benchmark's checkpoint into GGUF files of the
+same weights.
 
 Built once into Blink's cache directory (`~/.cache/blink/llama.cpp-VERSION` by default); a machine without a compiler,
 cmake or the package index gets a `Missing` that says which, and the benchmark runs without this baseline.
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -18,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from blink.shared.model_cache import cache_root
+
+TOOLS = ("llama-bench", "llama-batched-bench", "llama-quantize", "llama-perplexity")
 
 
 class Missing(RuntimeError):
@@ -48,6 +52,25 @@ class LlamaCpp:
             _run([sys.executable, "-c", script, str(self.source), str(self.source / "gguf-py"), str(model_dir),
                   "--outtype", dtype, "--outfile", str(out)], "converting the checkpoint to GGUF")
         return out
+
+    def quantized(self, model: Path, kind: str, out_dir: Path) -> Path:
+        """`model` in another of llama.cpp's types (Q8_0, Q4_0, ...) by its own llama-quantize; cached beside it. From
+        an already quantized file (--allow-requantize) the result holds that file's values, up to the new type."""
+        out = out_dir / f"{model.stem}-{kind}.gguf"
+        if not out.is_file():
+            _run([str(self.bin / "llama-quantize"), "--allow-requantize", str(model), str(out), kind],
+                 f"llama-quantize {kind}")
+        return out
+
+    def perplexity(self, model: Path, text: Path, context: int, chunks: int, threads: int) -> float:
+        """llama-perplexity's final estimate over the first `chunks` windows of `context` tokens of `text` (each
+        scored on its second half, as llama.cpp does)."""
+        out = _run([str(self.bin / "llama-perplexity"), "-m", str(model), "-f", str(text), "-c", str(context), "-b",
+                    str(context), "--chunks", str(chunks), "-t", str(threads)], "llama-perplexity")
+        match = re.search(r"Final estimate: PPL = ([0-9.]+)", out)
+        if match is None:
+            raise Missing(f"llama-perplexity printed no final estimate: {out[-600:]}")
+        return float(match.group(1))
 
     def decode_ms(self, model: Path, context: int, new_tokens: int, threads: int) -> float:
         """Batch-1 decode: llama-bench's token generation after `context` tokens, ms per token."""
@@ -88,12 +111,12 @@ def ensure(cache: Path | None = None) -> LlamaCpp:
         with tarfile.open(archive) as tar:
             tar.extractall(root, filter="data")
     llama = LlamaCpp(source, version)
-    if not all((llama.bin / tool).is_file() for tool in ("llama-bench", "llama-batched-bench")):
+    if not all((llama.bin / tool).is_file() for tool in TOOLS):
         _run(["cmake", "-S", str(source), "-B", str(source / "build"), "-DCMAKE_BUILD_TYPE=Release",
               "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_TESTS=OFF"],
              "configuring llama.cpp")
-        _run(["cmake", "--build", str(source / "build"), "-j", str(os.cpu_count() or 1), "--target", "llama-bench",
-              "llama-batched-bench"], "building llama.cpp (minutes)")
+        _run(["cmake", "--build", str(source / "build"), "-j", str(os.cpu_count() or 1), "--target", *TOOLS],
+             "building llama.cpp (minutes)")
     return llama
 
 

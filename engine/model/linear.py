@@ -44,11 +44,11 @@ Weight = torch.Tensor | quant.Quantized | quant.LaidOut
 
 def prepare(weight: torch.Tensor | quant.Quantized, quantization: str | None = None) -> Weight:
     """The weight as `linear` runs it fastest here: quantized where it is (a GGUF's blocks) or `quantization` asks
-    (int8, int4), laid out for the VNNI kernel; else plain where the AMX kernel takes it, `block`ed where the AVX-512
-    kernel does, else `pack`ed where that pays, else as it is; on the CPU, in huge pages but where oneDNN packs it
-    (blink.engine.model.huge_pages)."""
-    if quantization in ("int8", "int4") and isinstance(weight, torch.Tensor) and quant.takes(weight):
-        weight = quant.quantize(weight, quantization)
+    (int8, int4; gguf: int8 for a matrix whose type has no repacking), laid out for the VNNI kernel; else plain where
+    the AMX kernel takes it, `block`ed where the AVX-512 kernel does, else `pack`ed where that pays, else as it is; on
+    the CPU, in huge pages but where oneDNN packs it (blink.engine.model.huge_pages)."""
+    if quantization in quant.METHODS and isinstance(weight, torch.Tensor) and quant.takes(weight):
+        weight = quant.quantize(weight, "int8" if quantization == "gguf" else quantization)
     if isinstance(weight, quant.Quantized):
         return quant.lay_out(weight)
     if amx_takes(weight):

@@ -108,7 +108,7 @@ class Transformer:
             w.qkv, w.o_proj = prepare(w.qkv, quantization), prepare(w.o_proj, quantization)
             if w.moe is None:
                 w.gate_up, w.down = prepare(w.gate_up, quantization), prepare(w.down, quantization)
-        self.lm_head = prepare(self.lm_head, quantization)
+        self.lm_head = prepare(self.lm_head, quant.OUTPUT.get(quantization, quantization))
         if (tied and isinstance(self.lm_head, torch.Tensor) and self.lm_head.layout == torch.strided
                 and self.lm_head.dim() == 2):
             self.embed = self.lm_head  # still plain (moved into huge pages, maybe): one copy serves both
