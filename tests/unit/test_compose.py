@@ -43,30 +43,38 @@ def validator():
 def test_the_files():
     assert [f.name for f in FILES] == ["docker-compose.cpu.yml", "docker-compose.cpuset.yml",
                                        "docker-compose.rdma-ingress.yml", "docker-compose.rdma.yml",
+                                       "docker-compose.tcp-ingress.yml", "docker-compose.tcp.yml",
                                        "docker-compose.yml"]
 
 
 def test_the_rdma_hosts():
-    """The engine host registers the table with the NIC and takes the handshake on TCP; the ingress host
-    reaches it there, with the RDMA devices and locked memory both sides need."""
+    """RDMA on top of the two-host files: the engine host registers the table with the NIC, the ingress host writes
+    into it, with the RDMA devices and locked memory both sides need (the tcp files alone need neither)."""
     engine = load(COMPOSE / "docker-compose.rdma.yml")["services"]["engine"]
     ingress = load(COMPOSE / "docker-compose.rdma-ingress.yml")["services"]["ingress"]
     for service in (engine, ingress):
         assert service["environment"]["BLINK_TRANSPORT"] == "rdma"
         assert service["devices"] == ["/dev/infiniband:/dev/infiniband"] and "IPC_LOCK" in service["cap_add"]
         assert service["ulimits"]["memlock"] == -1
-    assert "BLINK_ENGINE_HOST" in ingress["environment"] and "BLINK_CONTROL_PORT" in ingress["environment"]
-    assert any("5550" in port for port in engine["ports"])
+    for name in ("docker-compose.tcp.yml", "docker-compose.tcp-ingress.yml"):
+        for service in load(COMPOSE / name)["services"].values():
+            assert "devices" not in service and "cap_add" not in service, name
 
 
-def test_the_rdma_hosts_share_one_control_key():
-    """The control port listens beyond the container (asked for, by BLINK_BIND_HOST) and takes only the holders of
-    the deployment's key: every service on both hosts mounts the same secret and points its key file at it."""
-    engine_host = load(COMPOSE / "docker-compose.rdma.yml")
-    ingress_host = load(COMPOSE / "docker-compose.rdma-ingress.yml")
-    assert engine_host["services"]["engine"]["environment"]["BLINK_BIND_HOST"] == "0.0.0.0"
-    services = [*engine_host["services"].values(), ingress_host["services"]["ingress"]]
-    assert len(services) == 4
+def test_the_two_hosts_share_one_control_key():
+    """The engine host's control and relay ports listen beyond the container (asked for, by BLINK_BIND_HOST) and take
+    only the holders of the deployment's key: every service on both hosts mounts the same secret and points its key
+    file at it; the ingress host reaches the engine's ports over the zmq transport."""
+    engine_host = load(COMPOSE / "docker-compose.tcp.yml")
+    ingress_host = load(COMPOSE / "docker-compose.tcp-ingress.yml")
+    engine = engine_host["services"]["engine"]
+    assert engine["environment"]["BLINK_BIND_HOST"] == "0.0.0.0"
+    assert any("BLINK_CONTROL_PORT" in port for port in engine["ports"])
+    assert any("BLINK_RELAY_PORT" in port for port in engine["ports"])
+    ingress = ingress_host["services"]["ingress"]
+    assert ingress["environment"]["BLINK_TRANSPORT"] == "zmq" and "BLINK_ENGINE_HOST" in ingress["environment"]
+    assert engine_host["services"]["ingress"] == {"profiles": ["ingress-elsewhere"]}  # one ingress per slot table
+    services = [engine, engine_host["services"]["watchdog"], ingress]
     for service in services:
         assert service["secrets"] == ["blink_control_key"]
         assert service["environment"]["BLINK_CONTROL_KEY_FILE"] == "/run/secrets/blink_control_key"
@@ -93,7 +101,8 @@ def test_the_stack():
     for name, service in services.items():
         assert service["restart"] == "unless-stopped", name
     ingress = services["ingress"]
-    assert ingress["ports"] == ["${BLINK_PORT:-8000}:8000"] and ingress["environment"]["BLINK_PORT"] == "8000"
+    assert ingress["ports"] == ["${BLINK_PORT:-8000}:8000", "${BLINK_ZMQ_PORT:-5557}:5557"]
+    assert ingress["environment"]["BLINK_PORT"] == "8000" and ingress["environment"]["BLINK_ZMQ_PORT"] == "5557"
     assert "/health" in " ".join(ingress["healthcheck"]["test"])
     for service in (engine, ingress):
         assert int(service["healthcheck"]["start_period"].removesuffix("s")) >= 300
@@ -127,10 +136,27 @@ def test_every_command_and_variable_exists(capsys):
 
 @pytest.mark.parametrize("dockerfile", sorted(COMPOSE.glob("Dockerfile.*")), ids=lambda p: p.name)
 def test_dockerfiles(dockerfile):
+    """What they copy exists and is let through .dockerignore; the base and the package sources can be changed with
+    build arguments whose defaults are a stock Docker host's; the compiler and the wheels stay where they should."""
     root = COMPOSE.parent
     text = dockerfile.read_text()
+    allowed = [line[1:] for line in (root / ".dockerignore").read_text().splitlines() if line.startswith("!")]
     for source in re.findall(r"^COPY (\S+)", text, flags=re.MULTILINE):
+        if source.startswith("--from="):
+            continue
         assert (root / source).exists(), f"{dockerfile.name} copies {source}, which is not in the repository"
+        assert source in allowed or source in ("./",), f"{dockerfile.name} copies {source}, which .dockerignore hides"
     cmd = json.loads(re.search(r"^CMD (.+)$", text, flags=re.MULTILINE).group(1))
     assert cmd == ["blink", "serve"]
     assert '".[engine,ingress]"' in text
+    args = dict(re.findall(r"^ARG (\w+)(?:=(.*))?$", text, flags=re.MULTILINE))
+    assert args["BASE"] == "python:3.11-slim-bookworm" and text.count("FROM ${BASE}") == 1
+    assert {"PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_TRUSTED_HOST", "CA_CERTS", "TORCH_INDEX_URL"} <= set(args)
+    stages = re.split(r"^FROM ", text, flags=re.MULTILINE)[1:]
+    assert "g++" in stages[0], "the CPU kernels are built where they run (-march=native): the image needs g++"
+    assert "COPY compose/wheels /wheels" in stages[1] and "/wheels" not in stages[-1], "the wheels stay in the build"
+
+
+def test_the_wheels_directory_is_kept_but_its_wheels_are_not():
+    ignore = (COMPOSE / "wheels" / ".gitignore").read_text().split()
+    assert "*" in ignore and "!.gitignore" in ignore
