@@ -29,11 +29,13 @@ from blink.ingress.protocol import (
     ChatRequest,
     CompletionRequest,
     DetokenizeRequest,
+    ResponsesRequest,
     SamplingFields,
     TokenizeRequest,
 )
 from blink.ingress.reasoning import ReasoningParser
 from blink.ingress.responses import Shape, collect, sse
+from blink.ingress.responses_api import as_chat, response_events, response_object
 from blink.ingress.state import IngressState
 from blink.ingress.structured import grammar_of_body
 from blink.ingress.tools import ToolParser
@@ -148,7 +150,7 @@ def _add_token_routes(app: FastAPI, state: IngressState) -> None:
 
 
 def _add_generation_routes(app: FastAPI, state: IngressState) -> None:
-    """Completions and chat: each turns its body into prompts and choices, then shares _respond."""
+    """Completions and chat: each turns its body into prompts and choices, then shares _respond; responses is chat's."""
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -173,6 +175,15 @@ def _add_generation_routes(app: FastAPI, state: IngressState) -> None:
         return await _respond(state, request, body, jobs, body.max_completion_tokens or body.max_tokens, logprobs,
                               chat=True, tools=tools, reasoning=reasoning,
                               thinking=reasoning is not None and reasoning.starts_thinking(text), grammar=grammar)
+
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request):
+        """OpenAI's Responses API, stateless: served as a chat completion (blink.ingress.responses_api)."""
+        answer = await chat(as_chat(body), request)
+        if isinstance(answer, StreamingResponse):
+            return StreamingResponse(response_events(body, answer.body_iterator), media_type="text/event-stream")
+        return response_object(body, answer) if isinstance(answer, dict) else answer
 
 
 class _ClientGone(Exception):

@@ -198,3 +198,91 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
     tokens: list[StrictInt]
+
+
+# OpenAI's /v1/responses, stateless (blink.ingress.responses_api translates it onto chat).
+class ResponseText(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["input_text", "output_text", "text"]
+    text: str
+    annotations: list | None = None  # an earlier output's, given back
+
+
+class ResponseMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["message"] = "message"
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ResponseText]
+    id: str | None = None  # an earlier output's, given back
+    status: str | None = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ResponseFunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    id: str | None = None
+    status: str | None = None
+
+
+class ResponseFunctionOutput(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str
+    id: str | None = None
+    status: str | None = None
+
+
+class ResponseTool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None
+    strict: StrictBool | None = None
+
+
+class ResponseToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    name: str
+
+
+class ResponseTextFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = Field(None, max_length=64)
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseTextConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    format: ResponseTextFormat | None = None
+
+
+class ResponsesRequest(BaseModel):
+    """The stateless part of OpenAI's Responses API: no stored responses, so no previous_response_id."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    input: str | list[ResponseMessage | ResponseFunctionCall | ResponseFunctionOutput] = Field(min_length=1)
+    instructions: str | None = None
+    max_output_tokens: StrictInt | None = Field(None, ge=1)
+    temperature: StrictFloat | StrictInt | None = None
+    top_p: StrictFloat | StrictInt | None = None
+    tools: list[ResponseTool] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | ResponseToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None
+    text: ResponseTextConfig | None = None
+    stream: StrictBool = False
+    store: Literal[False] | None = Field(None, description="Blink stores no responses: only false is accepted")
+    metadata: dict[str, str] | None = None
+    user: str | None = None

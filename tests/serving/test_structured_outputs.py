@@ -252,3 +252,69 @@ def test_metrics_count_structured_requests(server, client):
                         r'outcome="refused"\} (\S+)', text)
     assert served and float(served.group(1)) >= 1
     assert refused and float(refused.group(1)) >= 1
+
+
+# /v1/responses, stateless, served as chat (blink.ingress.responses_api), through the SDK's newer surface.
+RESPONSE_TOOLS = [{"type": "function", "name": t["function"]["name"], "parameters": t["function"]["parameters"]}
+                  for t in TOOLS]
+
+
+def test_responses_text_instructions_and_a_schema(client):
+    cut = client.responses.create(model=MODEL, input="hi", instructions="Be brief.", max_output_tokens=6,
+                                  temperature=0.0)
+    assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
+    assert cut.output_text and cut.usage.output_tokens == 6 and cut.usage.input_tokens > 0
+    schema = {**SCHEMAS["array_enum"], "additionalProperties": False}
+    answer = client.responses.create(
+        model=MODEL, input=[{"role": "user", "content": [{"type": "input_text", "text": "JSON please"}]}],
+        max_output_tokens=80, temperature=0.0,
+        text={"format": {"type": "json_schema", "name": "tags", "schema": schema, "strict": True}})
+    assert answer.status == "completed"
+    jsonschema.validate(json.loads(answer.output_text), schema)
+
+
+def test_responses_function_tools_and_their_outputs_back(client):
+    out = client.responses.create(model=MODEL, input="weather?", tools=RESPONSE_TOOLS, tool_choice="required",
+                                  parallel_tool_calls=False, max_output_tokens=150, temperature=0.0)
+    calls = [o for o in out.output if o.type == "function_call"]
+    assert out.status == "completed" and len(calls) == 1
+    schemas = {t["name"]: t["parameters"] for t in RESPONSE_TOOLS}
+    jsonschema.validate(json.loads(calls[0].arguments), schemas[calls[0].name])
+    # The call and its output given back, as an agent loop does: a new turn on the chat path.
+    back = client.responses.create(model=MODEL, tools=RESPONSE_TOOLS, tool_choice="none", max_output_tokens=4,
+                                   temperature=0.0, input=[
+                                       {"role": "user", "content": "weather?"},
+                                       {"type": "function_call", "call_id": calls[0].call_id, "name": calls[0].name,
+                                        "arguments": calls[0].arguments},
+                                       {"type": "function_call_output", "call_id": calls[0].call_id,
+                                        "output": "sunny"}])
+    assert back.output_text
+
+
+def test_responses_stream_events_as_the_sdk_reads_them(client):
+    schema = SCHEMAS["nested"]
+    with client.responses.stream(model=MODEL, input="hi", max_output_tokens=120, temperature=0.0,
+                                 text={"format": {"type": "json_schema", "name": "n", "schema": schema}}) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_response()
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.completed"]
+    jsonschema.validate(json.loads(final.output_text), schema)
+    events = list(client.responses.create(model=MODEL, input="hi", tools=RESPONSE_TOOLS, stream=True,
+                                          tool_choice={"type": "function", "name": "get_time"},
+                                          max_output_tokens=100, temperature=0.0))
+    assert [e.type for e in events][-3:] == ["response.function_call_arguments.done", "response.output_item.done",
+                                             "response.completed"]
+    call = events[-1].response.output[0]
+    assert call.name == "get_time"
+    jsonschema.validate(json.loads(call.arguments), TOOLS[1]["function"]["parameters"])
+
+
+def test_responses_refuse_what_is_stateful(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=MODEL, input="hi", previous_response_id="resp_123")
+    assert e.value.body["param"] == "previous_response_id"
+    with pytest.raises(openai.BadRequestError):
+        client.responses.create(model=MODEL, input="hi", store=True)
