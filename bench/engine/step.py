@@ -195,9 +195,7 @@ def _as_on_a_gpu():
         module.none_set = lambda *masks: False
     chosen = attention.key_splits
 
-    def on_an_h100(q, kv_heads, queries_per_row):
-        if queries_per_row != 1:
-            return 1
+    def on_an_h100(q, kv_heads):
         return min(attention.MAX_SPLITS, triton.next_power_of_2(-(-2 * H100_SMS // kv_heads)))
 
     attention.key_splits = on_an_h100

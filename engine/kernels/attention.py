@@ -4,11 +4,15 @@ A program takes one row (consecutive batch tokens of one sequence) and one KV he
 heads: the row's queries times those heads form one tile of queries, which sweeps the row's context in tiles of
 keys with an online softmax, finding each key's cache row through the block table. Programs past the row count
 (read on the device) return at once, so the grid depends only on the rows' capacity: no host sync, graph-safe.
+A step's decode rows and prefill chunks (blocks of QUERY_BLOCK queries) are one launch (`attention`): each group has
+its own programs, so a decode-only step pays no chunk kernel, only chunk programs that return; the same launch
+writes zeros to the batch's padding tokens, so its output needs no zeroing first.
 
 Decode rows can also split their context (flash-decoding): a batch-1 decode is a program per KV head, 8 programs on
-a GPU of 132 SMs, each reading the whole context alone. With SPLITS > 1 each program sweeps one of SPLITS equal
-spans of its row's keys (sized on the device from the row's length), writes its running maximum, sum and
-unnormalised output, and a second kernel merges the spans of each (row, head).
+a GPU of 132 SMs, each reading the whole context alone. With SPLITS > 1 each row's programs choose on the device how
+many spans its keys take (enough programs for twice the SMs over the live rows, MIN_SPAN keys a span at least,
+whole key tiles, no empty span); each writes its running maximum, sum and unnormalised output, takes a ticket on the
+row's lock, and the last to finish merges the spans into the output and leaves the lock at zero: no second kernel.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ MIN_DOT = 16  # tl.dot needs M, N and K of at least 16 on the GPU
 ACCUMULATOR = 128 * 128  # fp32 accumulator elements one program holds (queries x heads x head_dim) at most
 KEY_TILE = 64
 MAX_SPLITS = 16  # key spans a decode row splits into at most
+MIN_SPAN = 4 * KEY_TILE  # keys a span holds at least: shorter, its merge costs more than the split saves
 
 
 @triton.jit
@@ -36,47 +41,12 @@ def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _paged_attention_kernel(
-    q_ptr, out_ptr, k_ptr, v_ptr, table_ptr,
-    start_ptr, length_ptr, first_pos_ptr, slot_ptr, count_ptr,
-    stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_table,
-    scale_log2, window, span_max, span_sum, span_acc, heads,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, SPLITS: tl.constexpr,
-):
-    row = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2) % SPLITS
-    if row >= tl.load(count_ptr):
-        return
-    start = tl.load(start_ptr + row)
-    length = tl.load(length_ptr + row)
-    first_pos = tl.load(first_pos_ptr + row)
-    slot = tl.load(slot_ptr + row)
-
-    # Tile row m is query m // BLOCK_H of the row, for query head (m % BLOCK_H) of this program's slice.
-    m = tl.arange(0, BLOCK_M)
-    query = m // BLOCK_H
-    in_group = tl.program_id(2) // SPLITS * BLOCK_H + m % BLOCK_H
-    head = kv_head * GROUP + in_group
-    live = (query < length) & (in_group < GROUP)
-    pos = first_pos + query
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < HEAD_DIM
-    q_mask = live[:, None] & d_ok[None, :]
-    q = tl.load(q_ptr + (start + query)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-                mask=q_mask, other=0.0)
-
-    end = first_pos + length  # the row's last query sees keys up to end - 1
-    lo = 0
-    if HAS_WINDOW:
-        lo = tl.maximum(first_pos - window + 1, 0)
-    if SPLITS > 1:  # this program's span of the keys: whole key tiles, the last spans possibly empty
-        span = tl.cdiv(tl.cdiv(end - lo, SPLITS), BLOCK_N) * BLOCK_N
-        lo = lo + split * span
-        end = tl.minimum(end, lo + span)
+def _sweep(q, k_ptr, v_ptr, table_ptr, slot, pos, lo, end, window, scale_log2,
+           stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_table, kv_head, d, d_ok,
+           PAGE_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+           BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """The tile of queries `q` against the row's keys lo..end-1 with an online softmax: its running maximum, sum and
+    unnormalised output."""
     # A finite floor keeps rows that see no key in a tile (or padding rows) free of inf - inf.
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -105,41 +75,155 @@ def _paged_attention_kernel(
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, UPCAST)
         m_i = m_new
         n0 += BLOCK_N
-    if SPLITS > 1:  # decode rows: one query, tile row m is query head m of the slice
-        at = (row * heads + head) * SPLITS + split
-        tl.store(span_max + at, m_i, mask=live)
-        tl.store(span_sum + at, l_i, mask=live)
-        tl.store(span_acc + at[:, None] * HEAD_DIM + d[None, :], acc, mask=q_mask)
-    else:
-        acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(out_ptr + (start + query)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-                 acc.to(out_ptr.dtype.element_ty), mask=q_mask)
+    return m_i, l_i, acc
 
 
 @triton.jit
-def _merge_spans_kernel(out_ptr, start_ptr, count_ptr, span_max, span_sum, span_acc, stride_ot, stride_oh, heads,
-                        HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One (decode row, query head): its spans' online-softmax states merged into the attention output."""
-    row = tl.program_id(0)
-    head = tl.program_id(1)
-    if row >= tl.load(count_ptr):
-        return
-    at = (row * heads + head) * SPLITS + tl.arange(0, SPLITS)
-    m = tl.load(span_max + at)
-    weight = tl.exp2(m - tl.max(m, 0))  # spans that saw no key hold the finite floor and a zero sum
-    total = tl.sum(tl.load(span_sum + at) * weight, 0)
+def _attend_row(q_ptr, out_ptr, k_ptr, v_ptr, table_ptr, row, kv_head, hblock, split, n_rows,
+                start_ptr, length_ptr, first_pos_ptr, slot_ptr,
+                stride_qt, stride_qh, stride_ot, stride_oh,
+                stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_table,
+                scale_log2, window, span_max, span_sum, span_acc, locks, heads, programs, min_span,
+                GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, SPLITS: tl.constexpr):
+    """One row's queries for one KV head's slice of query heads, or (SPLITS > 1, decode rows) one span of its keys."""
+    start = tl.load(start_ptr + row)
+    length = tl.load(length_ptr + row)
+    first_pos = tl.load(first_pos_ptr + row)
+    slot = tl.load(slot_ptr + row)
+
+    # Tile row m is query m // BLOCK_H of the row, for query head (m % BLOCK_H) of this program's slice.
+    m = tl.arange(0, BLOCK_M)
+    query = m // BLOCK_H
+    in_group = hblock * BLOCK_H + m % BLOCK_H
+    head = kv_head * GROUP + in_group
+    live = (query < length) & (in_group < GROUP)
+    pos = first_pos + query
     d = tl.arange(0, BLOCK_D)
-    acc = tl.load(span_acc + at[:, None] * HEAD_DIM + d[None, :], mask=d[None, :] < HEAD_DIM, other=0.0)
-    acc = tl.sum(acc * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + tl.load(start_ptr + row) * stride_ot + head * stride_oh + d,
-             acc.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+    d_ok = d < HEAD_DIM
+    q_mask = live[:, None] & d_ok[None, :]
+    out_at = out_ptr + (start + query)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+
+    end = first_pos + length  # the row's last query sees keys up to end - 1
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(first_pos - window + 1, 0)
+    spans = 1
+    if SPLITS > 1:
+        # How many spans this row's keys split into, chosen here from what is live: enough programs for the GPU
+        # (`programs` over the live rows' programs), none shorter than min_span keys; whole key tiles, none empty.
+        kv_heads = tl.num_programs(1)
+        hblocks = (GROUP + BLOCK_H - 1) // BLOCK_H
+        wanted = tl.maximum((programs + n_rows * kv_heads * hblocks - 1) // (n_rows * kv_heads * hblocks), 1)
+        spans = tl.minimum(tl.minimum(wanted, tl.maximum((end - lo + min_span - 1) // min_span, 1)), SPLITS)
+        span = tl.cdiv(tl.cdiv(end - lo, spans), BLOCK_N) * BLOCK_N
+        spans = tl.cdiv(end - lo, span)
+        lo = lo + split * span
+        end = tl.minimum(end, lo + span)
+    if split < spans:
+        q = tl.load(q_ptr + (start + query)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                    mask=q_mask, other=0.0)
+        m_i, l_i, acc = _sweep(q, k_ptr, v_ptr, table_ptr, slot, pos, lo, end, window, scale_log2,
+                               stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_table,
+                               kv_head, d, d_ok, PAGE_SIZE, HAS_WINDOW, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PRECISION,
+                               UPCAST)
+        if spans == 1:
+            acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+            tl.store(out_at, acc.to(out_ptr.dtype.element_ty), mask=q_mask)
+        else:
+            # Decode rows: one query, tile row m is query head m of the slice. The span's state goes out; the last
+            # of the row's spans to finish (a ticket on its lock) merges them all and leaves the lock at zero.
+            at = (row * heads + head) * SPLITS
+            tl.store(span_max + at + split, m_i, mask=live)
+            tl.store(span_sum + at + split, l_i, mask=live)
+            tl.store(span_acc + (at + split)[:, None] * HEAD_DIM + d[None, :], acc, mask=q_mask)
+            tl.debug_barrier()  # every thread's stores issued before the ticket releases them
+            lock = locks + (row * tl.num_programs(1) + kv_head) * ((GROUP + BLOCK_H - 1) // BLOCK_H) + hblock
+            if tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu") == spans - 1:
+                tl.atomic_xchg(lock, 0, sem="relaxed", scope="gpu")
+                top = tl.full([BLOCK_M], -1.0e30, tl.float32)
+                total = tl.zeros([BLOCK_M], tl.float32)
+                merged = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+                i = 0
+                while i < spans:  # online, span by span: the other programs' states read from L2
+                    m_s = tl.load(span_max + at + i, mask=live, other=-1.0e30, cache_modifier=".cg")
+                    l_s = tl.load(span_sum + at + i, mask=live, other=0.0, cache_modifier=".cg")
+                    a_s = tl.load(span_acc + (at + i)[:, None] * HEAD_DIM + d[None, :], mask=q_mask, other=0.0,
+                                  cache_modifier=".cg")
+                    new_top = tl.maximum(top, m_s)
+                    old, this = tl.exp2(top - new_top), tl.exp2(m_s - new_top)
+                    total = total * old + l_s * this
+                    merged = merged * old[:, None] + a_s * this[:, None]
+                    top = new_top
+                    i += 1
+                merged = merged / tl.where(total > 0, total, 1.0)[:, None]
+                tl.store(out_at, merged.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
-def key_splits(q: torch.Tensor, kv_heads: int, queries_per_row: int) -> int:
-    """How many key spans decode rows split into: enough programs to cover a GPU's SMs about twice when a single
-    row decodes (how many do is on the device; spans past a short context exit at once, and many long rows pay a
-    merge of a few kilobytes per head). Prefill rows, and the CPU: none."""
-    if queries_per_row != 1 or q.device.type != "cuda":
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, out_ptr, k_ptr, v_ptr, table_ptr, write_ptr, tokens,
+    d_start, d_length, d_first_pos, d_slot, d_count, d_programs,
+    c_start, c_length, c_first_pos, c_slot, c_count,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_table,
+    scale_log2, window, span_max, span_sum, span_acc, locks, heads, programs, min_span,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    DECODES: tl.constexpr, D_BLOCK_H: tl.constexpr, D_BLOCK_M: tl.constexpr, SPLITS: tl.constexpr,
+    CHUNKS: tl.constexpr, C_QUERIES: tl.constexpr, C_BLOCK_H: tl.constexpr, C_BLOCK_M: tl.constexpr,
+    ZERO_PADDING: tl.constexpr,
+):
+    """One launch for a step: along axis 0, first d_programs rows of decode programs (each a head slice and a span
+    of keys: D_Z of them; they also zero the batch's padding tokens), then the prefill chunks' rows (blocks of
+    C_QUERIES, a program per head slice); a program past its group's row count (read here) returns."""
+    kv_head = tl.program_id(1)
+    D_Z: tl.constexpr = ((GROUP + D_BLOCK_H - 1) // D_BLOCK_H) * SPLITS
+    C_Z: tl.constexpr = (GROUP + C_BLOCK_H - 1) // C_BLOCK_H
+    pid = tl.program_id(0) // D_Z
+    z = tl.program_id(0) % D_Z
+    if pid < d_programs:
+        hblock = z // SPLITS
+        if ZERO_PADDING:  # a token of no row (its K/V write goes to the null row 0) gets zeros, as the reference's
+            padding = tl.load(write_ptr + pid, mask=pid < tokens, other=1) == 0
+            if padding & (z % SPLITS == 0):
+                m = tl.arange(0, D_BLOCK_H)
+                d = tl.arange(0, BLOCK_D)
+                in_group = hblock * D_BLOCK_H + m
+                head = kv_head * GROUP + in_group
+                tl.store(out_ptr + pid * stride_ot + head[:, None] * stride_oh + d[None, :],
+                         tl.zeros([D_BLOCK_H, BLOCK_D], out_ptr.dtype.element_ty),
+                         mask=(in_group < GROUP)[:, None] & (d < HEAD_DIM)[None, :])
+        if DECODES:
+            n_rows = tl.load(d_count)
+            if (pid < n_rows) & (hblock * D_BLOCK_H < GROUP):
+                _attend_row(q_ptr, out_ptr, k_ptr, v_ptr, table_ptr, pid, kv_head, hblock, z % SPLITS, n_rows,
+                            d_start, d_length, d_first_pos, d_slot,
+                            stride_qt, stride_qh, stride_ot, stride_oh,
+                            stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_table,
+                            scale_log2, window, span_max, span_sum, span_acc, locks, heads, programs, min_span,
+                            GROUP, HEAD_DIM, PAGE_SIZE, HAS_WINDOW, D_BLOCK_H, D_BLOCK_M, BLOCK_N, BLOCK_D,
+                            DOT_PRECISION, UPCAST, SPLITS)
+    elif CHUNKS:
+        row = (tl.program_id(0) - d_programs * D_Z) // C_Z
+        z = (tl.program_id(0) - d_programs * D_Z) % C_Z
+        n_rows = tl.load(c_count)
+        if (row < n_rows) & (z * C_BLOCK_H < GROUP):
+            _attend_row(q_ptr, out_ptr, k_ptr, v_ptr, table_ptr, row, kv_head, z, 0, n_rows,
+                        c_start, c_length, c_first_pos, c_slot,
+                        stride_qt, stride_qh, stride_ot, stride_oh,
+                        stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_table,
+                        scale_log2, window, span_max, span_sum, span_acc, locks, heads, programs, min_span,
+                        GROUP, HEAD_DIM, PAGE_SIZE, HAS_WINDOW, C_BLOCK_H, C_BLOCK_M, BLOCK_N, BLOCK_D,
+                        DOT_PRECISION, UPCAST, 1)
+
+
+def key_splits(q: torch.Tensor, kv_heads: int) -> int:
+    """The most key spans a decode row splits into: on a GPU, enough programs to cover its SMs about twice when a
+    single row decodes (each row takes fewer on the device as more rows are live or its context is short); on the
+    CPU, none."""
+    if q.device.type != "cuda":
         return 1
     return min(MAX_SPLITS, triton.next_power_of_2(-(-2 * _multiprocessors(q.device.index) // kv_heads)))
 
@@ -149,48 +233,103 @@ def _multiprocessors(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: QueryRows,
-                    queries_per_row: int, block_table: torch.Tensor, scale: float, sliding_window: int | None,
-                    out: torch.Tensor, splits: int | None = None) -> torch.Tensor:
-    """Writes attention for the tokens of `rows` into out and returns it; other tokens of out are left alone.
+def _programs(device: torch.device) -> int:
+    """The programs a step's decode rows should make at least: twice the SMs (on the CPU, a number for the tests)."""
+    return 2 * (_multiprocessors(device.index) if device.type == "cuda" else 132)
+
+
+def _span_state(rows: int, heads: int, splits: int, head_dim: int, device: torch.device) -> list[torch.Tensor]:
+    """Where spans leave their state for the merge: [rows, heads, splits] maxima and sums, [..., D] outputs."""
+    return [torch.empty((rows, heads, splits, *shape), dtype=torch.float32, device=device)
+            for shape in ((), (), (head_dim,))]
+
+
+_LOCKS: dict[torch.device, torch.Tensor] = {}
+
+
+def _locks(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed int32 tickets, one per (decode row, KV head, head slice), that the last span of each leaves at zero:
+    allocated once per device (before a graph captures it: the device modes run every bucket before capturing)."""
+    locks = _LOCKS.get(device)
+    if locks is None or locks.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("attention's span locks must grow before capture: run the bucket once first")
+        locks = _LOCKS[device] = torch.zeros(max(n, 1 << 14), dtype=torch.int32, device=device)
+    return locks
+
+
+def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              groups: list[tuple[QueryRows, int]], block_table: torch.Tensor, scale: float,
+              sliding_window: int | None, write_rows: torch.Tensor | None = None, out: torch.Tensor | None = None,
+              splits: int | None = None, min_span: int = MIN_SPAN) -> torch.Tensor:
+    """Attention for the tokens of the row groups (decode rows: one query each; chunk rows: up to QUERY_BLOCK),
+    in one launch, into `out` (new if None), returned.
 
     q, out: [B, Hq, D]; caches: one layer's [pages, page_size, Hkv, D] (K/V of this step already written);
-    block_table: [slots, pages per sequence]; every real row is at most `queries_per_row` tokens long.
-    splits: key spans per decode row (a power of two; None: `key_splits`'s choice).
+    block_table: [slots, pages per sequence]; groups: (rows, queries per row), at most one of each kind.
+    write_rows: each token's cache row ([B], 0 for padding): given, the tokens of no row get zeros, so `out` needs
+    no zeroing first; None leaves them alone. splits: the most key spans a decode row splits into (a power of two;
+    None: `key_splits`'s), how many it does is chosen on the device; min_span: the fewest keys a span holds.
     """
     _, page_size, kv_heads, head_dim = k_cache.shape
-    heads = q.shape[1]
+    B, heads = q.shape[:2]
     group = heads // kv_heads
-    capacity = rows.start.shape[0]
+    out = torch.empty_like(q) if out is None else out
     assert heads == group * kv_heads and q.stride(-1) == out.stride(-1) == 1
     assert k_cache.stride(-1) == v_cache.stride(-1) == 1 and block_table.stride(-1) == 1
-    assert queries_per_row & (queries_per_row - 1) == 0 and page_size & (page_size - 1) == 0
-    if capacity == 0 or q.shape[0] == 0:
+    assert page_size & (page_size - 1) == 0 and min_span % KEY_TILE == 0
+    decodes = [rows for rows, queries in groups if queries == 1]
+    chunks = [(rows, queries) for rows, queries in groups if queries > 1]
+    assert len(decodes) <= 1 and len(chunks) <= 1 and all(queries & (queries - 1) == 0 for _, queries in chunks)
+    d_capacity = decodes[0].start.shape[0] if decodes else 0
+    c_capacity = chunks[0][0].start.shape[0] if chunks else 0
+    zero_padding = write_rows is not None
+    d_programs = max(d_capacity, B if zero_padding else 0)
+    if B == 0 or d_programs + c_capacity == 0:
         return out
-    # Decode rows take a whole GQA group per program; long rows split it so the accumulator stays in registers.
     block_d = max(MIN_DOT, triton.next_power_of_2(head_dim))
-    block_h = min(triton.next_power_of_2(group), max(1, ACCUMULATOR // (queries_per_row * block_d)))
-    block_m = max(MIN_DOT, queries_per_row * block_h)
-    splits = key_splits(q, kv_heads, queries_per_row) if splits is None else splits
-    assert splits == 1 or queries_per_row == 1, "only decode rows split their keys"
+
+    def tiling(queries: int) -> tuple[int, int]:
+        # Decode rows take a whole GQA group per program; long rows split it so the accumulator stays in registers.
+        block_h = min(triton.next_power_of_2(group), max(1, ACCUMULATOR // (queries * block_d)))
+        return block_h, max(MIN_DOT, queries * block_h)
+
+    c_queries = chunks[0][1] if chunks else 1
+    (d_block_h, d_block_m), (c_block_h, c_block_m) = tiling(1), tiling(c_queries)
+    splits = (key_splits(q, kv_heads) if splits is None else splits) if decodes else 1
     assert splits & (splits - 1) == 0
-    spans = [torch.empty((capacity, heads, splits, *shape), dtype=torch.float32, device=q.device)
-             for shape in ((), (), (head_dim,))] if splits > 1 else [q] * 3  # max, sum, unnormalised output
-    grid = (capacity, kv_heads, triton.cdiv(group, block_h) * splits)
+    hblocks = triton.cdiv(group, d_block_h)
+    spans = _span_state(d_capacity, heads, splits, head_dim, q.device) if splits > 1 else [q] * 3
+    locks = _locks(q.device, d_capacity * kv_heads * hblocks) if splits > 1 else q
+    d_rows = decodes[0] if decodes else chunks[0][0]  # an absent group's pointers are never read
+    c_rows = chunks[0][0] if chunks else d_rows
+    grid = (d_programs * hblocks * splits + c_capacity * triton.cdiv(group, c_block_h), kv_heads)
     _paged_attention_kernel[grid](
-        q, out, k_cache, v_cache, block_table,
-        rows.start, rows.length, rows.first_pos, rows.slot, rows.count,
+        q, out, k_cache, v_cache, block_table, write_rows if zero_padding else d_rows.start, B,
+        d_rows.start, d_rows.length, d_rows.first_pos, d_rows.slot, d_rows.count, d_programs,
+        c_rows.start, c_rows.length, c_rows.first_pos, c_rows.slot, c_rows.count,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         *k_cache.stride()[:3], *v_cache.stride()[:3], block_table.stride(0),
-        scale * LOG2E, sliding_window or 0, *spans, heads,
+        scale * LOG2E, sliding_window or 0, *spans, locks, heads, _programs(q.device), min_span,
         GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size, HAS_WINDOW=sliding_window is not None,
-        BLOCK_H=block_h, BLOCK_M=block_m, BLOCK_N=KEY_TILE, BLOCK_D=block_d,
+        BLOCK_N=KEY_TILE, BLOCK_D=block_d,
         # float32 through three TF32 products: about float32's accuracy on tensor cores (ieee spills on Hopper).
         DOT_PRECISION="tf32x3" if q.dtype == torch.float32 else "tf32",
         UPCAST=q.dtype == torch.bfloat16 and q.device.type == "cpu",  # on the CPU Triton only interprets
-        SPLITS=splits, num_warps=4 if block_m * block_d <= ACCUMULATOR // 2 else 8,
+        DECODES=bool(decodes), D_BLOCK_H=d_block_h, D_BLOCK_M=d_block_m, SPLITS=splits,
+        CHUNKS=bool(chunks), C_QUERIES=c_queries, C_BLOCK_H=c_block_h, C_BLOCK_M=c_block_m,
+        ZERO_PADDING=zero_padding,
+        num_warps=4 if max(d_block_m, c_block_m if chunks else 0) * block_d <= ACCUMULATOR // 2 else 8,
     )
-    if splits > 1:
-        _merge_spans_kernel[(capacity, heads)](out, rows.start, rows.count, *spans, out.stride(0), out.stride(1),
-                                               heads, HEAD_DIM=head_dim, SPLITS=splits, BLOCK_D=block_d)
     return out
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: QueryRows,
+                    queries_per_row: int, block_table: torch.Tensor, scale: float, sliding_window: int | None,
+                    out: torch.Tensor, splits: int | None = None, min_span: int = MIN_SPAN) -> torch.Tensor:
+    """One row group's `attention` (every real row at most `queries_per_row` tokens long) written into out; other
+    tokens of out are left alone."""
+    if splits is not None:
+        assert splits == 1 or queries_per_row == 1, "only decode rows split their keys"
+    return attention(q, k_cache, v_cache, [(rows, queries_per_row)], block_table, scale, sliding_window,
+                     out=out, splits=splits, min_span=min_span)

@@ -194,11 +194,12 @@ class TritonKernels:
         # picked before a kernel is defined.
         if device.type != "cuda":
             os.environ.setdefault("TRITON_INTERPRET", "1")
-        from blink.engine.kernels import attention, rms_norm, rope_kv
+        from blink.engine.kernels import activation, attention, rms_norm, rope_kv
         from blink.engine.kernels import moe as experts
         from blink.engine.kernels.sampler import FUSED_SAMPLER
 
         self._attention, self._norm, self._rope, self._experts = attention, rms_norm, rope_kv, experts
+        self._activation = activation
         # A row pays for the features its request asked for, whatever the step was built to serve (a captured step
         # serves them all).
         self.sampler = FUSED_SAMPLER
@@ -223,18 +224,17 @@ class TritonKernels:
         return self._norm.add_rms_norm(x, delta, weight, eps)
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        return silu_and_mul(gate_up)
+        return self._activation.silu_and_mul(gate_up)
 
     def attention(self, qkv: torch.Tensor, w: LayerWeights, cfg: ModelConfig, tokens: Tokens, k_cache: torch.Tensor,
                   v_cache: torch.Tensor, scale: float) -> torch.Tensor:
         q, k, v = split_heads(qkv, w, cfg, self.norm)
         batch = tokens.batch
         q = self._rope.rope_and_cache(q, k, v, *tokens.rope, tokens.positions, batch.write_rows, k_cache, v_cache)
-        out = torch.zeros_like(q)  # padding tokens belong to no row: they keep zeros, as in the reference
-        for rows, queries in batch.rows:
-            self._attention.paged_attention(q, k_cache, v_cache, rows, queries, batch.block_table, scale,
-                                            self.sliding_window, out)
-        return out
+        # One launch for decode rows and chunks; padding tokens belong to no row: it writes them zeros, as the
+        # reference leaves them.
+        return self._attention.attention(q, k_cache, v_cache, batch.rows, batch.block_table, scale,
+                                         self.sliding_window, batch.write_rows)
 
     def moe_mlp(self, h: torch.Tensor, w: MoeWeights, cfg: ModelConfig) -> torch.Tensor:
         return moe.grouped_moe_mlp(h, w, cfg.moe, self._experts)

@@ -35,7 +35,8 @@ TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol
 ELEMENTWISE = {torch.float32: dict(atol=1e-6, rtol=1e-6), torch.float16: dict(atol=0, rtol=0),
                torch.bfloat16: dict(atol=2**-5, rtol=2**-7)}
 
-def _check_attention(sequences, page_size, kv_heads, group, dtype, window=None, head_dim=16, splits=None):
+def _check_attention(sequences, page_size, kv_heads, group, dtype, window=None, head_dim=16, splits=None,
+                     min_span=attention_kernel.MIN_SPAN):
     q, k, v, k_cache, v_cache, table, write_rows, decode_rows, chunk_rows = scene(
         sequences, page_size, kv_heads, group, head_dim, dtype)
     B, scale = q.shape[0], head_dim ** -0.5
@@ -44,10 +45,16 @@ def _check_attention(sequences, page_size, kv_heads, group, dtype, window=None, 
               for rows, queries in ((decode_rows, 1), (chunk_rows, QUERY_BLOCK)) if int(rows.count)]
     # The reference writes this step's K/V into the caches; the kernel then reads the same caches.
     expected = reference_attention(q, k, v, k_cache, v_cache, AttentionBatch(write_rows, groups), scale)
-    out = torch.zeros_like(q)
-    paged_attention(q, k_cache, v_cache, decode_rows, 1, table, scale, window, out, splits)
+    out = torch.zeros_like(q)  # a group at a time: the other tokens are left alone
+    paged_attention(q, k_cache, v_cache, decode_rows, 1, table, scale, window, out, splits, min_span)
     paged_attention(q, k_cache, v_cache, chunk_rows, QUERY_BLOCK, table, scale, window, out)
     torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
+    # Both groups in one launch, into memory never zeroed: the padding tokens (no row's) get the reference's zeros.
+    both = attention_kernel.attention(q, k_cache, v_cache, [(decode_rows, 1), (chunk_rows, QUERY_BLOCK)], table,
+                                      scale, window, write_rows, out=torch.full_like(q, float("nan")),
+                                      splits=splits, min_span=min_span)
+    torch.testing.assert_close(both, expected, **TOLERANCE[dtype])
+    assert not attention_kernel._LOCKS.get(q.device, torch.zeros(1)).any()  # every span's ticket back at zero
 
 
 @pytest.mark.parametrize(("page_size", "kv_heads", "group", "window", "head_dim"), [
@@ -76,9 +83,42 @@ def test_attention_with_only_decodes_or_only_chunks():
     (2, torch.float32, 2, None), (4, torch.float32, 3, 100), (16, torch.float32, 1, None),
     (4, torch.bfloat16, 4, None)])
 def test_decode_rows_split_their_keys_and_match_the_reference(splits, dtype, group, window):
-    """Flash-decoding: long and short contexts, so some spans hold many key tiles and others none; beside chunks."""
+    """Flash-decoding: long and short contexts, so rows split into as many spans as their keys fill (of one key
+    tile at least), and short ones into one; the last span of a row to finish merges them; beside chunks."""
     _check_attention([(300, 1), (37, 1), (0, 1), (130, 1), (0, 70), (5, 1)], 8, 2, group, dtype, window,
-                     splits=splits)
+                     splits=splits, min_span=attention_kernel.KEY_TILE)
+
+
+def test_decode_rows_split_only_as_far_as_the_live_rows_need(monkeypatch):
+    """The spans a row takes are chosen on the device: with many live rows (programs for 8 wanted, 6 rows of 2 KV
+    heads) no row splits and no span state is written; a lone row of 301 keys, allowed 4 spans, takes 3 of whole
+    key tiles (128, 128, 45): no empty one is written or merged."""
+    q, _, _, k_cache, v_cache, table, _, decode_rows, _ = scene([(300, 1)] * 6, 8, 2, 2, 16, torch.float32)
+    made, state = [], attention_kernel._span_state
+    monkeypatch.setattr(attention_kernel, "_span_state",
+                        lambda *shape: made.append([t.fill_(float("nan")) for t in state(*shape)]) or made[-1])
+    for wanted, rows, spans in ((8, 6, 0), (1024, 1, 3)):
+        decode_rows.count.fill_(rows)
+        monkeypatch.setattr(attention_kernel, "_programs", lambda device, wanted=wanted: wanted)
+        out = attention_kernel.attention(q, k_cache, v_cache, [(decode_rows, 1)], table, 0.25, None, splits=4,
+                                         min_span=attention_kernel.KEY_TILE)
+        maxima = made[-1][0]  # [rows, heads, splits]
+        assert int(maxima[:rows].isfinite().sum()) == rows * 4 * spans and not maxima[rows:].isfinite().any()
+        single = attention_kernel.attention(q, k_cache, v_cache, [(decode_rows, 1)], table, 0.25, None, splits=1)
+        at = decode_rows.start[:rows]
+        torch.testing.assert_close(out[at], single[at])
+
+
+def test_silu_and_mul_matches_the_reference():
+    from blink.engine.kernels.activation import silu_and_mul
+    from blink.engine.model.kernel_sets import silu_and_mul as reference
+
+    gen = torch.Generator().manual_seed(3)
+    for dtype, shape in ((torch.float32, (5, 2 * 40)), (torch.bfloat16, (3, 2 * 4100)), (torch.float16, (1, 64))):
+        x = (torch.randn(shape, generator=gen) * 2).to(dtype).to(DEVICE)
+        # Two narrowings (the silu, the product): in bfloat16 the interpreter's truncation may cost an ulp at each.
+        tolerance = dict(atol=2**-4, rtol=2**-6) if dtype == torch.bfloat16 else ELEMENTWISE[dtype]
+        torch.testing.assert_close(silu_and_mul(x), reference(x), **tolerance)
 
 
 def test_the_kernels_compile_for_a_gpu(tmp_path):
@@ -243,8 +283,11 @@ def test_the_triton_path_reads_nothing_on_the_host(kind, checkpoint, monkeypatch
     llm = LLM(str(checkpoint(kind)), max_num_seqs=4, max_num_batched_tokens=32, num_pages=40, page_size=8,
               max_model_len=64)
     log: list = []
+    from blink.engine.kernels import activation as activation_kernel
+
     for module, name in ((attention_kernel, "_paged_attention_kernel"), (rope_kernel, "_rope_and_cache_kernel"),
-                         (norm_kernel, "_rms_norm_kernel"), (moe_kernel, "_expert_product_kernel")):
+                         (norm_kernel, "_rms_norm_kernel"), (moe_kernel, "_expert_product_kernel"),
+                         (activation_kernel, "_silu_and_mul_kernel")):
         monkeypatch.setattr(module, name, Launches(name, getattr(module, name), log))
     driver = llm._driver
     for i, n in enumerate((3, 50)):
@@ -258,5 +301,7 @@ def test_the_triton_path_reads_nothing_on_the_host(kind, checkpoint, monkeypatch
         with host_reads_forbidden():
             llm.engine.step.run(plan, shape, features, llm.engine.mirror)
     expected = {"_paged_attention_kernel", "_rope_and_cache_kernel", "_rms_norm_kernel"}
-    assert {launch.name for launch in log} == expected | ({"_expert_product_kernel"} if "moe" in kind else set())
+    expected |= {"_expert_product_kernel"} if "moe" in kind else set()
+    expected |= {"_silu_and_mul_kernel"} if any(w.moe is None for w in llm.engine.model.layers) else set()
+    assert {launch.name for launch in log} == expected
     assert all(isinstance(n, int) for launch in log for n in launch.grid)

@@ -15,7 +15,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from blink.engine.kernels import attention, exchange, moe, rms_norm, rope_kv, rotation, sampler  # noqa: E402
+from blink.engine.kernels import activation, attention, exchange, moe, rms_norm, rope_kv, rotation, sampler  # noqa: E402
 from tests.support.launches import Launch, Launches  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -42,11 +42,15 @@ def pointers(dtype: str, *names: str) -> dict[str, str]:
 
 
 attention_args = {**pointers("bf16", "q_ptr", "out_ptr", "k_ptr", "v_ptr"),
-                  **pointers("i64", "table_ptr", "start_ptr", "length_ptr", "first_pos_ptr", "slot_ptr", "count_ptr"),
-                  **pointers("fp32", "span_max", "span_sum", "span_acc"), "scale_log2": "fp32"}
-decode = dict(GROUP=4, HEAD_DIM=64, PAGE_SIZE=16, HAS_WINDOW=False, BLOCK_H=4, BLOCK_M=16, BLOCK_N=64, BLOCK_D=64,
-              DOT_PRECISION="tf32", UPCAST=False, SPLITS=8)
-chunk = decode | dict(HAS_WINDOW=True, BLOCK_M=64, SPLITS=1)
+                  **pointers("i64", "table_ptr", "write_ptr", *(f"{g}_{field}" for g in "dc"
+                                                                for field in ("start", "length", "first_pos", "slot",
+                                                                              "count"))),
+                  **pointers("fp32", "span_max", "span_sum", "span_acc"), "locks": "*i32", "scale_log2": "fp32"}
+# A step's one launch: decode rows splitting their keys beside prefill chunks; chunks alone, with a window.
+both = dict(GROUP=4, HEAD_DIM=64, PAGE_SIZE=16, HAS_WINDOW=False, BLOCK_N=64, BLOCK_D=64, DOT_PRECISION="tf32",
+            UPCAST=False, DECODES=True, D_BLOCK_H=4, D_BLOCK_M=16, SPLITS=8, CHUNKS=True, C_QUERIES=64, C_BLOCK_H=4,
+            C_BLOCK_M=256, ZERO_PADDING=True)
+chunks = both | dict(HAS_WINDOW=True, DECODES=False, SPLITS=1, ZERO_PADDING=False)
 logits = {"logits": "*fp32", "tokens": "*i64", "passes": "*i32"}
 results = [
     build(sampler._sample_kernel, "sampler: draw", dict(GREEDY_BELOW=1e-5, BLOCK=1024, PIVOTS=16),
@@ -54,10 +58,11 @@ results = [
           | pointers("i64", "top_k", "seed", "step_index")),
     build(sampler._logprobs_kernel, "sampler: logprobs", dict(TOP=20, BLOCK=1024, PIVOTS=16),
           logits | pointers("fp32", "logprob", "lse_out") | pointers("i64", "asked", "top_keys")),
-    build(attention._paged_attention_kernel, "attention: decode rows, keys split", decode, attention_args),
-    build(attention._paged_attention_kernel, "attention: prefill chunks, a window", chunk, attention_args),
-    build(attention._merge_spans_kernel, "attention: merge spans", dict(HEAD_DIM=64, SPLITS=8, BLOCK_D=64),
+    build(attention._paged_attention_kernel, "attention: decode rows splitting keys, chunks, padding", both,
           attention_args),
+    build(attention._paged_attention_kernel, "attention: prefill chunks, a window", chunks, attention_args),
+    build(activation._silu_and_mul_kernel, "silu(gate) * up", dict(N=8192, BLOCK_R=1, BLOCK=4096),
+          pointers("bf16", "x_ptr", "out_ptr")),
     build(rms_norm._rms_norm_kernel, "rms_norm with the residual add", dict(N=2048, BLOCK_R=2, BLOCK=2048, ADD=True),
           pointers("bf16", "x_ptr", "delta_ptr", "sum_ptr", "w_ptr", "out_ptr") | {"eps": "fp32"}),
     build(rope_kv._rope_and_cache_kernel, "rope and the cache write",
