@@ -1,4 +1,4 @@
-"""`blink bench serve|plot|offline|overhead|step|gpu|grain|tp|cpu|quality|projections|prefix|startup`: each
+"""`blink bench serve|plot|offline|overhead|step|gpu|grain|grammar|tp|cpu|quality|projections|prefix|startup`: each
 subcommand's module declares its flags and runs it.
 
 Only the module of the command asked for is imported: `offline` needs torch and transformers, `serve` does not.
@@ -19,6 +19,8 @@ COMMANDS = {
     "step": ("blink.bench.engine.step", "a captured step's kernels and its bytes outside the model, Llama 3 shapes"),
     "gpu": ("blink.bench.gpu.gpu", "first light for the device drive modes: checks and figures in one GPU call"),
     "grain": ("blink.bench.engine.grain", "what a best-effort prompt chunk in a step costs the decodes beside it"),
+    "grammar": ("blink.bench.engine.grammar",
+                "structured outputs in the host mode: constrained rows' cost a step, compile time cold and cached"),
     "tp": ("blink.bench.engine.tensor_parallel", "decode with the model split over N ranks against one rank"),
     "prefix": ("blink.bench.serving.prefix",
                "prefix caching on against off: TTFT of a cached prefix, multi-turn, a load"),
