@@ -87,12 +87,19 @@ def engine_for(directory: Path, dry_run: bool) -> Engine:
     return Engine(EngineConfig(model=str(directory), **engine_options(dry_run)))
 
 
-def weight_bytes(engine: Engine) -> int:
-    """What a batch-1 decode step reads of the weights: a tied embedding once, top_k of a mixture's experts."""
+def weight_bytes(engine: Engine, tokens: int | None = None) -> int:
+    """The weights' bytes (tokens None), or what a decode step of `tokens` reads of them: top_k of a mixture's
+    experts, and of an untied input embedding one row per token (a tied one is read whole as the output's)."""
     cfg = engine.model_config
     active = cfg.moe.top_k / cfg.moe.num_experts if cfg.moe else 1.0
-    return int(sum(torch.Size(tensor_shape(cfg, n)).numel() * (active if ".experts." in n else 1.0)
-                   for n in checkpoint_tensor_names(cfg)) * cfg.dtype.itemsize)
+
+    def elements(name: str) -> float:
+        shape = torch.Size(tensor_shape(cfg, name))
+        if tokens is not None and name == "model.embed_tokens.weight" and not cfg.tie_word_embeddings:
+            return min(tokens, shape[0]) * shape[1]
+        return shape.numel() * (active if tokens is not None and ".experts." in name else 1.0)
+
+    return int(sum(elements(n) for n in checkpoint_tensor_names(cfg)) * cfg.dtype.itemsize)
 
 
 def _table(engine: Engine, window: int = 1024) -> SlotTable:
@@ -129,7 +136,7 @@ def step_times(directory: Path, dry_run: bool, mode: str, batches: list[int]) ->
             # CUPTI delivers a kernel's record when its launch ends, and the persistent loop's never does.
             if torch.cuda.is_available() and mode != "persistent" and batch in (batches[0], batches[-1]):
                 try:
-                    results[str(batch)]["kernels"] = kernel_profile(table, slots)
+                    results[str(batch)]["kernels"] = kernel_profile(table, slots, engine.model_config.num_layers)
                 except Exception as e:  # the step times stand without it
                     results[str(batch)]["kernels"] = {"error": f"{type(e).__name__}: {e}"[:500]}
             for slot in slots:
@@ -158,14 +165,29 @@ def _window(table: SlotTable, slots: range) -> tuple[float, float]:
 
 KERNEL_KINDS = (  # by name: what a steady step's GPU time goes to
     ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "gemv", "cublas")),
-    ("attention, rope, norm", ("_paged_attention", "_rope_and_cache", "_rms_norm")),
+    ("attention, rope, norm, activation", ("_paged_attention", "_rope_and_cache", "_rms_norm", "_silu_and_mul")),
     ("exchange", ("_select", "_admit", "_emit", "_demand", "pick")),
 )
 
 
-def kernel_profile(table: SlotTable, slots: range, seconds: float = 0.25) -> dict:
+# Kernels a step launches once (the demand it publishes last), then a layer's one (attention): the steps CUPTI traced
+# are counted by them, not by the table's counter (CUPTI may trace fewer steps than the window ran: 55 of 62, 13
+# of 20 in the first H100 run).
+STEP_MARKERS = (("_demand", 1), ("_paged_attention_kernel", None))
+
+
+def steps_traced(counts: dict[str, int], layers: int) -> tuple[int, str] | None:
+    """How many steps a trace holds, by its marker kernels' launches (None: no marker in it)."""
+    for name, per_step in STEP_MARKERS:
+        if counts.get(name):
+            return max(1, round(counts[name] / (per_step or layers))), f"{name} x{per_step or layers} a step"
+    return None
+
+
+def kernel_profile(table: SlotTable, slots: range, layers: int, seconds: float = 0.25) -> dict:
     """GPU time per step by kind of kernel over a window of steady steps (CUPTI sees every kernel, the ones
-    graphs and the persistent loop launch included), and the ten costliest kernels."""
+    graphs and the persistent loop launch included), per step traced (`steps_traced`), and the ten costliest
+    kernels."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -176,20 +198,23 @@ def kernel_profile(table: SlotTable, slots: range, seconds: float = 0.25) -> dic
             time.sleep(0.05)
             for slot in slots:
                 table.read(slot)
-    steps = max(1, int(table.header["steps"]) - steps0)
+    counted = int(table.header["steps"]) - steps0
     per_name: dict[str, list[float]] = {}
     spans = []
     for e in prof.events():
         if e.device_type == DeviceType.CUDA:
             per_name.setdefault(e.name, []).append(e.time_range.elapsed_us())
             spans.append((e.time_range.start, e.time_range.end, e.name))
+    steps, steps_from = steps_traced({n: len(t) for n, t in per_name.items()}, layers) or (max(1, counted),
+                                                                                           "the table's counter")
     kinds: dict[str, float] = {}
     for name, times in per_name.items():
         kind = next((k for k, marks in KERNEL_KINDS if any(m in name.lower() for m in marks)), "other")
         kinds[kind] = kinds.get(kind, 0.0) + sum(times) / steps / 1e3
     top = sorted(per_name.items(), key=lambda item: -sum(item[1]))[:10]
     idle, after = _idle(spans)
-    return {"steps": steps, "gpu_ms_per_step": sum(kinds.values()), "ms_per_step_by_kind": kinds,
+    return {"steps": steps, "steps_from": steps_from, "steps_counted": counted,
+            "gpu_ms_per_step": sum(kinds.values()), "ms_per_step_by_kind": kinds,
             "idle_ms_per_step": idle / steps / 1e3,
             "idle_after": [{"name": n[:90], "ms_per_step": us / steps / 1e3} for n, us in after],
             "kernels_per_step": sum(len(t) for t in per_name.values()) / steps,

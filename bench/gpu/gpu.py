@@ -1,5 +1,6 @@
 """`blink bench gpu`: first light for the device drive modes, validated and measured in one command that fits one
-call of a lent GPU machine (`--budget-s`, 9 minutes by default; docs/gpu.md).
+call of a lent GPU machine (`--budget-s`, 9 minutes by default; `--profile quick`, issue 39's check in 7.5;
+docs/gpu.md).
 
 Each phase (blink.bench.gpu.phases) is a process of its own with its own timeout, cut to what is left of the
 budget, and leaves its JSON before the next starts: a phase that hangs (a persistent loop that never yields, say)
@@ -26,9 +27,24 @@ PHASES = {"env": 90, "model-llama3-1b": 150, "parity": 120, "persistent": 90, "m
           "model-qwen3-30b-a3b-24l": 200, "interference": 300, "kv-pressure": 300, "tests": 240}
 
 
+# Named selections for one short device call: what each runs unless its own flags say otherwise.
+PROFILES = {
+    # Issue 39's check in at most 7.5 minutes: the ceilings, both Llama shapes' captured steps (no host cells) at
+    # batch 1 and 256 with their kernel counts and floors, greedy parity across the modes, and the kernel tests.
+    "quick": {"phases": ["env", "model-llama3-1b", "model-llama3-8b", "parity", "tests"],
+              "modes": ["graph", "persistent"], "batches": [1, 256], "budget_s": 450},
+}
+MODES = ("host", "graph", "persistent")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES))
-    p.add_argument("--budget-s", type=float, default=540, help="all phases together (a device call allows 600)")
+    p.add_argument("--profile", choices=PROFILES, help="a named selection of phases, modes, batches and budget "
+                   "(quick: issue 39's check in 7.5 minutes); the flags below override its parts")
+    p.add_argument("--phases", nargs="+", choices=PHASES)
+    p.add_argument("--modes", nargs="+", choices=MODES, help="drive modes the model phases time (default: every "
+                   "mode that runs here); parity always compares against the host mode")
+    p.add_argument("--batches", nargs="+", type=int, help="batches the model phases time (default 1 8 64 256)")
+    p.add_argument("--budget-s", type=float, help="all phases together (a device call allows 600; default 540)")
     p.add_argument("--dry-run", action="store_true", help="on the CPU, the tiny model, host mode only")
     p.add_argument("--result-dir", type=Path, default=Path("bench/results"))
     p.add_argument("--no-save", action="store_true")
@@ -37,28 +53,43 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "asked for the host mode refuses it)")
 
 
+def resolve(args: argparse.Namespace) -> dict:
+    """The phases, modes, batches and budget this run uses: its flags, else its profile's, else the defaults."""
+    profile = PROFILES.get(args.profile, {})
+    chosen = {"phases": list(PHASES), "modes": None, "batches": None, "budget_s": 540} | profile
+    given = {"phases": args.phases, "modes": args.modes, "batches": args.batches, "budget_s": args.budget_s}
+    return chosen | {name: value for name, value in given.items() if value is not None}
+
+
 def run(args: argparse.Namespace) -> None:
     from blink.bench.lib.machine import blink_source, machine, save
 
-    deadline = time.monotonic() + args.budget_s
+    chosen = resolve(args)
+    deadline = time.monotonic() + chosen["budget_s"]
     phases: dict[str, dict] = {}
+    selection = [*(["--modes", *chosen["modes"]] if chosen["modes"] else []),
+                 *(["--batches", *map(str, chosen["batches"])] if chosen["batches"] else [])]
     with tempfile.TemporaryDirectory(prefix="blink-gpu-") as work:
-        for name in args.phases:
+        for name in chosen["phases"]:
             left = deadline - time.monotonic()
             if left < 20:
                 phases[name] = {"status": "not run: the budget was spent"}
                 continue
-            phases[name] = _phase(name, Path(work), min(PHASES[name], left), args.dry_run, args.compile_bookkeeping)
+            phases[name] = _phase(name, Path(work), min(PHASES[name], left), args.dry_run, args.compile_bookkeeping,
+                                  selection)
             print(f"{name}: {phases[name]['status']} ({phases[name].get('seconds', 0):.0f} s)", flush=True)
-    result = {"benchmark": "gpu", "dry_run": args.dry_run, "compile_bookkeeping": args.compile_bookkeeping,
-              "machine": machine(), "blink": blink_source(), "phases": phases}
+    result = {"benchmark": "gpu", "profile": args.profile, "selection": chosen, "dry_run": args.dry_run,
+              "compile_bookkeeping": args.compile_bookkeeping, "machine": machine(), "blink": blink_source(),
+              "phases": phases}
     if not args.no_save:
         print(f"saved {save('gpu', result, args.result_dir)}")
     print(summary(phases))
 
 
-def _phase(name: str, work: Path, timeout_s: float, dry_run: bool, compile_bookkeeping: bool = False) -> dict:
-    cmd = [sys.executable, "-m", "blink.bench.gpu.phases", name, str(work), *(["--dry-run"] if dry_run else [])]
+def _phase(name: str, work: Path, timeout_s: float, dry_run: bool, compile_bookkeeping: bool = False,
+           selection: list[str] = ()) -> dict:
+    cmd = [sys.executable, "-m", "blink.bench.gpu.phases", name, str(work), *(["--dry-run"] if dry_run else []),
+           *selection]
     env = {**os.environ, "BLINK_COMPILE_BOOKKEEPING": "1"} if compile_bookkeeping else None
     started = time.monotonic()
     # Its own session, so a timeout kills what it started too (a server, interference workers).
@@ -88,7 +119,8 @@ def summary(phases: dict[str, dict]) -> str:
     env = phases.get("env", {})
     if gpu := env.get("gpu"):
         lines.append(f"\n{gpu['name']} (driver {gpu.get('driver')}), torch {env['versions']['torch']}, triton "
-                     f"{env['versions']['triton']}: copy {env.get('copy_gb_s', 0):.0f} GB/s, bf16 "
+                     f"{env['versions']['triton']}: copy {env.get('copy_gb_s', 0):.0f} GB/s, read "
+                     f"{env.get('read_gb_s', 0):.0f} GB/s, bf16 "
                      f"{env.get('bf16_matmul_tflops', 0):.0f} TFLOP/s; host register {env.get('host_register')}")
     if "modes" in env:
         lines.append(f"modes: {', '.join(env['modes'])}" + "".join(f"; {r}" for r in env["modes_unavailable"]))
@@ -105,10 +137,13 @@ def summary(phases: dict[str, dict]) -> str:
                         k = r["kernels"]
                         kinds = ", ".join(f"{name} {ms:.2f}" for name, ms in k["ms_per_step_by_kind"].items())
                         lines.append(f"    batch {b}: GPU {k['gpu_ms_per_step']:.2f} ms in {k['kernels_per_step']:.0f} "
-                                     f"kernels per step ({kinds}), idle {k['idle_ms_per_step']:.2f} ms")
+                                     f"kernels per step over {k['steps']} steps traced ({k.get('steps_from')}; "
+                                     f"the table counted {k.get('steps_counted')}) ({kinds}), idle "
+                                     f"{k['idle_ms_per_step']:.2f} ms")
             if "floor_ms" in p:
                 over = ", ".join(f"{m} {x:.2f}x" for m, x in p["batch1_over_floor"].items())
-                lines.append(f"  batch-1 floor {p['floor_ms']:.2f} ms; measured over it: {over}")
+                lines.append(f"  batch-1 floor {p['floor_ms']:.2f} ms ({p['floor_bytes'] / 1e9:.2f} GB over "
+                             f"{p['floor_bandwidth']}); measured over it: {over}")
             if "profile_ms" in p:
                 lines.append("  eager step GPU ms: " + ", ".join(f"{k} {v:.3f}" for k, v in p["profile_ms"].items()))
     if against := phases.get("parity", {}).get("against_host"):

@@ -69,6 +69,7 @@ def env(out: dict, dry_run: bool) -> None:
         table.unlink()
     _save(out)
     out["copy_gb_s"] = copy_bandwidth(device) / 1e9
+    out["read_gb_s"] = read_bandwidth(device) / 1e9
     out["bf16_matmul_tflops"] = matmul_rate(device) / 1e12
 
 
@@ -79,6 +80,13 @@ def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30) -> float:
     return 2 * nbytes / _median_seconds(lambda: dst.copy_(src), 20)
 
 
+def read_bandwidth(device: torch.device, nbytes: int = 4 << 30) -> float:
+    """Bytes read per second by a reduction over a large tensor (median of 20): a decode's reads write almost
+    nothing, so its floor is this, not a copy's read-plus-write rate."""
+    src = torch.ones(nbytes // 2, device=device, dtype=torch.bfloat16)
+    return nbytes / _median_seconds(lambda: src.amax(), 20)
+
+
 def matmul_rate(device: torch.device, n: int = 8192) -> float:
     """bf16 FLOP/s of an n×n×n product on random data (median of 10)."""
     a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
@@ -87,10 +95,12 @@ def matmul_rate(device: torch.device, n: int = 8192) -> float:
 
 def model(out: dict, dry_run: bool, shape: str) -> None:
     """One shape: an eager device step under sync-error mode, its profile by stage, step time per drive mode and
-    batch, and batch-1 decode against the bandwidth floor."""
+    batch (`--modes`, `--batches`), and batch-1 decode against the floor: the bytes it reads over the read
+    bandwidth."""
     directory = model_dir(shape, dry_run)
     engine = engine_for(directory, dry_run)
     out["weight_bytes"] = weight_bytes(engine)
+    out["decode_weight_bytes"] = weight_bytes(engine, tokens=1)
     out["kv_bytes_per_token"] = _kv_bytes_per_token(engine)
     if engine.device.type == "cuda":
         from blink.bench.gpu.profile import eager_step_checks
@@ -99,19 +109,28 @@ def model(out: dict, dry_run: bool, shape: str) -> None:
         _save(out)
     del engine
     _free()
-    batches = [1, 4] if dry_run else [1, 8, 64, 256]
+    batches = _SELECTION["batches"] or ([1, 4] if dry_run else [1, 8, 64, 256])
+    if dry_run:  # the tiny model's 8 slots
+        batches = [b for b in batches if b <= 8] or [1]
     out["steps"] = {}
-    for mode in drive_modes(dry_run):
+    modes = [m for m in drive_modes(dry_run) if _SELECTION["modes"] is None or m in _SELECTION["modes"]]
+    out["modes_skipped"] = [m for m in drive_modes(dry_run) if m not in modes]
+    if dry_run and not modes:  # the CPU runs the host mode alone: it stands in for the modes asked
+        modes = ["host"]
+    for mode in modes:
         try:
             out["steps"][mode] = step_times(directory, dry_run, mode, batches)
         except Exception as e:  # the next mode still runs
             out["steps"][mode] = {"error": f"{type(e).__name__}: {e}"[:2000]}
         _save(out)
         _free()
-    bandwidth = _env_result().get("copy_gb_s")
-    if bandwidth:
-        floor_s = (out["weight_bytes"] + 64 * out["kv_bytes_per_token"]) / (bandwidth * 1e9)
-        out["floor_ms"] = floor_s * 1e3
+    env_found = _env_result()
+    probe = "read_gb_s" if env_found.get("read_gb_s") else "copy_gb_s"  # a run from before the read probe
+    if bandwidth := env_found.get(probe):
+        # Batch 1: the weights (the untied input embedding's one row), and a 64-token context's K/V.
+        out["floor_bytes"] = out["decode_weight_bytes"] + 64 * out["kv_bytes_per_token"]
+        out["floor_bandwidth"] = f"{probe} {bandwidth:.0f}"
+        out["floor_ms"] = out["floor_bytes"] / (bandwidth * 1e9) * 1e3
         out["batch1_over_floor"] = {mode: r["1"]["ms_per_step"] / out["floor_ms"]
                                     for mode, r in out["steps"].items() if "1" in r}
 
@@ -203,7 +222,8 @@ def persistent(out: dict, dry_run: bool) -> None:
 
 GPU_TESTS = ("tests/engine/test_kernels.py", "tests/engine/test_device_step.py", "tests/serving/test_drive_modes.py",
              "tests/engine/test_persistent_drive.py", "tests/engine/test_step.py", "tests/engine/test_loading.py",
-             "tests/engine/test_window_rule.py")
+             "tests/engine/test_window_rule.py", "tests/engine/test_sampler_kernel.py",
+             "tests/engine/test_prefix_cache.py")
 
 
 def tests(out: dict, dry_run: bool) -> None:
@@ -266,6 +286,7 @@ def _free() -> None:
 
 
 _PATH: Path | None = None
+_SELECTION: dict = {"modes": None, "batches": None}  # --modes, --batches: what the model phases time
 
 
 def _save(out: dict) -> None:
@@ -291,8 +312,11 @@ def main(argv: list[str]) -> int:
     p.add_argument("phase", choices=PHASES)
     p.add_argument("out", type=Path)
     p.add_argument("--dry-run", action="store_true")
+    p.add_argument("--modes", nargs="+")
+    p.add_argument("--batches", nargs="+", type=int)
     args = p.parse_args(argv)
     _PATH = args.out / f"{args.phase}.json"
+    _SELECTION.update(modes=args.modes, batches=args.batches)
     out: dict = {"phase": args.phase, "dry_run": args.dry_run}
     started = time.monotonic()
     try:

@@ -512,6 +512,42 @@ def test_bench_gpu_keeps_what_a_hung_phase_found(tmp_path, monkeypatch):
     assert found["cpus"]["ingress_and_client"]  # written before the server started
 
 
+def test_bench_gpu_quick_profile_dry_run(tmp_path):
+    """`--profile quick` picks issue 39's phases, modes and batches within 7.5 minutes; its flags override parts
+    (here the phases), and its dry run times the host mode in the modes' stead."""
+    from blink.bench.cli import main
+    from blink.bench.gpu import gpu
+
+    quick = gpu.PROFILES["quick"]
+    assert quick["budget_s"] <= 450 and {"env", "model-llama3-1b", "model-llama3-8b", "tests"} <= set(quick["phases"])
+    assert main(["gpu", "--dry-run", "--profile", "quick", "--phases", "env", "model-llama3-1b", "--result-dir",
+                 str(tmp_path)]) == 0
+    result = json.loads(next(tmp_path.glob("gpu-*.json")).read_text())
+    assert result["selection"] == {"phases": ["env", "model-llama3-1b"], "modes": ["graph", "persistent"],
+                                   "batches": [1, 256], "budget_s": 450}
+    model = result["phases"]["model-llama3-1b"]
+    assert model["status"] == "ok" and list(model["steps"]["host"]) == ["start_s", "1"]
+
+
+def test_gpu_steps_traced_by_a_marker_kernel_and_a_decode_reads_one_embedding_row():
+    from types import SimpleNamespace
+
+    from blink.bench.gpu.drive import SHAPES, steps_traced, weight_bytes
+    from blink.engine.model.config import ModelConfig
+
+    def engine(shape):
+        return SimpleNamespace(model_config=ModelConfig.from_dict(SHAPES[shape]))
+
+    # The 8B's untied input embedding: one row of 4096 bf16 per token, not 128256 of them (the issue's 5.39 -> 5.04).
+    whole, decode = weight_bytes(engine("llama3-8b")), weight_bytes(engine("llama3-8b"), tokens=1)
+    assert whole - decode == (128256 - 1) * 4096 * 2
+    assert weight_bytes(engine("llama3-1b")) == weight_bytes(engine("llama3-1b"), tokens=1)  # tied: read whole
+
+    assert steps_traced({"_demand": 55, "gemm": 9000, "_paged_attention_kernel": 880}, 16) == (55, "_demand x1 a step")
+    assert steps_traced({"_paged_attention_kernel": 416}, 32) == (13, "_paged_attention_kernel x32 a step")
+    assert steps_traced({"gemm": 9000}, 16) is None
+
+
 def test_gpu_idle_time_between_kernels_and_what_preceded_it():
     from blink.bench.gpu.drive import _idle
 
