@@ -113,6 +113,8 @@ class XGrammar:
     name = "xgrammar"
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_ids: list[int], max_whitespace: int = 4):
+        if not stop_ids:  # a complete grammar allows only the end token: without one, no answer could end
+            raise GrammarError("this model has no end-of-sequence token, so a structured output could never end")
         import xgrammar as xgr
         from transformers import PreTrainedTokenizerFast
 

@@ -69,11 +69,11 @@ class SlotGrammars:
     def _compile(self, record: np.void) -> Future | None:
         try:
             spec = grammar_of(record)
-        except ValueError as e:  # a kind or text no edge wrote
+            return None if spec is None else self.compiler.submit(spec)
+        except ValueError as e:  # a kind or text no edge wrote, or a model no grammar can end (GrammarError)
             future: Future = Future()
             future.set_exception(GrammarError(str(e)))
             return future
-        return None if spec is None else self.compiler.submit(spec)
 
     def mask(self, logits: torch.Tensor, slot: torch.Tensor) -> None:
         """In place: each constrained row's logits outside what its grammar allows next are -inf. logits: [R, V];

@@ -1,0 +1,67 @@
+"""Structured outputs in the host mode (blink.engine.core.grammar): the host driver masks a constrained slot's rows
+so its answer follows the grammar, leaves the others alone, releases each matcher at the finish, and ends a record
+whose grammar cannot be compiled instead of serving it unconstrained (no edge checked what reached the table)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from blink.engine.drive.host import HostDriver
+from blink.engine.engine import Engine, EngineConfig
+from blink.engine.model.tiny_model import ensure_tiny_model
+from blink.shared.grammar import GrammarKind
+from blink.shared.slot_table import Finish, Request
+
+
+def _serve(driver: HostDriver, requests: dict[int, Request], steps: int = 200) -> dict[int, tuple[list[int], Finish]]:
+    table = driver.table
+    for slot, request in requests.items():
+        table.publish(slot, request)
+    got = {slot: ([], Finish.NONE) for slot in requests}
+    for _ in range(steps):
+        driver.step()
+        for slot in requests:
+            out = table.read(slot)
+            got[slot] = (got[slot][0] + out.tokens, out.finish or got[slot][1])
+        if all(finish for _, finish in got.values()):
+            return got
+    raise AssertionError(f"not finished after {steps} steps: {got}")
+
+
+@pytest.fixture
+def tiny_llama():
+    """Engines on the tiny model, which has an end-of-sequence token (the test checkpoints have none)."""
+    return lambda: Engine(EngineConfig(model=str(ensure_tiny_model()), max_num_seqs=4, max_num_batched_tokens=32,
+                                       num_pages=64, page_size=8, max_model_len=96))
+
+
+def test_constrained_slots_follow_their_grammar_beside_unconstrained_ones(tiny_llama, small_table):
+    regex = r"[a-c]{3,6}"
+    prompt = [5, 6, 7, 8]
+    plain = Request(prompt=prompt, max_tokens=8, temperature=0.0, ignore_eos=True)
+    alone = _serve(HostDriver(tiny_llama(), small_table), {1: plain})[1][0]
+    small_table.free(1)
+    engine = tiny_llama()
+    driver = HostDriver(engine, small_table)
+    got = _serve(driver, {
+        0: Request(prompt=prompt, max_tokens=20, temperature=1.0, seed=3, grammar_kind=int(GrammarKind.REGEX),
+                   grammar=regex),
+        1: plain,
+        2: Request(prompt=prompt, max_tokens=8, grammar_kind=int(GrammarKind.REGEX), grammar="(ab"),
+    })
+    tokens, finish = got[0]
+    assert finish == Finish.STOP
+    assert re.fullmatch(regex, engine.tokenizer.decode(tokens)), engine.tokenizer.decode(tokens)
+    assert got[1] == (alone, Finish.LENGTH)  # the unconstrained row as it is alone
+    assert got[2] == ([], Finish.ABORT)  # never admitted with a grammar it cannot mask
+    assert driver.rank.grammars.matchers == {}
+
+
+def test_a_model_without_an_end_token_ends_constrained_records_and_serves_the_rest(tiny_engine, small_table):
+    driver = HostDriver(tiny_engine(), small_table)  # the test checkpoints have no eos
+    got = _serve(driver, {0: Request(prompt=[5, 6], max_tokens=4, grammar_kind=int(GrammarKind.REGEX), grammar="a+"),
+                          1: Request(prompt=[5, 6], max_tokens=4, temperature=0.0)})
+    assert got[0] == ([], Finish.ABORT)
+    assert len(got[1][0]) == 4 and got[1][1] == Finish.LENGTH
