@@ -112,3 +112,28 @@ def test_the_ingress_refuses_what_its_engine_cannot_mask(drive, limit, words):
     counted = state.metrics.registry.get_sample_value("blink:structured_output_requests_total",
                                                       {"model_name": "m", "kind": "regex", "outcome": "refused"})
     assert counted == 1
+
+
+def test_every_transport_carries_the_grammar_unchanged(tmp_path, monkeypatch):
+    """shm is the table itself; rdma pushes the record's bytes from a replica (here over a mapped file, as CI runs
+    it); the zmq relay sends the request as JSON and publishes it again in the engine's process."""
+    import uuid
+
+    from blink.shared import relay_protocol, slot_table
+    from blink.shared.remote_memory import MappedMemory
+    from blink.shared.replica_table import ReplicaTable
+    from blink.shared.slot_table import SlotTable
+
+    monkeypatch.setattr(slot_table, "SHM_DIR", tmp_path)
+    table = SlotTable.create(f"grammar-{uuid.uuid4().hex[:8]}", Geometry(2, 16, 4, max_grammar_bytes=256))
+    spec = GrammarSpec.json_schema({"type": "object", "properties": {"ü": {"enum": ["a", "b"]}}})
+    request = Request(prompt=[3, 4, 5], max_tokens=2, grammar_kind=int(spec.kind), grammar=spec.text)
+    try:
+        replica = ReplicaTable(MappedMemory(table.path), table.geometry)
+        replica.publish(0, request)  # rdma
+        table.publish(1, relay_protocol.request_from_wire(relay_protocol.decode(relay_protocol.encode(
+            {"request": relay_protocol.request_to_wire(request)}))["request"]))  # zmq, then the relay's publish
+        assert grammar_of(table.slots[0]) == grammar_of(table.slots[1]) == spec
+        replica.close()
+    finally:
+        table.unlink()
