@@ -58,8 +58,9 @@ def lexsort(keys: list[torch.Tensor | Key], first: torch.Tensor) -> torch.Tensor
         width += key.bits
     if packed is not None:
         sorts.append(packed)
-    order = torch.arange(first.shape[0], device=first.device)
-    for key in reversed(sorts):
+    *more, least = sorts
+    order = least.argsort(stable=True)  # the first pass sorts the key as it is: no arange, no gather
+    for key in reversed(more):
         order = order[key[order].argsort(stable=True)]
     return order
 
