@@ -10,6 +10,7 @@ from blink.engine.engine import Engine, EngineConfig
 from blink.engine.errors import RequestError
 from blink.engine.ranks import Ranks, agreed, free_init_method, replay_generate
 from blink.engine.sampling_params import SamplingParams
+from blink.shared.grammar import GrammarError
 
 Prompt = str | list[int]
 
@@ -110,6 +111,12 @@ class LLM:
             raise RequestError(f"prompt token ids must be integers in [0, {vocab})", param="prompt")
         if any(not 0 <= t < vocab for t in params.logit_bias or ()):
             raise RequestError(f"logit_bias keys must be token ids in [0, {vocab})", param="logit_bias")
+        if params.structured_outputs is not None:  # compiled now (and cached): an invalid schema is the caller's error
+            try:
+                grammars = self._driver.rank.grammars
+                grammars.compiler.compile(params.structured_outputs.spec())
+            except GrammarError as e:
+                raise RequestError(str(e), param="structured_outputs") from None
         limit = self.engine.max_model_len
         if len(ids) >= limit:
             raise RequestError(f"the prompt has {len(ids)} tokens, but the context limit is {limit} "

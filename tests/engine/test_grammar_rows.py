@@ -65,3 +65,25 @@ def test_a_model_without_an_end_token_ends_constrained_records_and_serves_the_re
                           1: Request(prompt=[5, 6], max_tokens=4, temperature=0.0)})
     assert got[0] == ([], Finish.ABORT)
     assert len(got[1][0]) == 4 and got[1][1] == Finish.LENGTH
+
+
+def test_the_offline_api_takes_vllm_s_structured_outputs():
+    from blink.engine import LLM, SamplingParams
+    from blink.shared.grammar import StructuredOutputs
+
+    llm = LLM(str(ensure_tiny_model()), max_num_seqs=4, max_model_len=96)
+    try:
+        with pytest.raises(ValueError, match="Unsupported type"):  # compiled before anything is queued
+            llm.generate(["x"], SamplingParams(structured_outputs=StructuredOutputs(json={"type": "colour"})))
+        params = [SamplingParams(max_tokens=30, temperature=1.0, seed=s,
+                                 structured_outputs=StructuredOutputs(choice=["north", "south west"]))
+                  for s in range(3)] + [SamplingParams(max_tokens=30, temperature=0.0,
+                                                        structured_outputs=StructuredOutputs(regex=r"\d{2}-\d{2}"))]
+        outs = llm.generate(["Which way?"] * 4, params)
+        assert [o.finish_reason for o in outs] == ["stop"] * 4
+        assert all(o.text in ("north", "south west") for o in outs[:3])
+        assert re.fullmatch(r"\d{2}-\d{2}", outs[3].text)
+    finally:
+        llm.close()
+    with pytest.raises(ValueError, match="ignore_eos"):
+        SamplingParams(ignore_eos=True, structured_outputs=StructuredOutputs(regex="a"))
