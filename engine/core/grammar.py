@@ -10,6 +10,8 @@ modes do not call this: the ingress refuses them constrained requests (docs/desi
 from __future__ import annotations
 
 import logging
+import time
+import weakref
 from concurrent.futures import Future
 from typing import Any
 
@@ -31,6 +33,8 @@ class SlotGrammars:
         self._compiler: GrammarCompiler | None = None
         self.matchers: dict[int, Any] = {}  # constrained slot -> its matcher
         self._bitmask: torch.Tensor | None = None  # [rows, ceil(V / 32)] int32, reused
+        # Compiles slots wait for -> since when (gone with the compiler's cache entry).
+        self._waiting: weakref.WeakKeyDictionary[Future, float] = weakref.WeakKeyDictionary()
 
     @property
     def compiler(self) -> GrammarCompiler:
@@ -50,6 +54,9 @@ class SlotGrammars:
             elif future.done():
                 log.warning("slot %d's grammar cannot be served: %s", slot, future.exception())
                 failed.append(slot)
+            elif time.monotonic() - self._waiting.setdefault(future, time.monotonic()) > self.compiler.timeout_s:
+                log.warning("slot %d's grammar did not compile within %g s", slot, self.compiler.timeout_s)
+                failed.append(slot)  # the ingress's compile of it took less: never wait on it for ever
         return ready, failed
 
     def admit(self, records: np.ndarray, slots: list[int]) -> list[int]:

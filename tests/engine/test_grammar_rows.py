@@ -5,6 +5,7 @@ whose grammar cannot be compiled instead of serving it unconstrained (no edge ch
 from __future__ import annotations
 
 import re
+import threading
 
 import pytest
 
@@ -87,3 +88,29 @@ def test_the_offline_api_takes_vllm_s_structured_outputs():
         llm.close()
     with pytest.raises(ValueError, match="ignore_eos"):
         SamplingParams(ignore_eos=True, structured_outputs=StructuredOutputs(regex="a"))
+
+
+def test_a_record_whose_grammar_outlasts_the_time_limit_is_ended_not_waited_on(tiny_llama, small_table):
+    from blink.shared.grammar import GrammarCompiler
+
+    driver = HostDriver(tiny_llama(), small_table)
+    grammars = driver.rank.grammars
+    never = threading.Event()
+
+    class Stuck:  # a compile that never ends, as xgrammar's can on a schema the ingress did not see
+        def compile(self, spec):
+            never.wait(30)
+
+        def matcher(self, compiled):
+            return compiled
+
+    grammars._compiler = GrammarCompiler(Stuck(), timeout_s=0.2)
+    try:
+        got = _serve(driver, {0: Request(prompt=[5, 6], max_tokens=4, grammar_kind=int(GrammarKind.REGEX),
+                                         grammar="a+"),
+                              1: Request(prompt=[5, 6], max_tokens=4, temperature=0.0, ignore_eos=True)}, steps=2000)
+        assert got[0] == ([], Finish.ABORT)
+        assert got[1][1] == Finish.LENGTH  # served meanwhile
+    finally:
+        never.set()
+        grammars._compiler.close()
