@@ -57,7 +57,17 @@ def _modes(why_not: Callable[[str], str | None]) -> list[Capability]:
 def _features() -> list[Capability]:
     prefix = Capability("feature", "prefix-cache", True, "every drive mode: the step looks prompts' page hashes up on "
                         "the engine's device and shares cached KV pages; on unless --no-enable-prefix-caching")
-    return [prefix, *_cpu_kernels(), _huge_pages()] if importlib.util.find_spec("torch") else [prefix]
+    features = [prefix, _structured_outputs()]
+    return [*features, *_cpu_kernels(), _huge_pages()] if importlib.util.find_spec("torch") else features
+
+
+def _structured_outputs() -> Capability:
+    if importlib.util.find_spec("xgrammar") is None:
+        return Capability("feature", "structured-outputs", False, "xgrammar is not installed: JSON schemas, regexes, "
+                          "choices and forced tool calls are refused (pip install blink-serve[engine,ingress])")
+    grammars = ", ".join(m.name for m in MODES.values() if m.grammars)
+    return Capability("feature", "structured-outputs", True, f"xgrammar masks grammars in the {grammars} drive mode; "
+                      "the device modes refuse them until the device walks the grammar")
 
 
 def _huge_pages() -> Capability:
