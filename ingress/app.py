@@ -171,7 +171,8 @@ def _add_generation_routes(app: FastAPI, state: IngressState) -> None:
         prompt, text = await chat_prompt(state, body)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         jobs = [(prompt, j) for j in range(body.n)]
-        reasoning = state.reasoning_parser
+        # A grammar masks from the first token, so a constrained answer has no think block: all of it is content.
+        reasoning = state.reasoning_parser if grammar is None else None
         return await _respond(state, request, body, jobs, body.max_completion_tokens or body.max_tokens, logprobs,
                               chat=True, tools=tools, reasoning=reasoning,
                               thinking=reasoning is not None and reasoning.starts_thinking(text), grammar=grammar)
