@@ -54,6 +54,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=16, help="the batched measurement's sequences")
     p.add_argument("--rounds", type=int, default=3, help="alternated rounds; figures are their medians")
     p.add_argument("--no-llama-cpp", action="store_true", help="leave llama.cpp out (no build)")
+    p.add_argument("--no-transformers", action="store_true", help="leave transformers' generate out (the slowest "
+                   "system; its model still counts the float weights' bytes)")
     p.add_argument("--compile-bookkeeping", action="store_true", help="also Blink with --compile-bookkeeping "
                    "(blink-compiled: one more system in the rotation)")
     p.add_argument("--reference-kernels", action="store_true", help="also Blink with the torch reference in place "
@@ -147,12 +149,14 @@ def benchmark(args: argparse.Namespace, model_dir: Path, native: Path | None = N
     prompts = torch.randint(0, PROMPT_VOCAB, (args.batch, args.context), generator=gen).tolist()
     systems = {d: [BlinkDecoder(model_dir, d, args.batch), TransformersDecoder(model_dir, d, args.batch)]
                for d in dtypes}
+    weight_bytes = {d: sum(p.numel() for p in systems[d][1].model.parameters()) * getattr(torch, d).itemsize
+                    for d in dtypes}
+    if args.no_transformers:
+        systems = {d: [s for s in group if not isinstance(s, TransformersDecoder)] for d, group in systems.items()}
     for flag, (name, env, options) in VARIANTS.items():
         if getattr(args, flag):
             for d in dtypes:
                 systems[d].append(BlinkDecoder(model_dir, d, args.batch, name, env, options))
-    weight_bytes = {d: sum(p.numel() for p in systems[d][1].model.parameters()) * getattr(torch, d).itemsize
-                    for d in dtypes}
     for kind in filter(None, (k.strip() for k in args.quantized.split(","))):
         if native is None or llama is None:
             raise SystemExit("--quantized needs --model (a GGUF file) and llama.cpp")

@@ -137,3 +137,24 @@ def test_what_quantization_cannot_run_is_refused_by_name():
         quant.check("awq", torch.device("cpu"), "auto", 1)
     with pytest.raises(ValueError, match="dummy has none"):
         quant.check("gguf", torch.device("cpu"), "dummy", 1)
+
+
+def test_bench_quality_scores_every_format_against_the_float_model(checkpoint, tmp_path):
+    """A small `blink bench quality` on a Q8_0 file of a test checkpoint, Blink only: each format's perplexity and
+    greedy agreement saved; int8 and the file's own blocks within a few percent of the float perplexity."""
+    import json
+
+    from blink.bench.cli import main
+
+    path = write_gguf(checkpoint("llama-gqa"), tmp_path / "q8.gguf", quantize=Q.Q8_0)
+    text = tmp_path / "held.txt"
+    text.write_text("Once upon a time there was a small model that read the same story again and again. " * 40)
+    assert main(["quality", "--model", str(path), "--text", str(text), "--no-llama-cpp", "--requantize", "",
+                 "--context", "64", "--chunks", "3", "--prompts", "2", "--new-tokens", "4",
+                 "--result-dir", str(tmp_path)]) == 0
+    formats = json.loads(next(tmp_path.glob("quality-*.json")).read_text())["formats"]
+    assert set(formats) == {"float32", "int8", "int4", "gguf:Q8_0"}
+    base = formats["float32"]["blink_perplexity"]
+    assert formats["float32"]["greedy"]["prefix_share"] == 1.0
+    for name in ("int8", "gguf:Q8_0"):
+        assert abs(formats[name]["blink_perplexity"] / base - 1) < 0.05
