@@ -6,7 +6,11 @@ keys with an online softmax, finding each key's cache row through the block tabl
 (read on the device) return at once, so the grid depends only on the rows' capacity: no host sync, graph-safe.
 A step's decode rows and prefill chunks (blocks of QUERY_BLOCK queries) are one launch (`attention`): each group has
 its own programs, so a decode-only step pays no chunk kernel, only chunk programs that return; the same launch
-writes zeros to the batch's padding tokens, so its output needs no zeroing first.
+writes zeros to the batch's padding tokens, so its output needs no zeroing first. Given the step's keys and values
+(`Rope`), it also does engine/kernels/rope_kv.py's work: each program ropes its queries, one program per row ropes
+and writes the row's K/V to the cache, and keys this step computes (the row's own, a prompt's earlier blocks) are
+read from the projection's output and roped where they are used, never from cache rows another program of the
+launch may not have written yet.
 
 Decode rows can also split their context (flash-decoding): a batch-1 decode is a program per KV head, 8 programs on
 a GPU of 132 SMs, each reading the whole context alone. With SPLITS > 1 each row's programs choose on the device how
@@ -18,6 +22,7 @@ row's lock, and the last to finish merges the spans into the output and leaves t
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -41,12 +46,32 @@ def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _roped(at, d, pos, mask, cos_ptr, sin_ptr, stride_cos, HALF: tl.constexpr):
+    """RoPE (rotate-half) of a tile of head vectors: `at` [rows, 1] points at each row's head, d [1, D] the
+    elements, pos [rows, 1] each row's position. Rounded as engine/kernels/rope_kv.py rounds (each product cast to
+    the dtype before the sum), so a key roped here equals the one that kernel writes to the cache."""
+    partner = tl.where(d < HALF, d + HALF, d - HALF)
+    x = tl.load(at + d, mask=mask, other=0.0)
+    dtype = x.dtype
+    y = tl.load(at + partner, mask=mask, other=0.0).to(tl.float32)
+    c = tl.load(cos_ptr + pos * stride_cos + d, mask=mask, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + pos * stride_cos + d, mask=mask, other=0.0).to(tl.float32)
+    turned = (y * s).to(dtype).to(tl.float32)
+    return ((x.to(tl.float32) * c).to(dtype).to(tl.float32) + tl.where(d < HALF, -turned, turned)).to(dtype)
+
+
+@triton.jit
 def _sweep(q, k_ptr, v_ptr, table_ptr, slot, pos, lo, end, window, scale_log2,
            stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_table, kv_head, d, d_ok,
+           start, first_pos, tokens, pos_ptr, write_ptr, k_new, v_new, stride_nkt, stride_nkh, stride_nvt,
+           stride_nvh, cos_ptr, sin_ptr, stride_cos,
            PAGE_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-           BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+           BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, ROPE: tl.constexpr,
+           HALF: tl.constexpr):
     """The tile of queries `q` against the row's keys lo..end-1 with an online softmax: its running maximum, sum and
-    unnormalised output."""
+    unnormalised output. ROPE: this step's keys of the sequence (the batch tokens before the row's own, back to
+    the first the step computes of it: a token of that position whose cache row is this one) are read from the
+    projection's output and roped here, not from the cache, which other programs of this launch may be writing."""
     # A finite floor keeps rows that see no key in a tile (or padding rows) free of inf - inf.
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -59,10 +84,25 @@ def _sweep(q, k_ptr, v_ptr, table_ptr, slot, pos, lo, end, window, scale_log2,
         page = tl.load(table_ptr + slot * stride_table + n // PAGE_SIZE, mask=n_ok, other=0)
         offset = n % PAGE_SIZE
         kv_mask = n_ok[:, None] & d_ok[None, :]
+        fresh = n_ok & (n < 0)  # no key is this step's unless ROPE finds it so
+        if ROPE:
+            at = start + n - first_pos  # where this step would hold the key at n, batch tokens being consecutive
+            maybe = n_ok & (at >= 0) & (at < tokens)
+            fresh = maybe & (tl.load(pos_ptr + at, mask=maybe, other=-1) == n)
+            fresh &= tl.load(write_ptr + at, mask=fresh, other=-1) == page * PAGE_SIZE + offset
+        old = kv_mask & ~fresh[:, None]
         k = tl.load(k_ptr + (page * stride_kp + offset * stride_ks + kv_head * stride_kh)[:, None] + d[None, :],
-                    mask=kv_mask, other=0.0)
+                    mask=old, other=0.0)
         v = tl.load(v_ptr + (page * stride_vp + offset * stride_vs + kv_head * stride_vh)[:, None] + d[None, :],
-                    mask=kv_mask, other=0.0)
+                    mask=old, other=0.0)
+        if ROPE:
+            new = kv_mask & fresh[:, None]
+            k_fresh = _roped(k_new + (at * stride_nkt + kv_head * stride_nkh)[:, None], d[None, :], n[:, None], new,
+                             cos_ptr, sin_ptr, stride_cos, HALF)
+            v_fresh = tl.load(v_new + (at * stride_nvt + kv_head * stride_nvh)[:, None] + d[None, :], mask=new,
+                              other=0.0)
+            k = tl.where(new, k_fresh, k)
+            v = tl.where(new, v_fresh, v)
         s = _dot(q, tl.trans(k), DOT_PRECISION, UPCAST) * scale_log2
         visible = n[None, :] <= pos[:, None]
         if HAS_WINDOW:
@@ -84,10 +124,15 @@ def _attend_row(q_ptr, out_ptr, k_ptr, v_ptr, table_ptr, row, kv_head, hblock, s
                 stride_qt, stride_qh, stride_ot, stride_oh,
                 stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_table,
                 scale_log2, window, span_max, span_sum, span_acc, locks, heads, programs, min_span,
+                tokens, pos_ptr, write_ptr, k_new, v_new, stride_nkt, stride_nkh, stride_nvt, stride_nvh,
+                cos_ptr, sin_ptr, stride_cos, writes,
                 GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr,
                 BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, SPLITS: tl.constexpr):
-    """One row's queries for one KV head's slice of query heads, or (SPLITS > 1, decode rows) one span of its keys."""
+                DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, SPLITS: tl.constexpr, ROPE: tl.constexpr,
+                HALF: tl.constexpr):
+    """One row's queries for one KV head's slice of query heads, or (SPLITS > 1, decode rows) one span of its keys.
+    ROPE: q arrives unroped (roped here), and the program that `writes` puts the row's own keys (roped) and values
+    into the cache for later steps."""
     start = tl.load(start_ptr + row)
     length = tl.load(length_ptr + row)
     first_pos = tl.load(first_pos_ptr + row)
@@ -121,13 +166,30 @@ def _attend_row(q_ptr, out_ptr, k_ptr, v_ptr, table_ptr, row, kv_head, hblock, s
         spans = tl.cdiv(end - lo, span)
         lo = lo + split * span
         end = tl.minimum(end, lo + span)
+    if ROPE:  # the program that `writes`: the row's tokens' K/V, roped, into their cache rows (tile row m: token m)
+        mine = (m < length) & writes
+        own = mine[:, None] & d_ok[None, :]
+        cache_row = tl.load(write_ptr + start + m, mask=mine, other=0)
+        page_of, offset_of = cache_row // PAGE_SIZE, cache_row % PAGE_SIZE
+        k_own = _roped(k_new + ((start + m) * stride_nkt + kv_head * stride_nkh)[:, None], d[None, :],
+                       (first_pos + m)[:, None], own, cos_ptr, sin_ptr, stride_cos, HALF)
+        tl.store(k_ptr + (page_of * stride_kp + offset_of * stride_ks + kv_head * stride_kh)[:, None] + d[None, :],
+                 k_own, mask=own)
+        v_own = tl.load(v_new + ((start + m) * stride_nvt + kv_head * stride_nvh)[:, None] + d[None, :], mask=own,
+                        other=0.0)
+        tl.store(v_ptr + (page_of * stride_vp + offset_of * stride_vs + kv_head * stride_vh)[:, None] + d[None, :],
+                 v_own, mask=own)
     if split < spans:
-        q = tl.load(q_ptr + (start + query)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-                    mask=q_mask, other=0.0)
+        q_at = q_ptr + (start + query)[:, None] * stride_qt + head[:, None] * stride_qh
+        if ROPE:
+            q = _roped(q_at, d[None, :], pos[:, None], q_mask, cos_ptr, sin_ptr, stride_cos, HALF)
+        else:
+            q = tl.load(q_at + d[None, :], mask=q_mask, other=0.0)
         m_i, l_i, acc = _sweep(q, k_ptr, v_ptr, table_ptr, slot, pos, lo, end, window, scale_log2,
                                stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_table,
-                               kv_head, d, d_ok, PAGE_SIZE, HAS_WINDOW, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PRECISION,
-                               UPCAST)
+                               kv_head, d, d_ok, start, first_pos, tokens, pos_ptr, write_ptr, k_new, v_new,
+                               stride_nkt, stride_nkh, stride_nvt, stride_nvh, cos_ptr, sin_ptr, stride_cos,
+                               PAGE_SIZE, HAS_WINDOW, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PRECISION, UPCAST, ROPE, HALF)
         if spans == 1:
             acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
             tl.store(out_at, acc.to(out_ptr.dtype.element_ty), mask=q_mask)
@@ -169,11 +231,12 @@ def _paged_attention_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_table,
     scale_log2, window, span_max, span_sum, span_acc, locks, heads, programs, min_span,
+    pos_ptr, k_new, v_new, stride_nkt, stride_nkh, stride_nvt, stride_nvh, cos_ptr, sin_ptr, stride_cos,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     DECODES: tl.constexpr, D_BLOCK_H: tl.constexpr, D_BLOCK_M: tl.constexpr, SPLITS: tl.constexpr,
     CHUNKS: tl.constexpr, C_QUERIES: tl.constexpr, C_BLOCK_H: tl.constexpr, C_BLOCK_M: tl.constexpr,
-    ZERO_PADDING: tl.constexpr,
+    ZERO_PADDING: tl.constexpr, ROPE: tl.constexpr, HALF: tl.constexpr,
 ):
     """One launch for a step: along axis 0, first d_programs rows of decode programs (each a head slice and a span
     of keys: D_Z of them; they also zero the batch's padding tokens), then the prefill chunks' rows (blocks of
@@ -203,8 +266,10 @@ def _paged_attention_kernel(
                             stride_qt, stride_qh, stride_ot, stride_oh,
                             stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_table,
                             scale_log2, window, span_max, span_sum, span_acc, locks, heads, programs, min_span,
+                            tokens, pos_ptr, write_ptr, k_new, v_new, stride_nkt, stride_nkh, stride_nvt,
+                            stride_nvh, cos_ptr, sin_ptr, stride_cos, z == 0,
                             GROUP, HEAD_DIM, PAGE_SIZE, HAS_WINDOW, D_BLOCK_H, D_BLOCK_M, BLOCK_N, BLOCK_D,
-                            DOT_PRECISION, UPCAST, SPLITS)
+                            DOT_PRECISION, UPCAST, SPLITS, ROPE, HALF)
     elif CHUNKS:
         row = (tl.program_id(0) - d_programs * D_Z) // C_Z
         z = (tl.program_id(0) - d_programs * D_Z) % C_Z
@@ -215,8 +280,22 @@ def _paged_attention_kernel(
                         stride_qt, stride_qh, stride_ot, stride_oh,
                         stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_table,
                         scale_log2, window, span_max, span_sum, span_acc, locks, heads, programs, min_span,
+                        tokens, pos_ptr, write_ptr, k_new, v_new, stride_nkt, stride_nkh, stride_nvt, stride_nvh,
+                        cos_ptr, sin_ptr, stride_cos, z == 0,
                         GROUP, HEAD_DIM, PAGE_SIZE, HAS_WINDOW, C_BLOCK_H, C_BLOCK_M, BLOCK_N, BLOCK_D,
-                        DOT_PRECISION, UPCAST, 1)
+                        DOT_PRECISION, UPCAST, 1, ROPE, HALF)
+
+
+@dataclass
+class Rope:
+    """What `attention` ropes and writes to the cache itself: this step's keys and values [B, Hkv, D] (strided views
+    of the projection, head_dim contiguous), the RoPE tables [max_len, D] and each token's position [B]."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    positions: torch.Tensor
 
 
 def key_splits(q: torch.Tensor, kv_heads: int) -> int:
@@ -261,7 +340,7 @@ def _locks(device: torch.device, n: int) -> torch.Tensor:
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
               groups: list[tuple[QueryRows, int]], block_table: torch.Tensor, scale: float,
               sliding_window: int | None, write_rows: torch.Tensor | None = None, out: torch.Tensor | None = None,
-              splits: int | None = None, min_span: int = MIN_SPAN) -> torch.Tensor:
+              splits: int | None = None, min_span: int = MIN_SPAN, rope: Rope | None = None) -> torch.Tensor:
     """Attention for the tokens of the row groups (decode rows: one query each; chunk rows: up to QUERY_BLOCK),
     in one launch, into `out` (new if None), returned.
 
@@ -270,6 +349,9 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     write_rows: each token's cache row ([B], 0 for padding): given, the tokens of no row get zeros, so `out` needs
     no zeroing first; None leaves them alone. splits: the most key spans a decode row splits into (a power of two;
     None: `key_splits`'s), how many it does is chosen on the device; min_span: the fewest keys a span holds.
+    rope: this step's keys and values and the RoPE tables: q is then unroped, and the launch ropes q, writes the
+    rows' K/V (roped) to the cache rows `write_rows` and reads this step's keys from `rope`, not from the cache
+    (engine/kernels/rope_kv.py's work, in the same launch); None: q is roped and the cache already written.
     """
     _, page_size, kv_heads, head_dim = k_cache.shape
     B, heads = q.shape[:2]
@@ -303,6 +385,13 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     locks = _locks(q.device, d_capacity * kv_heads * hblocks) if splits > 1 else q
     d_rows = decodes[0] if decodes else chunks[0][0]  # an absent group's pointers are never read
     c_rows = chunks[0][0] if chunks else d_rows
+    if rope is not None:
+        assert zero_padding and head_dim % 2 == 0 and rope.k.stride(-1) == rope.v.stride(-1) == 1
+        assert rope.cos.is_contiguous() and rope.sin.is_contiguous()
+        fresh = (rope.positions, rope.k, rope.v, *rope.k.stride()[:2], *rope.v.stride()[:2], rope.cos, rope.sin,
+                 rope.cos.stride(0))
+    else:
+        fresh = (q, q, q, 0, 0, 0, 0, q, q, 0)  # never read
     grid = (d_programs * hblocks * splits + c_capacity * triton.cdiv(group, c_block_h), kv_heads)
     _paged_attention_kernel[grid](
         q, out, k_cache, v_cache, block_table, write_rows if zero_padding else d_rows.start, B,
@@ -310,7 +399,7 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         c_rows.start, c_rows.length, c_rows.first_pos, c_rows.slot, c_rows.count,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         *k_cache.stride()[:3], *v_cache.stride()[:3], block_table.stride(0),
-        scale * LOG2E, sliding_window or 0, *spans, locks, heads, _programs(q.device), min_span,
+        scale * LOG2E, sliding_window or 0, *spans, locks, heads, _programs(q.device), min_span, *fresh,
         GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size, HAS_WINDOW=sliding_window is not None,
         BLOCK_N=KEY_TILE, BLOCK_D=block_d,
         # float32 through three TF32 products: about float32's accuracy on tensor cores (ieee spills on Hopper).
@@ -318,7 +407,7 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         UPCAST=q.dtype == torch.bfloat16 and q.device.type == "cpu",  # on the CPU Triton only interprets
         DECODES=bool(decodes), D_BLOCK_H=d_block_h, D_BLOCK_M=d_block_m, SPLITS=splits,
         CHUNKS=bool(chunks), C_QUERIES=c_queries, C_BLOCK_H=c_block_h, C_BLOCK_M=c_block_m,
-        ZERO_PADDING=zero_padding,
+        ZERO_PADDING=zero_padding, ROPE=rope is not None, HALF=head_dim // 2,
         num_warps=4 if max(d_block_m, c_block_m if chunks else 0) * block_d <= ACCUMULATOR // 2 else 8,
     )
     return out

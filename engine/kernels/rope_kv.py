@@ -1,7 +1,9 @@
 """RoPE on q and k and the K/V cache write, as one Triton kernel over the batch's tokens.
 
 The math is engine/rope.py's rotate-half form, rounded as torch rounds it: each product is cast to the model's
-dtype before the sum, so 16-bit results match the reference bit for bit.
+dtype before the sum, so 16-bit results match the reference bit for bit. The forward does this inside its
+attention launch (engine/kernels/attention.py, `Rope`), with the same rounding; this kernel on its own is what
+that launch is checked against (the same cache, bit for bit: tests/engine/test_kernels.py).
 """
 
 from __future__ import annotations

@@ -6,9 +6,10 @@ layer reads on the host which experts run, so a device mode cannot capture it.
 there, fused in C++ (blink.engine.kernels.cpu: norms, RoPE written into the cache, one-query attention straight from
 the pages, a decode-only step's attention from the projection's output in one call, the MLP's activation in one);
 prefill chunks still attend through the reference's gathers.
-`TritonKernels` is CUDA's: fused norms, RoPE written into the cache, paged attention over row lists the kernels
-read on the device, grouped experts and the fused sampler; without CUDA it runs in Triton's interpreter (the
-tests check it against the reference that way). A new backend is a class with these methods, named in `KERNEL_SETS`.
+`TritonKernels` is CUDA's: fused norms, one launch a layer for RoPE, the cache write and paged attention over row
+lists the kernels read on the device, SiLU x up fused, grouped experts and the fused sampler; without CUDA it runs in
+Triton's interpreter (the tests check it against the reference that way). A new backend is a class with these
+methods, named in `KERNEL_SETS`.
 """
 
 from __future__ import annotations
@@ -194,12 +195,11 @@ class TritonKernels:
         # picked before a kernel is defined.
         if device.type != "cuda":
             os.environ.setdefault("TRITON_INTERPRET", "1")
-        from blink.engine.kernels import activation, attention, rms_norm, rope_kv
+        from blink.engine.kernels import activation, attention, rms_norm
         from blink.engine.kernels import moe as experts
         from blink.engine.kernels.sampler import FUSED_SAMPLER
 
-        self._attention, self._norm, self._rope, self._experts = attention, rms_norm, rope_kv, experts
-        self._activation = activation
+        self._attention, self._norm, self._activation, self._experts = attention, rms_norm, activation, experts
         # A row pays for the features its request asked for, whatever the step was built to serve (a captured step
         # serves them all).
         self.sampler = FUSED_SAMPLER
@@ -230,11 +230,11 @@ class TritonKernels:
                   v_cache: torch.Tensor, scale: float) -> torch.Tensor:
         q, k, v = split_heads(qkv, w, cfg, self.norm)
         batch = tokens.batch
-        q = self._rope.rope_and_cache(q, k, v, *tokens.rope, tokens.positions, batch.write_rows, k_cache, v_cache)
-        # One launch for decode rows and chunks; padding tokens belong to no row: it writes them zeros, as the
-        # reference leaves them.
+        # One launch: RoPE, the K/V cache write, and attention for decode rows and chunks; padding tokens belong to
+        # no row: it writes them zeros, as the reference leaves them.
+        rope = self._attention.Rope(k, v, *tokens.rope, tokens.positions)
         return self._attention.attention(q, k_cache, v_cache, batch.rows, batch.block_table, scale,
-                                         self.sliding_window, batch.write_rows)
+                                         self.sliding_window, batch.write_rows, rope=rope)
 
     def moe_mlp(self, h: torch.Tensor, w: MoeWeights, cfg: ModelConfig) -> torch.Tensor:
         return moe.grouped_moe_mlp(h, w, cfg.moe, self._experts)

@@ -13,7 +13,7 @@ import torch
 
 from blink.engine import LLM, SamplingParams
 from blink.engine.core.sampler import SamplerFeatures
-from blink.engine.core.scheduler import QUERY_BLOCK
+from blink.engine.core.scheduler import QUERY_BLOCK, QueryRows
 from blink.engine.kernels import attention as attention_kernel
 from blink.engine.kernels import rms_norm as norm_kernel
 from blink.engine.kernels import rope_kv as rope_kernel
@@ -107,6 +107,44 @@ def test_decode_rows_split_only_as_far_as_the_live_rows_need(monkeypatch):
         single = attention_kernel.attention(q, k_cache, v_cache, [(decode_rows, 1)], table, 0.25, None, splits=1)
         at = decode_rows.start[:rows]
         torch.testing.assert_close(out[at], single[at])
+
+
+@pytest.mark.parametrize(("dtype", "page_size", "group", "window", "splits"), [
+    (torch.float32, 8, 2, None, 4), (torch.bfloat16, 4, 3, 24, 1), (torch.float16, 16, 1, None, 2)])
+def test_attention_ropes_and_writes_the_cache_in_the_same_launch(dtype, page_size, group, window, splits):
+    """A layer's attention in one launch: RoPE of q and k, the K/V cache write, decode rows (split) beside chunks
+    whose earlier blocks' keys this same step computes, from strided views of one projection: the output and the
+    caches of rope_and_cache followed by attention over the written cache."""
+    sequences = [(300, 1), (37, 1), (0, 70), (100, 20), (5, 1), (15, 65), (63, 1)]
+    head_dim, kv_heads = 16, 2
+    q, k, v, k_cache, v_cache, table, write_rows, decode_rows, chunk_rows = scene(
+        sequences, page_size, kv_heads, group, head_dim, dtype)
+    qkv = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], 1)  # as the projection lays them side by side
+    q, k, v = qkv.unflatten(-1, (-1, head_dim)).split([kv_heads * group, kv_heads, kv_heads], dim=1)
+    positions = torch.cat([torch.arange(done, done + take) for done, take in sequences] + [torch.zeros(3)]).long()
+    cos, sin = (t.to(DEVICE) for t in rope_tables(512, head_dim, dtype))
+    positions, scale = positions.to(DEVICE), head_dim ** -0.5
+    groups = [(decode_rows, 1), (chunk_rows, QUERY_BLOCK)]
+    k_written, v_written = k_cache.clone(), v_cache.clone()
+    roped = rope_and_cache(q, k, v, cos, sin, positions, write_rows, k_written, v_written)
+    expected = attention_kernel.attention(roped, k_written, v_written, groups, table, scale, window, write_rows,
+                                          splits=splits, min_span=attention_kernel.KEY_TILE)
+    # The step's keys come from the projection, whatever order the programs run in: the interpreter runs them in
+    # order, so the chunks' blocks go last first, over cache rows that hold NaN until their writer comes.
+    n = int(chunk_rows.count)
+    groups[1] = (QueryRows(*(torch.cat([f[:n].flip(0), f[n:]]) for f in (chunk_rows.start, chunk_rows.length,
+                                                                          chunk_rows.first_pos, chunk_rows.slot)),
+                           chunk_rows.count), QUERY_BLOCK)
+    real = write_rows[write_rows > 0]
+    for cache in (k_cache, v_cache):
+        cache.view(-1, kv_heads, head_dim)[real] = float("nan")
+    got = attention_kernel.attention(q, k_cache, v_cache, groups, table, scale, window, write_rows,
+                                     out=torch.full_like(roped, float("nan")), splits=splits,
+                                     min_span=attention_kernel.KEY_TILE,
+                                     rope=attention_kernel.Rope(k, v, cos, sin, positions))
+    torch.testing.assert_close(got, expected, **TOLERANCE[dtype])
+    # The same cache, bit for bit, but the null page 0 (where rope_and_cache sends the padding tokens' K/V).
+    assert torch.equal(k_cache[1:], k_written[1:]) and torch.equal(v_cache[1:], v_written[1:])
 
 
 def test_silu_and_mul_matches_the_reference():
@@ -300,7 +338,7 @@ def test_the_triton_path_reads_nothing_on_the_host(kind, checkpoint, monkeypatch
         shape = llm.engine.step.shape_for(plan.read_sizes())
         with host_reads_forbidden():
             llm.engine.step.run(plan, shape, features, llm.engine.mirror)
-    expected = {"_paged_attention_kernel", "_rope_and_cache_kernel", "_rms_norm_kernel"}
+    expected = {"_paged_attention_kernel", "_rms_norm_kernel"}  # RoPE and the cache write inside the attention
     expected |= {"_expert_product_kernel"} if "moe" in kind else set()
     expected |= {"_silu_and_mul_kernel"} if any(w.moe is None for w in llm.engine.model.layers) else set()
     assert {launch.name for launch in log} == expected

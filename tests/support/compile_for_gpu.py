@@ -45,12 +45,14 @@ attention_args = {**pointers("bf16", "q_ptr", "out_ptr", "k_ptr", "v_ptr"),
                   **pointers("i64", "table_ptr", "write_ptr", *(f"{g}_{field}" for g in "dc"
                                                                 for field in ("start", "length", "first_pos", "slot",
                                                                               "count"))),
-                  **pointers("fp32", "span_max", "span_sum", "span_acc"), "locks": "*i32", "scale_log2": "fp32"}
-# A step's one launch: decode rows splitting their keys beside prefill chunks; chunks alone, with a window.
+                  **pointers("fp32", "span_max", "span_sum", "span_acc"), "locks": "*i32", "scale_log2": "fp32",
+                  **pointers("bf16", "k_new", "v_new", "cos_ptr", "sin_ptr"), "pos_ptr": "*i64"}
+# A step's one launch: RoPE and the cache write, decode rows splitting their keys beside prefill chunks; chunks
+# alone over a written cache, with a window.
 both = dict(GROUP=4, HEAD_DIM=64, PAGE_SIZE=16, HAS_WINDOW=False, BLOCK_N=64, BLOCK_D=64, DOT_PRECISION="tf32",
             UPCAST=False, DECODES=True, D_BLOCK_H=4, D_BLOCK_M=16, SPLITS=8, CHUNKS=True, C_QUERIES=64, C_BLOCK_H=4,
-            C_BLOCK_M=256, ZERO_PADDING=True)
-chunks = both | dict(HAS_WINDOW=True, DECODES=False, SPLITS=1, ZERO_PADDING=False)
+            C_BLOCK_M=256, ZERO_PADDING=True, ROPE=True, HALF=32)
+chunks = both | dict(HAS_WINDOW=True, DECODES=False, SPLITS=1, ZERO_PADDING=False, ROPE=False)
 logits = {"logits": "*fp32", "tokens": "*i64", "passes": "*i32"}
 results = [
     build(sampler._sample_kernel, "sampler: draw", dict(GREEDY_BELOW=1e-5, BLOCK=1024, PIVOTS=16),
@@ -58,7 +60,7 @@ results = [
           | pointers("i64", "top_k", "seed", "step_index")),
     build(sampler._logprobs_kernel, "sampler: logprobs", dict(TOP=20, BLOCK=1024, PIVOTS=16),
           logits | pointers("fp32", "logprob", "lse_out") | pointers("i64", "asked", "top_keys")),
-    build(attention._paged_attention_kernel, "attention: decode rows splitting keys, chunks, padding", both,
+    build(attention._paged_attention_kernel, "attention: rope, cache write, split decodes, chunks, padding", both,
           attention_args),
     build(attention._paged_attention_kernel, "attention: prefill chunks, a window", chunks, attention_args),
     build(activation._silu_and_mul_kernel, "silu(gate) * up", dict(N=8192, BLOCK_R=1, BLOCK=4096),
