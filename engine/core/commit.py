@@ -3,6 +3,7 @@ logprobs the step scored, for the requests that asked."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -56,14 +57,31 @@ class StepOutput:
 
 def commit(state: Slots, pool: PagePool, mirror: HostMirror | None, plan: StepPlan, rows: int, out: SampleOutput,
            logits: torch.Tensor, eos_ids: torch.Tensor, count_outputs: bool,
-           prompt: PromptScores | None = None) -> StepOutput:
-    S = state.num_slots
+           prompt: PromptScores | None = None, settler: Callable[..., StepOutput] | None = None) -> StepOutput:
+    """settler: `settle` or a kernel of the same arguments and effects (blink.engine.kernels.commit, the device
+    step's)."""
     advance(state, plan)
     before = state.num_computed - plan.take
     if pool.prefix_cache is not None and not none_set(before < state.prompt_len):
         # The prompt pages this step filled can be found from now on.
         pool.prefix_cache.register(state.page_hashes, state.prompt_len, before, state.num_computed, state.block_table,
                                    max_new_pages(plan.token_slot.shape[0], pool.page_size))
+    settled = (settler or settle)(state, plan, rows, out, logits, eos_ids, count_outputs)
+    finished = settled.finish_reason.ne(Finish.NONE)  # ne, eq: see Slots.status_is
+    if not none_set(finished):
+        pool.release(finished, state.block_table, state.pages_held)
+        if mirror:  # a request cancelled while rotated out
+            mirror.free.release(finished, state.host_table, state.host_held)
+            state.rotated &= ~finished
+    settled.prompt = prompt
+    return settled
+
+
+def settle(state: Slots, plan: StepPlan, rows: int, out: SampleOutput, logits: torch.Tensor, eos_ids: torch.Tensor,
+           count_outputs: bool) -> StepOutput:
+    """The sampled tokens appended (and counted for the penalties), stops and cancellations checked, finished slots
+    marked FINISHED with their reason, the rows' outputs per slot; pages are commit's."""
+    S = state.num_slots
     slot, sampled = plan.sample_slot[:rows], plan.sample_valid[:rows]
     # max_tokens 0 (the prompt's logprobs only): the row ends its request without a token.
     valid = sampled & (state.max_tokens[slot] > 0)
@@ -85,14 +103,9 @@ def commit(state: Slots, pool: PagePool, mirror: HostMirror | None, plan: StepPl
     running = state.status_is(SlotStatus.RUNNING)
     reason = torch.where(running & state.cancel & (reason == 0), Finish.ABORT, reason)
 
-    finished = reason.ne(Finish.NONE)  # ne, eq: see Slots.status_is
+    finished = reason.ne(Finish.NONE)
     state.finish_reason.copy_(torch.where(finished, reason, state.finish_reason))
     state.status.masked_fill_(finished, SlotStatus.FINISHED)
-    if not none_set(finished):
-        pool.release(finished, state.block_table, state.pages_held)
-        if mirror:  # a request cancelled while rotated out
-            mirror.free.release(finished, state.host_table, state.host_held)
-            state.rotated &= ~finished
 
     def per_slot(x: torch.Tensor | None, fill: float) -> torch.Tensor | None:
         return None if x is None else _per_slot(S, target, x, fill)
@@ -105,7 +118,6 @@ def commit(state: Slots, pool: PagePool, mirror: HostMirror | None, plan: StepPl
         top_logprobs=per_slot(out.top_logprobs, 0.0),
         row_slot=torch.where(valid, slot, -1),
         row_logits=logits,
-        prompt=prompt,
     )
 
 

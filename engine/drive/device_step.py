@@ -11,11 +11,13 @@ when it likes, to pick the next bucket.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import numpy as np
 import torch
 
 from blink.engine.core.admission import admit, field_views
+from blink.engine.core.commit import commit
 from blink.engine.core.kv_cache import PagePool
 from blink.engine.core.policy import StepCostModel
 from blink.engine.core.sampler import SamplerFeatures
@@ -24,6 +26,7 @@ from blink.engine.core.step import StepShape
 from blink.engine.drive.table_memory import TableMemory, device_alias
 from blink.engine.engine import Engine
 from blink.engine.kernels import admission, step_cost
+from blink.engine.kernels import commit as commit_kernel
 from blink.engine.kernels.exchange import DeviceTable, Inbox, emit, report_demand, take_requests
 from blink.engine.kernels.lay_out import lay_out
 from blink.engine.kernels.rotation import copy_pages
@@ -74,6 +77,8 @@ class DeviceStep:
         self._last_now = torch.zeros(1, dtype=torch.float64, device=device)
         self._last_tokens = torch.zeros((), dtype=torch.int64, device=device)  # what the previous step computed
         self.cost_model = StepCostModel(self.step.cost)  # fed from the clock the steps read: the TPOT cap's fit
+        if self.step.committer is commit:  # the commit's per-slot part in one kernel, unless it was compiled
+            self.step.committer = functools.partial(commit, settler=commit_kernel.settle)
 
     @property
     def fenced(self) -> bool:

@@ -1,0 +1,102 @@
+"""The commit's per-slot part as one Triton kernel: blink.engine.core.commit.settle (the torch reference: tokens
+appended and counted, stops, finish reasons, the rows' outputs scattered to their slots; about sixty small ops, a
+kernel each in a captured step) in one launch, a program per slot. tests/engine/test_commit_kernel.py holds it to the
+reference."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from blink.engine.core.commit import StepOutput
+from blink.engine.core.sampler import SampleOutput
+from blink.engine.core.scheduler import StepPlan
+from blink.engine.core.state import Slots, SlotStatus
+from blink.shared.slot_table import Finish
+
+RUNNING = tl.constexpr(int(SlotStatus.RUNNING))
+FINISHED = tl.constexpr(int(SlotStatus.FINISHED))
+STOP = tl.constexpr(int(Finish.STOP))
+LENGTH = tl.constexpr(int(Finish.LENGTH))
+ABORT = tl.constexpr(int(Finish.ABORT))
+
+
+@triton.jit
+def _settle(sample_slot, sample_valid, sampled_tokens, tokens, tokens_stride, seq_len, output_counts, vocab,
+            max_tokens, prompt_len, stop_ids, ignore_eos, eos_ids, status, cancel, finish_reason,
+            logprob, top_ids, top_logprobs, top_stride,
+            token_out, reason_out, logprob_out, top_ids_out, top_logprobs_out, row_slot, R, E, max_len,
+            COUNT: tl.constexpr, LOGPROBS: tl.constexpr, TOP: tl.constexpr, STOPS: tl.constexpr,
+            BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_TOP: tl.constexpr):
+    s = tl.program_id(0)
+    r = tl.arange(0, BLOCK_R)
+    rows = r < R
+    row_sampled = tl.load(sample_valid + r, mask=rows, other=0) != 0
+    if s == 0:  # the rows that sampled nothing belong to no slot
+        tl.store(row_slot + r, -1, mask=rows & ~row_sampled)
+    mine = row_sampled & (tl.load(sample_slot + r, mask=rows, other=-1) == s)
+    sampled = tl.max(mine.to(tl.int32), 0) != 0
+    row = tl.sum(tl.where(mine, r, 0), 0)
+    tok = tl.load(sampled_tokens + row, mask=sampled, other=0)
+    # max_tokens 0 (the prompt's logprobs only): the row ends its request without a token.
+    valid = sampled & (tl.load(max_tokens + s) > 0)
+    n = tl.load(seq_len + s)
+    if valid:
+        tl.store(tokens + s.to(tl.int64) * tokens_stride + n, tok.to(tl.int32))
+        n += 1
+        tl.store(seq_len + s, n)
+        if COUNT:
+            counted = output_counts + s.to(tl.int64) * vocab + tok
+            tl.store(counted, tl.load(counted) + 1)
+    j = tl.arange(0, STOPS)
+    stopped = tl.max((tl.load(stop_ids + s * STOPS + j) == tok).to(tl.int32), 0) != 0
+    e = tl.arange(0, BLOCK_E)
+    eos = tl.max((tl.load(eos_ids + e, mask=e < E, other=-1) == tok).to(tl.int32), 0) != 0
+    stopped = stopped | (eos & (tl.load(ignore_eos + s) == 0))
+    too_long = (n - tl.load(prompt_len + s) >= tl.load(max_tokens + s)) | (n >= max_len)
+    reason = tl.where(stopped & valid, STOP, tl.where(too_long, LENGTH, 0))
+    reason = tl.where(sampled, reason, 0).to(tl.int64)
+    aborted = (tl.load(status + s) == RUNNING) & (tl.load(cancel + s) != 0) & (reason == 0)
+    reason = tl.where(aborted, ABORT, reason)
+    if reason != 0:
+        tl.store(finish_reason + s, reason)
+        tl.store(status + s, FINISHED)
+    tl.store(reason_out + s, reason)
+    tl.store(token_out + s, tl.where(valid & (reason != ABORT), tok, -1))  # aborts emit nothing
+    if sampled:
+        tl.store(row_slot + row, tl.where(valid, s, -1))
+    if LOGPROBS:
+        tl.store(logprob_out + s, tl.where(valid, tl.load(logprob + row, mask=sampled, other=0.0), 0.0))
+        k = tl.arange(0, BLOCK_TOP)
+        inside = k < TOP
+        ids = tl.load(top_ids + row * top_stride + k, mask=inside & valid, other=-1)
+        lps = tl.load(top_logprobs + row * top_stride + k, mask=inside & valid, other=0.0)
+        tl.store(top_ids_out + s * TOP + k, ids, mask=inside)
+        tl.store(top_logprobs_out + s * TOP + k, lps, mask=inside)
+
+
+def settle(state: Slots, plan: StepPlan, rows: int, out: SampleOutput, logits: torch.Tensor, eos_ids: torch.Tensor,
+           count_outputs: bool) -> StepOutput:
+    """blink.engine.core.commit.settle's arguments, effects and output."""
+    S, device = state.num_slots, state.status.device
+    token, reason = torch.empty(S, dtype=out.tokens.dtype, device=device), torch.empty_like(state.finish_reason)
+    row_slot = torch.empty(rows, dtype=plan.sample_slot.dtype, device=device)
+    logprobs = out.logprob is not None
+    top = out.top_ids.shape[1] if logprobs else 1
+    if logprobs:
+        assert out.top_ids.stride() == out.top_logprobs.stride() and out.top_ids.stride(1) == 1
+        logprob, top_ids = torch.empty(S, dtype=out.logprob.dtype, device=device), out.top_ids.new_empty(S, top)
+        top_logprobs = out.top_logprobs.new_empty(S, top)
+    else:
+        logprob = top_ids = top_logprobs = None
+    _settle[(S,)](plan.sample_slot, plan.sample_valid, out.tokens, state.tokens, state.tokens.stride(0), state.seq_len,
+                  state.output_counts, state.output_counts.shape[1], state.max_tokens, state.prompt_len,
+                  state.stop_ids, state.ignore_eos, eos_ids, state.status, state.cancel, state.finish_reason,
+                  out.logprob, out.top_ids, out.top_logprobs, out.top_ids.stride(0) if logprobs else 0,
+                  token, reason, logprob, top_ids, top_logprobs, row_slot, rows, eos_ids.shape[0], state.max_len,
+                  COUNT=count_outputs, LOGPROBS=logprobs, TOP=top, STOPS=state.stop_ids.shape[1],
+                  BLOCK_R=triton.next_power_of_2(rows), BLOCK_E=triton.next_power_of_2(eos_ids.shape[0]),
+                  BLOCK_TOP=triton.next_power_of_2(top))
+    return StepOutput(token=token, finish_reason=reason, logprob=logprob, top_ids=top_ids, top_logprobs=top_logprobs,
+                      row_slot=row_slot, row_logits=logits)
