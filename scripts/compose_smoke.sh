@@ -45,8 +45,9 @@ stop_all() {
         export BLINK_CONTROL_KEY_SOURCE=${BLINK_CONTROL_KEY_SOURCE:-/dev/null} BLINK_ENGINE_HOST=none BLINK_MODEL=none
         "${compose[@]}" -p "$ingress_project" -f compose/docker-compose.tcp-ingress.yml down -v --remove-orphans \
             --timeout 10 >/dev/null 2>&1
+        # Without the tcp file, whose profile hides the one-host stack's ingress from `down`.
         "${compose[@]}" -p "$project" -f compose/docker-compose.yml -f compose/docker-compose.cpu.yml \
-            -f compose/docker-compose.tcp.yml down -v --remove-orphans --timeout 10 >/dev/null 2>&1
+            down -v --remove-orphans --timeout 10 >/dev/null 2>&1
         left=$(docker ps -aq --filter "label=com.docker.compose.project=$project"; docker ps -aq --filter \
                "label=com.docker.compose.project=$ingress_project"; docker volume ls -q --filter \
                "label=com.docker.compose.project=$project"; docker network ls -q --filter \
@@ -156,7 +157,10 @@ grep -E '^ +cpu-kernels +yes' <<<"$doctor" >&2 || { echo "$doctor" >&2; say "bli
 # SIGKILL to the engine's process inside its container (the `blink engine` of the shared pid namespace).
 kill_engine="${one_host[*]} exec -T engine python -c 'import os, signal
 for pid in filter(str.isdigit, os.listdir(\"/proc\")):
-    argv = open(f\"/proc/{pid}/cmdline\", \"rb\").read().split(b\"\\0\")
+    try:
+        argv = open(f\"/proc/{pid}/cmdline\", \"rb\").read().split(b\"\\0\")
+    except OSError:
+        continue  # gone since the listing
     if argv[1:3] == [b\"/opt/blink/bin/blink\", b\"engine\"]:
         os.kill(int(pid), signal.SIGKILL)'"
 "${checks[@]}" failover --kill "$kill_engine" --deadline "$deadline"
