@@ -100,6 +100,8 @@ def test_the_stack():
         assert services[name]["ipc"] == "service:namespaces" and services[name]["pid"] == "service:namespaces"
     for name, service in services.items():
         assert service["restart"] == "unless-stopped", name
+        # The engine's build makes the image the others run: `up` must not try a registry for it first.
+        assert service.get("pull_policy") == (None if name == "engine" else "never"), name
     ingress = services["ingress"]
     assert ingress["ports"] == ["${BLINK_PORT:-8000}:8000", "${BLINK_ZMQ_PORT:-5557}:5557"]
     assert ingress["environment"]["BLINK_PORT"] == "8000" and ingress["environment"]["BLINK_ZMQ_PORT"] == "5557"
