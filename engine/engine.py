@@ -24,6 +24,7 @@ from blink.engine.model.model import LOAD_FORMATS, Transformer
 from blink.engine.model.parallel import Shard
 from blink.engine.ranks import meet
 from blink.shared.checkpoints.source import resolve
+from blink.shared.grammar_backends import BACKENDS, DEFAULT_BACKEND
 from blink.shared.prefix_hash import prefix_seed
 from blink.shared.request_schema import MAX_GRAMMAR_BYTES
 from blink.shared.slot_table import Geometry
@@ -54,6 +55,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # ranks the model is split over (blink.engine.model.parallel)
     tensor_parallel_rank: int = 0  # this engine's (the LLM API starts the others)
     distributed_init_method: str | None = None  # where the ranks meet: tcp://HOST:PORT
+    structured_outputs_backend: str = DEFAULT_BACKEND  # the grammar library (blink.shared.grammar_backends)
 
     def validate(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -72,6 +74,9 @@ class EngineConfig:
         if not 0 <= self.tensor_parallel_rank < self.tensor_parallel_size:
             raise ValueError(f"tensor_parallel_rank must be in [0, {self.tensor_parallel_size}), got "
                              f"{self.tensor_parallel_rank}")
+        if self.structured_outputs_backend not in BACKENDS:
+            raise ValueError(f"structured_outputs_backend must be one of {', '.join(BACKENDS)}, got "
+                             f"{self.structured_outputs_backend!r}")
         if self.kv_memory_fraction is not None and not 0 < self.kv_memory_fraction <= 1:
             raise ValueError(f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
 

@@ -24,9 +24,9 @@ from blink.shared.grammar import (
     GrammarError,
     GrammarKind,
     GrammarSpec,
-    XGrammar,
     check_combination,
 )
+from blink.shared.grammar_backends import make_backend
 
 KIND_NAMES = {GrammarKind.JSON_SCHEMA: "json_schema", GrammarKind.REGEX: "regex", GrammarKind.EBNF: "grammar"}
 
@@ -138,12 +138,15 @@ def _check_serving(state: IngressState, spec: GrammarSpec, param: str) -> None:
 
 
 def _compiler_for(state: IngressState) -> GrammarCompiler:
-    """The ingress's compiler, made on the first constrained request (xgrammar imports torch and transformers)."""
+    """The ingress's compiler over the backend its engine masks with (EngineInfo), made on the first constrained
+    request (the library is imported then: llguidance in tens of milliseconds, xgrammar with torch in seconds)."""
     if state.grammars is None:
+        name = state.info.structured_outputs_backend
         try:
-            backend = XGrammar(state.tokenizer.raw, state.info.vocab_size, state.info.eos_token_ids)
+            backend = make_backend(name, state.tokenizer.raw, state.info.vocab_size, state.info.eos_token_ids)
         except ImportError as e:
-            raise APIError(400, f"structured outputs need xgrammar beside the ingress ({e})",
-                           code="unsupported_parameter") from None
+            package = "llguidance" if name == "guidance" else "xgrammar"
+            raise APIError(400, f"structured outputs need {package} beside the ingress, as its engine masks with "
+                           f"--structured-outputs-backend {name} ({e})", code="unsupported_parameter") from None
         state.grammars = GrammarCompiler(backend, state.grammar_timeout_s or COMPILE_TIMEOUT_S)
     return state.grammars

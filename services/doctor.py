@@ -62,12 +62,17 @@ def _features() -> list[Capability]:
 
 
 def _structured_outputs() -> Capability:
-    if importlib.util.find_spec("xgrammar") is None:
-        return Capability("feature", "structured-outputs", False, "xgrammar is not installed: JSON schemas, regexes, "
-                          "choices and forced tool calls are refused (pip install blink-serve[engine,ingress])")
+    """Whether each --structured-outputs-backend's library is here (guidance, the default: llguidance)."""
+    present = {"guidance": importlib.util.find_spec("llguidance") is not None,
+               "xgrammar": importlib.util.find_spec("xgrammar") is not None}
+    have = ", ".join(name for name, found in present.items() if found)
+    if not present["guidance"]:
+        return Capability("feature", "structured-outputs", False, "llguidance is not installed: JSON schemas, regexes, "
+                          "choices and forced tool calls are refused under the default --structured-outputs-backend "
+                          f"guidance (pip install blink-serve[engine,ingress]){f'; here: {have}' if have else ''}")
     grammars = ", ".join(m.name for m in MODES.values() if m.grammars)
-    return Capability("feature", "structured-outputs", True, f"xgrammar masks grammars in the {grammars} drive mode; "
-                      "the device modes refuse them until the device walks the grammar")
+    return Capability("feature", "structured-outputs", True, f"backends here: {have}; grammars are masked in the "
+                      f"{grammars} drive mode; the device modes refuse them until the device walks the grammar")
 
 
 def _huge_pages() -> Capability:

@@ -62,6 +62,7 @@ class EngineService:
             revision=settings.revision, load_format=settings.load_format, quantization=settings.quantization,
             enable_prefix_caching=settings.enable_prefix_caching, compile_bookkeeping=settings.compile_bookkeeping,
             tensor_parallel_size=settings.tensor_parallel_size,
+            structured_outputs_backend=settings.structured_outputs_backend,
         )
         # Which drive modes can run here is known before the model loads (minutes for a large one): a mode asked
         # for that cannot is refused first.
@@ -91,6 +92,7 @@ class EngineService:
             prefix_caching=settings.enable_prefix_caching,
             limitations=list(self.driver.limitations),
             max_grammar_bytes=geometry.max_grammar_bytes,
+            structured_outputs_backend=settings.structured_outputs_backend,
         )
         log.info("drive mode", mode=self.driver.mode, kv_host_pages=self.info.kv_host_pages, **self.info.policies())
 

@@ -3,9 +3,9 @@
 A `GrammarSpec` is what travels with a request (its kind and text, in a bounded area of the slot record:
 blink.shared.slot_table); the ingress compiles it once to refuse what cannot be served (a 400, never a 500), the
 engine compiles it again to mask its rows (blink.engine.core.grammar). Both go through `GrammarCompiler`: a cache keyed
-by the spec, compiles on worker threads (xgrammar releases the GIL) under a time limit, one compile per spec however
-many ask. `Backend` is where a library plugs in; `XGrammar` is the one used (what vLLM and SGLang default to).
-xgrammar imports torch and transformers, so it is imported on first use, never by this module.
+by the spec, compiles on worker threads (the libraries release the GIL) under a time limit, one compile per spec
+however many ask. `Backend` is where a library plugs in (blink.shared.grammar_backends: llguidance by default, or
+xgrammar), imported on first use, never by this module.
 """
 
 from __future__ import annotations
@@ -19,15 +19,17 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any, Protocol
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, StrictBool, model_validator
 from pydantic import Field as PydanticField
 
 COMPILE_TIMEOUT_S = 10.0  # a compile past this is refused (xgrammar can take unbounded time on nested schemas)
 CACHED_GRAMMARS = 256  # specs whose compiled grammar (or error) each side keeps
-# JSON Schema keywords xgrammar accepts but does not enforce: refused, so an answer never breaks its schema quietly.
+# JSON Schema keywords xgrammar accepts but does not enforce (llguidance refuses them): refused whatever the backend,
+# so an answer never breaks its schema quietly and both backends refuse alike.
 UNENFORCED_KEYWORDS = frozenset({"not", "if", "then", "else", "dependentSchemas", "dependentRequired", "dependencies"})
-_NAMED_SCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions"})  # keys there are names
-_VALUES = frozenset({"enum", "const", "default", "examples", "description", "title"})  # data, not schemas
+NAMED_SCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions"})  # keys there are names
+VALUE_KEYWORDS = frozenset({"enum", "const", "default", "examples", "description", "title"})  # data, not schemas
 
 
 class GrammarKind(IntEnum):
@@ -36,7 +38,7 @@ class GrammarKind(IntEnum):
     NONE = 0
     JSON_SCHEMA = 1  # a JSON schema (json_object is {"type": "object"})
     REGEX = 2
-    EBNF = 3  # xgrammar's EBNF (GBNF); vLLM's `grammar` and `choice` (as alternatives of literals)
+    EBNF = 3  # vLLM's `grammar`: GBNF (either backend) or Lark (guidance); `choice` as GBNF alternatives of literals
 
 
 class GrammarError(ValueError):
@@ -58,7 +60,7 @@ class GrammarSpec:
 
     @classmethod
     def json_schema(cls, schema: Any) -> GrammarSpec:
-        """A schema given as a dict or as its JSON text; checked for keywords xgrammar would not enforce."""
+        """A schema given as a dict or as its JSON text; checked for keywords a backend would not enforce."""
         if isinstance(schema, str):
             try:
                 schema = json.loads(schema)
@@ -85,9 +87,9 @@ def _unenforced(schema: Any, path: str) -> str | None:
     for key, value in schema.items():
         if key in UNENFORCED_KEYWORDS:
             return f"{path}/{key}"
-        if key in _VALUES:
+        if key in VALUE_KEYWORDS:
             continue
-        if key in _NAMED_SCHEMAS and isinstance(value, dict):
+        if key in NAMED_SCHEMAS and isinstance(value, dict):
             found = next((w for name, sub in value.items() if (w := _unenforced(sub, f"{path}/{key}/{name}"))), None)
         else:
             found = _unenforced(value, f"{path}/{key}")
@@ -97,57 +99,22 @@ def _unenforced(schema: Any, path: str) -> str | None:
 
 
 class Backend(Protocol):
-    """A grammar library: compiles a spec for one vocabulary, and makes a matcher of what it compiled."""
+    """A grammar library (blink.shared.grammar_backends): compiles a spec for one vocabulary (GrammarError when it
+    cannot), makes a matcher of what it compiled, fills a matcher's next-token bitmask into a row of an int32
+    [rows, ceil(V / 32)] array (bit b of word w: token 32 * w + b allowed), and moves a matcher on by a token."""
+
+    name: str
 
     def compile(self, spec: GrammarSpec) -> Any: ...
 
     def matcher(self, compiled: Any) -> Any: ...
 
+    def fill(self, matcher: Any, bitmask: np.ndarray, row: int) -> None: ...
 
-class XGrammar:
-    """xgrammar over a `tokenizers` tokenizer (blink.shared.tokenizer.Tokenizer's `raw`), for a model of
-    `vocab_size` logits (the tokenizer's vocabulary padded, maybe) that stops on `stop_ids`. JSON schemas compile with
-    any whitespace between items, at most `max_whitespace` in a row (a model that drifts into blank space still
-    closes its object)."""
-
-    name = "xgrammar"
-
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_ids: list[int], max_whitespace: int = 4):
-        if not stop_ids:  # a complete grammar allows only the end token: without one, no answer could end
-            raise GrammarError("this model has no end-of-sequence token, so a structured output could never end")
-        import xgrammar as xgr
-        from transformers import PreTrainedTokenizerFast
-
-        self._xgr, self.max_whitespace = xgr, max_whitespace
-        info = xgr.TokenizerInfo.from_huggingface(PreTrainedTokenizerFast(tokenizer_object=tokenizer),
-                                                  vocab_size=vocab_size, stop_token_ids=list(stop_ids))
-        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)  # our cache: GrammarCompiler
-
-    def compile(self, spec: GrammarSpec) -> Any:
-        c = self._compiler
-        try:
-            if spec.kind == GrammarKind.JSON_SCHEMA:
-                return c.compile_json_schema(spec.text, any_whitespace=True, max_whitespace_cnt=self.max_whitespace)
-            if spec.kind == GrammarKind.REGEX:
-                return c.compile_regex(spec.text)
-            if spec.kind == GrammarKind.EBNF:
-                return c.compile_grammar(spec.text)
-        except (RuntimeError, ValueError, TypeError) as e:  # the library's words: why the spec is invalid
-            raise GrammarError(f"invalid {_WORDS[spec.kind]}: {_first_line(e)}") from None
-        raise GrammarError(f"unknown grammar kind {int(spec.kind)}")
-
-    def matcher(self, compiled: Any) -> Any:
-        return self._xgr.GrammarMatcher(compiled)
+    def accept(self, matcher: Any, token: int) -> bool: ...
 
 
-_WORDS = {GrammarKind.JSON_SCHEMA: "JSON schema", GrammarKind.REGEX: "regex", GrammarKind.EBNF: "grammar"}
-
-
-def _first_line(e: BaseException) -> str:
-    """xgrammar's message without its source location ("[time] file.cc:line: ")."""
-    lines = [line for line in str(e).splitlines() if line.strip()]
-    text = lines[0] if lines else type(e).__name__
-    return text.split(": ", 1)[1][:300] if text.startswith("[") and ": " in text else text[:300]
+KIND_WORDS = {GrammarKind.JSON_SCHEMA: "JSON schema", GrammarKind.REGEX: "regex", GrammarKind.EBNF: "grammar"}
 
 
 class GrammarCompiler:
@@ -182,7 +149,7 @@ class GrammarCompiler:
         try:
             return self.submit(spec).result(limit)
         except FutureTimeout:
-            raise GrammarError(f"the {_WORDS.get(spec.kind, 'grammar')} did not compile within {limit:g} s; "
+            raise GrammarError(f"the {KIND_WORDS.get(spec.kind, 'grammar')} did not compile within {limit:g} s; "
                                "simplify it (fewer nested or optional parts)") from None
 
     def close(self) -> None:
@@ -198,7 +165,8 @@ class StructuredOutputs(BaseModel):
     json_: dict | str | None = PydanticField(None, alias="json", description="a JSON schema (an object, or its text)")
     regex: str | None = None
     choice: list[str] | None = PydanticField(None, min_length=1)
-    grammar: str | None = PydanticField(None, description="an EBNF (GBNF) grammar whose start rule is root")
+    grammar: str | None = PydanticField(None, description="a GBNF grammar whose start rule is root (or, with the "
+                                        "guidance backend, a Lark grammar whose start rule is start)")
     json_object: StrictBool | None = None
 
     @model_validator(mode="after")

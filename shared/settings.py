@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from blink.shared import drive_modes, transports
+from blink.shared import drive_modes, grammar_backends, transports
 from blink.shared.cpus import CPU_LIST
 from blink.shared.request_schema import MAX_GRAMMAR_BYTES
 from blink.shared.service_class import ClassDefaults, ClassName, ClassSLO
@@ -52,6 +52,8 @@ class Settings(BaseSettings):
     max_grammar_bytes: int = Field(MAX_GRAMMAR_BYTES, ge=0, le=1 << 20, description="the largest structured-output "
                                    "spec a request may carry (a JSON schema, regex or grammar, UTF-8): each slot "
                                    "record holds this many bytes for it; 0 refuses structured outputs")
+    structured_outputs_backend: Literal[grammar_backends.BACKENDS] = Field(grammar_backends.DEFAULT_BACKEND,
+                                                                           description=grammar_backends.HELP)
     max_waiting: int = Field(256, ge=0, description="requests that may wait for a slot before 429")
     api_key: str | None = Field(None, description="the key every client entry point asks for (HTTP `Authorization: "
                                 "Bearer KEY`, the ZeroMQ API's `api_key`); /health, /ready and /metrics stay open")

@@ -18,7 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from blink.shared.grammar import GrammarCompiler, GrammarError, XGrammar
+from blink.shared.grammar import GrammarCompiler, GrammarError
+from blink.shared.grammar_backends import DEFAULT_BACKEND, make_backend
 from blink.shared.slot_table import grammar_of
 
 log = logging.getLogger(__name__)
@@ -26,20 +27,21 @@ log = logging.getLogger(__name__)
 
 class SlotGrammars:
     """The engine's constrained slots. `tokenizer`: the checkpoint's `tokenizers` Tokenizer; `vocab_size`: the
-    logits' width; `eos_ids`: what ends a request (the matcher allows them once the grammar is complete)."""
+    logits' width; `eos_ids`: what ends a request (the matcher allows them once the grammar is complete); `backend`:
+    the library (blink.shared.grammar_backends.BACKENDS), the one the ingress is told to check with."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_ids: list[int]):
-        self._tokenizer, self.vocab_size, self.eos_ids = tokenizer, vocab_size, list(eos_ids)
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_ids: list[int], backend: str = DEFAULT_BACKEND):
+        self._tokenizer, self.vocab_size, self.eos_ids, self.backend = tokenizer, vocab_size, list(eos_ids), backend
         self._compiler: GrammarCompiler | None = None
         self.matchers: dict[int, Any] = {}  # constrained slot -> its matcher
-        self._bitmask: torch.Tensor | None = None  # [rows, ceil(V / 32)] int32, reused
+        self._bitmask: np.ndarray | None = None  # [rows, ceil(V / 32)] int32, reused
         # Compiles slots wait for -> since when (gone with the compiler's cache entry).
         self._waiting: weakref.WeakKeyDictionary[Future, float] = weakref.WeakKeyDictionary()
 
     @property
     def compiler(self) -> GrammarCompiler:
-        if self._compiler is None:  # xgrammar (and torch's kernels for its masks) only once a grammar comes
-            self._compiler = GrammarCompiler(XGrammar(self._tokenizer, self.vocab_size, self.eos_ids))
+        if self._compiler is None:  # the library only once a grammar comes
+            self._compiler = GrammarCompiler(make_backend(self.backend, self._tokenizer, self.vocab_size, self.eos_ids))
         return self._compiler
 
     def ready(self, records: np.ndarray, slots: list[int]) -> tuple[list[int], list[int]]:
@@ -89,7 +91,7 @@ class SlotGrammars:
             return
         slots = slot.tolist()
         rows, filled = [], {}
-        bitmask = self._rows(len(slots))
+        bitmask, backend = self._rows(len(slots)), self.compiler.backend
         for row, s in enumerate(slots):
             matcher = self.matchers.get(s)
             if matcher is None:
@@ -97,27 +99,34 @@ class SlotGrammars:
             if s in filled:  # a padding row of the same slot: its copy
                 bitmask[row] = bitmask[filled[s]]
             else:
-                matcher.fill_next_token_bitmask(bitmask, row)
+                backend.fill(matcher, bitmask, row)
                 filled[s] = row
             rows.append(row)
         if rows:
-            import xgrammar
+            self._apply(logits, bitmask, rows)
 
-            xgrammar.apply_token_bitmask_inplace(logits, bitmask[:len(slots)].to(logits.device),
-                                                 vocab_size=self.vocab_size, indices=rows)
+    def _apply(self, logits: torch.Tensor, bitmask: np.ndarray, rows: list[int]) -> None:
+        """-inf where a row's bit is 0: the words unpacked to a flag per token on the host (bit b of a little-endian
+        word is its first byte's bit b), filled in there on the CPU, else on the logits' device."""
+        refused = np.unpackbits(bitmask[rows].view(np.uint8), axis=1, bitorder="little")[:, :logits.shape[1]] == 0
+        if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float16):
+            values = logits.numpy()  # the same memory: numpy fills on this thread (torch's would wake its pool)
+            for i, row in enumerate(rows):
+                np.putmask(values[row], refused[i], -np.inf)
+            return
+        index = torch.tensor(rows, device=logits.device)
+        logits[index] = logits[index].masked_fill(torch.from_numpy(refused).to(logits.device), float("-inf"))
 
-    def _rows(self, n: int) -> torch.Tensor:
+    def _rows(self, n: int) -> np.ndarray:
         if self._bitmask is None or self._bitmask.shape[0] < n:
-            import xgrammar
-
-            self._bitmask = xgrammar.allocate_token_bitmask(n, self.vocab_size)
+            self._bitmask = np.full((n, (self.vocab_size + 31) // 32), -1, dtype=np.int32)
         return self._bitmask
 
     def advance(self, slot: int, token: int) -> None:
         """The slot committed `token`: its matcher moves on. A token the grammar refuses (only a request mixing a
         grammar with what overrides it could draw one) frees the slot of its grammar, logged."""
         matcher = self.matchers.get(slot)
-        if matcher is not None and not matcher.accept_token(token):
+        if matcher is not None and not self.compiler.backend.accept(matcher, token):
             log.error("slot %d drew token %d, which its grammar refuses; the rest of it is unconstrained", slot, token)
             del self.matchers[slot]
 

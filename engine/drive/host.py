@@ -108,7 +108,7 @@ class HostRank:
         self._planned_at: float | None = None
         self._arrivals = 0
         self.grammars = SlotGrammars(engine.tokenizer.raw, engine.model_config.vocab_size,
-                                     list(engine.generation.eos_token_ids))
+                                     list(engine.generation.eos_token_ids), engine.config.structured_outputs_backend)
         engine.step.grammar = self.grammars  # structured outputs: the step masks their rows
 
     def admit(self, records: np.ndarray, slots: list[int], now: float) -> list[int]:

@@ -210,12 +210,13 @@ def test_a_json_cut_by_max_tokens_ends_with_length(client):
     assert out.choices[0].message.content.lstrip().startswith("{")
 
 
+# The library's own words differ by backend (--structured-outputs-backend): llguidance's first, then xgrammar's.
 @pytest.mark.parametrize(("body", "param", "words"), [
-    ({"guided_json": {"type": "colour"}}, "guided_json", "Unsupported type"),
+    ({"guided_json": {"type": "colour"}}, "guided_json", "invalid JSON schema: (Invalid|Unsupported) type"),
     ({"guided_json": "{not json"}, "guided_json", "not valid JSON"),
     ({"guided_json": {"not": {"type": "string"}}}, "guided_json", "#/not"),
-    ({"guided_regex": "(ab"}, "guided_regex", "parenthesis"),
-    ({"guided_grammar": "root ::= missing"}, "guided_grammar", "not defined"),
+    ({"guided_regex": "(ab"}, "guided_regex", "invalid regex: .*(unclosed group|parenthesis)"),
+    ({"guided_grammar": "root ::= missing"}, "guided_grammar", "invalid grammar: .*(not found|not defined)"),
     ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_regex", "one structured output at a time"),
     ({"guided_choice": ["a"], "ignore_eos": True}, "guided_choice", "ignore_eos"),
     ({"guided_json": {"enum": ["x" * 5000]}}, None, "--max-grammar-bytes"),
@@ -225,7 +226,7 @@ def test_what_cannot_be_served_is_a_400(client, body, param, words):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt="x", max_tokens=4, extra_body=body)
     error = e.value.body
-    assert words in error["message"], error
+    assert re.search(words, error["message"]), error
     if param is not None:
         assert error["param"] == param
 

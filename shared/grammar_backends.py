@@ -1,0 +1,166 @@
+"""The grammar libraries behind `blink.shared.grammar.Backend`: llguidance (the default) and xgrammar.
+
+`--structured-outputs-backend` names one (vLLM's backend names: `guidance`, `xgrammar`); the engine tells the ingress
+which in its handshake (EngineInfo), so both sides compile and refuse alike. llguidance has no required dependency,
+so the ingress (the SmartNIC's side) installs and runs it without torch; xgrammar imports torch and transformers
+(`pip install blink-serve[xgrammar]`). Each library is imported when its backend is made, never by this module. Both
+fill the same bitmask: int32 words, one row per request, bit b of word w allowing token 32 * w + b.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+
+from blink.shared.grammar import (
+    KIND_WORDS,
+    NAMED_SCHEMAS,
+    VALUE_KEYWORDS,
+    Backend,
+    GrammarError,
+    GrammarKind,
+    GrammarSpec,
+)
+
+BACKENDS = ("guidance", "xgrammar")
+DEFAULT_BACKEND = "guidance"
+HELP = ("the structured-outputs library (vLLM's names): guidance (llguidance, no torch: the ingress runs it too) or "
+        "xgrammar (needs torch and transformers beside the ingress: pip install blink-serve[xgrammar])")
+MAX_WHITESPACE = 4  # whitespace characters in a row a JSON answer may hold (a model drifting into blank space)
+
+
+def make_backend(name: str, tokenizer: Any, vocab_size: int, stop_ids: list[int],
+                 max_whitespace: int = MAX_WHITESPACE) -> Backend:
+    """The backend `name` over a `tokenizers` Tokenizer (blink.shared.tokenizer.Tokenizer's `raw`), for a model of
+    `vocab_size` logits (the tokenizer's vocabulary padded, maybe) that stops on `stop_ids`. GrammarError when the
+    model has no end token (a complete grammar allows only it, so no answer could end); ImportError when the library
+    is not installed."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown structured-outputs backend {name!r}; one of {', '.join(BACKENDS)}")
+    if not stop_ids:
+        raise GrammarError("this model has no end-of-sequence token, so a structured output could never end")
+    cls = LLGuidance if name == "guidance" else XGrammar
+    return cls(tokenizer, vocab_size, list(stop_ids), max_whitespace)
+
+
+class LLGuidance:
+    """llguidance (vLLM's `guidance` backend). A compile builds a matcher (the lexer and parser tables, off the GIL)
+    and checks it; each request's matcher is a copy of it. A `grammar` is GBNF (as xgrammar takes it) or Lark
+    (llguidance's own), told apart by llguidance; a choice is the GBNF of its literals. A JSON object schema that
+    does not say allows no properties beyond those it names, as xgrammar's strict mode does (vLLM's
+    disable_additional_properties), so both backends answer alike."""
+
+    name = "guidance"
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_ids: list[int], max_whitespace: int):
+        import llguidance
+
+        self._llg = llguidance
+        # From the tokenizer's JSON, as llguidance.hf does with transformers' copy of it.
+        self._tokenizer = llguidance.LLTokenizer(tokenizer.to_str(), n_vocab=vocab_size, eos_token=stop_ids)
+        self._json_options = {"whitespace_flexible": True,
+                              "whitespace_pattern": rf"[\x20\x0A\x0D\x09]{{0,{max_whitespace}}}"}
+
+    def compile(self, spec: GrammarSpec) -> Any:
+        matcher_of = self._llg.LLMatcher
+        try:
+            if spec.kind == GrammarKind.JSON_SCHEMA:
+                schema = _closed(json.loads(spec.text))
+                grammar = matcher_of.grammar_from_json_schema(schema, defaults=self._json_options)
+            elif spec.kind == GrammarKind.REGEX:
+                grammar = matcher_of.grammar_from_regex(spec.text)
+            elif spec.kind == GrammarKind.EBNF:
+                grammar = self._llg.grammar_from("grammar", spec.text)
+            else:
+                raise GrammarError(f"unknown grammar kind {int(spec.kind)}")
+        except (ValueError, TypeError) as e:  # not JSON, or a GBNF its converter could not read
+            raise GrammarError(f"invalid {KIND_WORDS[spec.kind]}: {_first_line(e)}") from None
+        matcher = matcher_of(self._tokenizer, grammar, log_level=0)
+        if matcher.is_error():  # llguidance reports a bad grammar in the matcher, never by raising
+            raise GrammarError(f"invalid {KIND_WORDS[spec.kind]}: {_llg_message(matcher.get_error())}")
+        return matcher
+
+    def matcher(self, compiled: Any) -> Any:
+        return compiled.deep_copy()
+
+    def fill(self, matcher: Any, bitmask: np.ndarray, row: int) -> None:
+        words = bitmask[row]
+        matcher.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)  # into the row, off the GIL
+
+    def accept(self, matcher: Any, token: int) -> bool:
+        return matcher.consume_token(token)
+
+
+class XGrammar:
+    """xgrammar (what vLLM and SGLang default to). A `grammar` is its EBNF (GBNF); a choice the EBNF of its
+    literals. JSON schemas compile with any whitespace between items, at most `max_whitespace` in a row."""
+
+    name = "xgrammar"
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_ids: list[int], max_whitespace: int):
+        import torch
+        import xgrammar as xgr
+        from transformers import PreTrainedTokenizerFast
+
+        self._xgr, self._torch, self.max_whitespace = xgr, torch, max_whitespace
+        info = xgr.TokenizerInfo.from_huggingface(PreTrainedTokenizerFast(tokenizer_object=tokenizer),
+                                                  vocab_size=vocab_size, stop_token_ids=stop_ids)
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)  # our cache: GrammarCompiler
+
+    def compile(self, spec: GrammarSpec) -> Any:
+        c = self._compiler
+        try:
+            if spec.kind == GrammarKind.JSON_SCHEMA:
+                return c.compile_json_schema(spec.text, any_whitespace=True, max_whitespace_cnt=self.max_whitespace)
+            if spec.kind == GrammarKind.REGEX:
+                return c.compile_regex(spec.text)
+            if spec.kind == GrammarKind.EBNF:
+                return c.compile_grammar(spec.text)
+        except (RuntimeError, ValueError, TypeError) as e:  # the library's words: why the spec is invalid
+            raise GrammarError(f"invalid {KIND_WORDS[spec.kind]}: {_first_line(e)}") from None
+        raise GrammarError(f"unknown grammar kind {int(spec.kind)}")
+
+    def matcher(self, compiled: Any) -> Any:
+        return self._xgr.GrammarMatcher(compiled)
+
+    def fill(self, matcher: Any, bitmask: np.ndarray, row: int) -> None:
+        matcher.fill_next_token_bitmask(self._torch.from_numpy(bitmask), row)  # the same memory
+
+    def accept(self, matcher: Any, token: int) -> bool:
+        return matcher.accept_token(token)
+
+
+def _closed(schema: Any) -> Any:
+    """`schema` with additionalProperties false wherever an object lists its properties and says nothing of others
+    (vLLM's walk for the guidance backend; JSON Schema's own default allows any)."""
+    if isinstance(schema, list):
+        return [_closed(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    closed = {}
+    for key, value in schema.items():
+        if key in VALUE_KEYWORDS:  # data, kept as it is
+            closed[key] = value
+        elif key in NAMED_SCHEMAS and isinstance(value, dict):  # names, each of a schema
+            closed[key] = {name: _closed(sub) for name, sub in value.items()}
+        else:
+            closed[key] = _closed(value)
+    if "additionalProperties" not in closed and ("properties" in schema or "patternProperties" in schema):
+        closed["additionalProperties"] = False
+    return closed
+
+
+def _first_line(e: BaseException | str) -> str:
+    """The library's message without its source location ("[time] file.cc:line: ") or its state dump."""
+    lines = [line for line in str(e).splitlines() if line.strip()]
+    text = lines[0] if lines else type(e).__name__
+    return text.split(": ", 1)[1][:300] if text.startswith("[") and ": " in text else text[:300]
+
+
+def _llg_message(error: str) -> str:
+    """llguidance's error without its parser-state dump: the first line and the lines that say what is wrong."""
+    lines = [line.strip() for line in error.split("<state>")[0].splitlines() if line.strip()]
+    said = [lines[0], *(line for line in lines[1:] if line.startswith("error:"))] if lines else ["rejected"]
+    return " ".join(said)[:300]
