@@ -1,11 +1,12 @@
-"""`blink bench grammar`: what structured outputs cost in the host mode (issue 40).
+"""`blink bench grammar`: what structured outputs cost in the host mode (issue 40), for each grammar backend.
 
-Two figures. The per-token cost of constrained rows: a batch of R requests decodes T tokens with none constrained,
-then with K of them following a JSON schema that cannot close within T tokens (a string of minimum length), the two
+Per backend (llguidance, xgrammar; `--backends`), in an engine of its own, and its import timed in a fresh interpreter.
+Two figures. The per-token cost of constrained rows: a batch of R requests decodes T tokens with none constrained, then
+with K of them following a JSON schema that cannot close within T tokens (a string of minimum length), the two
 alternated round after round; milliseconds per step (median, spread), and the host's grammar work inside those steps
 timed on its own (the matcher filling each constrained row's bitmask and the mask applied to the logits, the matcher
-advanced by each token). And the compile time per schema, cold (a new compiler) and cached (the same spec again),
-on the model's vocabulary. The model defaults to the default checkpoint (SmolLM2-135M-Instruct, a 49,152-token
+advanced by each token). And the compile time per schema, cold (a new compiler) and cached (the same spec again), on
+the model's vocabulary. The model defaults to the default checkpoint (SmolLM2-135M-Instruct, a 49,152-token
 vocabulary); the engine runs on the CPU unless `--device` says otherwise. Prints, saves JSON under bench/results,
 asserts nothing.
 """
@@ -14,10 +15,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 from blink.bench.lib.machine import blink_source, machine, save
+from blink.shared.grammar_backends import BACKENDS
 
 OPEN_STRING = {"type": "object", "properties": {"text": {"type": "string", "minLength": 100_000}},
                "required": ["text"]}  # never closes within the run: every step masks the row
@@ -37,6 +41,8 @@ SCHEMAS = {
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="a checkpoint (default: the default model)")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS),
+                   help="the structured-outputs libraries measured, each in an engine of its own")
     p.add_argument("--rows", type=int, default=4, help="requests in the batch (R)")
     p.add_argument("--constrained", type=int, nargs="+", default=[1, 4], help="of them constrained (K)")
     p.add_argument("--tokens", type=int, default=32, help="tokens each request generates (T)")
@@ -63,10 +69,28 @@ class _Timed:
 
 
 def run(args: argparse.Namespace) -> None:
-    from blink.engine import LLM, SamplingParams
-    from blink.shared.grammar import GrammarCompiler, GrammarSpec, StructuredOutputs, XGrammar
+    results = {name: _backend(args, name) for name in args.backends}
+    first = results[args.backends[0]]
+    result = {"benchmark": "grammar", "model": first["model"], "vocab_size": first["vocab_size"],
+              "device": first["device"], "tokens": args.tokens, "repeats": args.repeats,
+              "backends": results, "machine": machine(), "blink": blink_source()}
+    if not args.no_save:
+        print(f"saved {save('grammar', result, args.result_dir)}")
 
-    llm = LLM(args.model, device=args.device, max_num_seqs=args.rows, max_model_len=512, swap_space=0)
+
+def _backend(args: argparse.Namespace, name: str) -> dict:
+    """One backend's figures: its import in a fresh interpreter, the per-step cost in an engine masking with it, and
+    its compiles."""
+    from blink.engine import LLM, SamplingParams
+    from blink.shared.grammar import GrammarCompiler, GrammarSpec, StructuredOutputs
+    from blink.shared.grammar_backends import make_backend
+
+    module = "llguidance" if name == "guidance" else "xgrammar"
+    imported = subprocess.run([sys.executable, "-c", f"import time; t = time.perf_counter(); import {module}; "
+                               "print(time.perf_counter() - t)"], capture_output=True, text=True, check=True)
+    import_s = float(imported.stdout.split()[-1])
+    llm = LLM(args.model, device=args.device, max_num_seqs=args.rows, max_model_len=512, swap_space=0,
+              structured_outputs_backend=name)
     engine = llm.engine
     prompts = [f"Request {i}: describe the weather in one sentence." for i in range(args.rows)]
     plain = SamplingParams(temperature=1.0, seed=1, max_tokens=args.tokens, ignore_eos=True)
@@ -93,15 +117,18 @@ def run(args: argparse.Namespace) -> None:
              "step_ms_max": max(v), "grammar_ms_per_step": statistics.median(grammar_ms[k]),
              "over_unconstrained": statistics.median(v) / statistics.median(step_ms[0])} for k, v in step_ms.items()]
     vocab = engine.model_config.vocab_size
-    print(f"{args.rows} requests x {args.tokens} tokens, {engine.model_name} (vocabulary {vocab}) on {engine.device}, "
-          f"{args.repeats} alternated repeats:")
+    print(f"{name} (import {import_s:.2f} s in a fresh interpreter): {args.rows} requests x {args.tokens} tokens, "
+          f"{engine.model_name} (vocabulary {vocab}) on {engine.device}, {args.repeats} alternated repeats:")
     for r in rows:
         print(f"  {r['constrained']} constrained: {r['step_ms']:7.2f} ms a step [{r['step_ms_min']:.2f}, "
               f"{r['step_ms_max']:.2f}], grammar work {r['grammar_ms_per_step']:.3f} ms a step, "
               f"{r['over_unconstrained']:.2f}x unconstrained")
-    backend = XGrammar(engine.tokenizer.raw, vocab, list(engine.generation.eos_token_ids))
+    started = time.perf_counter()
+    backend = make_backend(name, engine.tokenizer.raw, vocab, list(engine.generation.eos_token_ids))
+    setup_s = time.perf_counter() - started
+    print(f"  the vocabulary's tables: {1e3 * setup_s:.1f} ms")
     compiles = []
-    for name, schema in SCHEMAS.items():
+    for schema_name, schema in SCHEMAS.items():
         compiler, spec = GrammarCompiler(backend, timeout_s=120), GrammarSpec.json_schema(schema)
         started = time.perf_counter()
         compiler.compile(spec)
@@ -110,11 +137,11 @@ def run(args: argparse.Namespace) -> None:
         compiler.compile(spec)
         cached = time.perf_counter() - started
         compiler.close()
-        compiles.append({"schema": name, "chars": len(spec.text), "cold_ms": 1e3 * cold, "cached_ms": 1e3 * cached})
-        print(f"  compile {name} ({len(spec.text)} chars): {1e3 * cold:.1f} ms cold, {1e6 * cached:.1f} us cached")
-    result = {"benchmark": "grammar", "model": engine.model_name, "vocab_size": vocab, "device": str(engine.device),
-              "tokens": args.tokens, "repeats": args.repeats, "rows": rows, "compiles": compiles,
-              "machine": machine(), "blink": blink_source()}
+        compiles.append({"schema": schema_name, "chars": len(spec.text), "cold_ms": 1e3 * cold,
+                         "cached_ms": 1e3 * cached})
+        print(f"  compile {schema_name} ({len(spec.text)} chars): {1e3 * cold:.1f} ms cold, {1e6 * cached:.1f} us "
+              "cached")
+    out = {"model": engine.model_name, "vocab_size": vocab, "device": str(engine.device), "import_s": import_s,
+           "tokenizer_setup_ms": 1e3 * setup_s, "rows": rows, "compiles": compiles}
     llm.close()
-    if not args.no_save:
-        print(f"saved {save('grammar', result, args.result_dir)}")
+    return out
