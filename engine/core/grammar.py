@@ -41,7 +41,13 @@ class SlotGrammars:
     @property
     def compiler(self) -> GrammarCompiler:
         if self._compiler is None:  # the library only once a grammar comes
-            self._compiler = GrammarCompiler(make_backend(self.backend, self._tokenizer, self.vocab_size, self.eos_ids))
+            try:
+                backend = make_backend(self.backend, self._tokenizer, self.vocab_size, self.eos_ids)
+            except ImportError as e:  # the request is refused, never the engine's loop ended
+                package = "llguidance" if self.backend == "guidance" else "xgrammar"
+                raise GrammarError(f"--structured-outputs-backend {self.backend} needs {package} beside the engine "
+                                   f"({e})") from None
+            self._compiler = GrammarCompiler(backend)
         return self._compiler
 
     def ready(self, records: np.ndarray, slots: list[int]) -> tuple[list[int], list[int]]:

@@ -164,3 +164,20 @@ def test_the_ingress_extra_pulls_no_torch():
     assert "llguidance" in names
     assert not names & {"torch", "transformers", "triton", "xgrammar"}
     assert any(d.startswith("xgrammar") for d in extras["xgrammar"])  # still there, for those who choose it
+
+
+def test_an_engine_without_its_backend_s_library_refuses_grammars(monkeypatch, tokenizer):
+    """The record is ended (a GrammarError, as an invalid spec), never the host loop (an ImportError)."""
+    from blink.shared.request_schema import Request
+    from blink.shared.slot_table import Geometry, slot_dtype, write_request
+
+    monkeypatch.setitem(sys.modules, "llguidance", None)  # its import raises ImportError
+    g = Geometry(1, 8, 4, max_grammar_bytes=64)
+    records = np.zeros(1, dtype=slot_dtype(g))
+    write_request(records[0], Request(prompt=[1, 2], max_tokens=3, grammar_kind=int(GrammarKind.REGEX), grammar="a+"),
+                  g)
+    grammars = SlotGrammars(tokenizer.raw, tokenizer.vocab_size, [EOS], "guidance")
+    assert grammars.ready(records, [0]) == ([], [0])
+    assert grammars.admit(records, [0]) == [0]
+    with pytest.raises(GrammarError, match="needs llguidance"):
+        grammars.compiler  # noqa: B018
