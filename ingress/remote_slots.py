@@ -20,7 +20,7 @@ import zmq
 import zmq.asyncio
 
 from blink.ingress.client import EngineHealth, IngressClient, Overloaded, Stream, stream_outputs
-from blink.ingress.errors import engine_unreachable
+from blink.ingress.errors import APIError, engine_unreachable
 from blink.shared import relay_protocol as wire
 from blink.shared import sockets
 from blink.shared.control import EngineInfo
@@ -162,7 +162,7 @@ class RemoteSlotClient:
             if (accepted := self._accepted.get(rid)) is not None and not accepted.done():
                 if "error" in message:
                     accepted.set_exception(Overloaded() if message["error"] == "overloaded" else
-                                           RuntimeError(message["error"]))
+                                           relay_refused(message["error"]))
                 else:
                     self._relay_of[rid] = message["relay"]
                     accepted.set_result(message["slot"])
@@ -201,3 +201,9 @@ def connect(settings: Settings, keys: sockets.Keys, info: EngineInfo) -> RemoteS
     """The `zmq` transport: always a path, through the engine host's relay (degraded)."""
     return RemoteSlotClient(settings.relay_endpoint, keys, info.num_slots, settings.max_waiting,
                             settings.watchdog_deadline)
+
+
+def relay_refused(reason: str) -> APIError:
+    """The relay could not publish (its table fed by another transport, say): a 503 saying why, not a 500."""
+    return APIError(503, f"the engine host's relay refused the request: {reason[:300]}", "service_unavailable",
+                    code="relay_refused", headers={"Retry-After": "1"})

@@ -166,3 +166,35 @@ def test_an_unreachable_relay_is_a_503_not_a_hang(tmp_path):
             proc.terminate()
             proc.wait(30)
         log.close()
+
+
+def test_a_relay_whose_table_has_another_publisher_answers_503(tmp_path):
+    """A second ingress over zmq beside a deployment whose shm ingress feeds the table: the relay cannot claim it,
+    and the client hears why in OpenAI's envelope (it was a 500)."""
+    ensure_tiny_model()
+    with running_server(tmp_path, "--watchdog-deadline", "2") as server:
+        assert httpx.get(f"{server.url}/ready").json()["transport"] == "shm"
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+        assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=30).status_code == 200
+        port = free_port()
+        flags = ["--deployment", server.settings.deployment, "--runtime-dir", str(tmp_path), "--port", str(port)]
+        with open(tmp_path / "second-ingress.log", "w") as log:
+            ingress = subprocess.Popen([sys.executable, "-m", "blink.services.cli", "ingress", *flags,
+                                        "--transport", "zmq"], stdout=log, stderr=subprocess.STDOUT)
+            try:
+                url = f"http://127.0.0.1:{port}"
+                wait_until(lambda: _answers(f"{url}/ready"), 90, "the second ingress")
+                r = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+                assert r.status_code == 503, r.text
+                assert r.json()["error"]["code"] == "relay_refused" and "shm" in r.json()["error"]["message"]
+            finally:
+                ingress.terminate()
+                ingress.wait(30)
+        assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=30).status_code == 200
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
