@@ -39,6 +39,8 @@ class PrefixCache:
         self.stamp = zeros(num_pages)  # when it was last released, and which page of its request (LRU order)
         self.clock = zeros()
         self.num_free = torch.tensor(num_pages - 1, dtype=torch.int64, device=device)
+        # A kernel of release's arguments and effects (blink.engine.kernels.page_release), which the device step sets.
+        self.releaser = None
 
     def allocate(self, need: torch.Tensor, table: torch.Tensor, held: torch.Tensor, max_new: int) -> None:
         """Gives slot s `need[s]` more pages (at most max_new) after its `held[s]`; the caller guarantees they
@@ -58,6 +60,9 @@ class PrefixCache:
 
     def release(self, which: torch.Tensor, table: torch.Tensor, held: torch.Tensor) -> None:
         """Drops the references of the slots in the mask `which` to every page they hold."""
+        if self.releaser is not None:
+            self.releaser(self, which, table, held)
+            return
         width = table.shape[1]
         j = torch.arange(width, device=which.device)
         give = which[:, None] & (j[None, :] < held[:, None])

@@ -25,7 +25,7 @@ from blink.engine.core.scheduler import max_chunk_rows, plan
 from blink.engine.core.step import StepShape
 from blink.engine.drive.table_memory import TableMemory, device_alias
 from blink.engine.engine import Engine
-from blink.engine.kernels import admission, step_cost
+from blink.engine.kernels import admission, page_release, step_cost
 from blink.engine.kernels import commit as commit_kernel
 from blink.engine.kernels.exchange import DeviceTable, Inbox, emit, report_demand, take_requests
 from blink.engine.kernels.lay_out import lay_out
@@ -90,7 +90,10 @@ class DeviceStep:
         state, engine, inbox = self.state, self.engine, self.inbox
         self._time_previous_step()
         self.take()
-        kernels = {} if self.step.planner is not plan else {"lay_out": lay_out}  # unless compiled, its kernel
+        compiled = self.step.planner is not plan
+        kernels = {} if compiled else {"lay_out": lay_out}  # unless compiled, its kernels
+        if engine.pool.prefix_cache is not None:
+            engine.pool.prefix_cache.releaser = None if compiled else page_release.release
         planned = self.step.planner(state, engine.pool, bucket, self.step.policy, self.mirror, self.step.cost,
                                     self.prompt_rows(bucket), **kernels)
         sizes = planned.sizes
