@@ -133,7 +133,7 @@ def benchmark(args: argparse.Namespace, model_dir: Path, native: Path | None = N
     source = blink_source()
     if native is None:
         build_checkpoint(model_dir, args.seed)
-    dtypes = [d.strip() for d in args.dtypes.split(",")]
+    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]  # none: the --quantized groups only
     if unknown := set(dtypes) - set(DTYPES):
         raise SystemExit(f"--dtypes: unknown {sorted(unknown)}")
     llama, llama_reason = None, "--no-llama-cpp"

@@ -23,8 +23,7 @@ import torch
 from blink.engine.model import huge_pages
 from blink.shared.settings import QUANTIZATIONS as METHODS  # --quantization's values (vLLM's flag)
 
-# The output projection in more bits than the layers, as llama.cpp's quantizer keeps it (Q6_K under 4-bit types): a
-# tied embedding in int4 cost the default model 20% perplexity, in int8 under 1% (`blink bench quality`).
+# The output projection in more bits than the layers, as llama.cpp's quantizer keeps it (Q6_K under 4-bit types).
 OUTPUT = {"int4": "int8"}
 GROUP = 32  # inputs sharing an activation scale (and a weight scale, grouped)
 BLOCK = 64  # outputs of a block of the kernel's layout
