@@ -10,7 +10,9 @@ import torch
 import triton
 import triton.language as tl
 
-from blink.engine.core.kv_cache import NULL_PAGE
+from blink.engine.core import kv_cache
+
+NULL_PAGE = tl.constexpr(kv_cache.NULL_PAGE)  # a kernel reads only constexpr globals
 
 
 @triton.jit

@@ -1,22 +1,22 @@
 """Compiles Blink's Triton kernels for an H100 (sm_90) without a GPU: Triton's front end, its passes and the ptxas
 its wheel ships, so code the interpreter accepts but the compiler would not fails here, in CI. The model's and the
-sampler's kernels with signatures written here; the exchange kernels with the arguments one device step (on the
-CPU, the kernels recorded rather than run) hands them. Run as `python -m tests.support.compile_for_gpu` without
-TRITON_INTERPRET (tests/engine/test_kernels.py does)."""
+sampler's kernels with signatures written here; every kernel one device step launches (the bookkeeping's) with the
+arguments it hands them, recorded on the CPU and run by the interpreter. Run as
+`python -m tests.support.compile_for_gpu` without TRITON_INTERPRET (tests/engine/test_kernels.py does)."""
 
+import importlib
+import json
 import os
+import subprocess
 import sys
-import uuid
 
 assert os.environ.get("TRITON_INTERPRET") != "1", "the interpreter compiles nothing"
 
-import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from blink.engine.kernels import activation, attention, exchange, moe, rms_norm, rope_kv, rotation, sampler  # noqa: E402
-from tests.support.launches import Launch, Launches  # noqa: E402
+from blink.engine.kernels import activation, attention, moe, rms_norm, rope_kv, rotation, sampler  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -81,52 +81,50 @@ results = [
 ]
 
 
-TYPES = {torch.uint8: "u8", torch.bool: "i1", torch.int32: "i32", torch.int64: "i64", torch.float32: "fp32",
-         torch.float64: "fp64"}
+TYPES = {"uint8": "u8", "bool": "i1", "int32": "i32", "int64": "i64", "float32": "fp32", "float64": "fp64",
+         "bfloat16": "bf16", "float16": "fp16"}
 
 
-def recorded_launches(names: tuple[str, ...]) -> list[Launch]:
-    """One device step of the default model on the CPU, with these exchange kernels recorded instead of run."""
-    from blink.engine.drive.device_step import DeviceStep
-    from blink.engine.engine import Engine, EngineConfig
-    from blink.engine.model.tiny_model import ensure_tiny_model
-    from blink.shared.slot_table import SlotTable
+def recorded_launches() -> list[dict]:
+    """Every Triton launch of one device step on the CPU, recorded by a child process that runs the step with its
+    kernels interpreted (tests/support/record_launches.py): a kernel added to the step is compiled here unnamed."""
+    env = os.environ | {"TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-m", "tests.support.record_launches"], env=env, capture_output=True,
+                         text=True, check=True, timeout=600).stdout
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 
-    launches: list[Launch] = []
-    kernels = {name: getattr(exchange, name) for name in names}
-    engine = Engine(EngineConfig(model=str(ensure_tiny_model()), device="cpu", max_num_seqs=4, swap_space=0))
-    table = SlotTable.create(f"compile-{uuid.uuid4().hex[:10]}", engine.geometry(window=8))
-    try:
-        for name, kernel in kernels.items():
-            setattr(exchange, name, Launches(name, kernel, launches))
-        device = DeviceStep(engine, table)
-        device.run(device.buckets[0])
-        device.close()
-    finally:
-        for name, kernel in kernels.items():
-            setattr(exchange, name, kernel)
-        table.unlink()
-    return launches
+
+def value_of(described: dict):
+    return tuple(value_of(d) for d in described["tuple"]) if "tuple" in described else described["value"]
+
+
+def type_of(described: dict):
+    """Triton's signature type of an argument as record_launches describes it (a tuple's, a tuple of types)."""
+    if "tuple" in described:
+        return tuple(type_of(d) for d in described["tuple"])
+    if "tensor" in described:
+        return "*" + TYPES[described["tensor"]]
+    value = described["value"]
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -(1 << 31) <= value < (1 << 31) else "i64"
+    return "fp32"
 
 
 def signature_of(kernel, arguments: dict) -> tuple[dict, dict]:
-    constexprs = {p.name: arguments[p.name] for p in kernel.params if p.is_constexpr}
-    signature = {}
-    for name, value in arguments.items():
-        if name in constexprs:
-            signature[name] = "constexpr"
-        elif isinstance(value, torch.Tensor):
-            signature[name] = "*" + TYPES[value.dtype]
-        elif isinstance(value, bool):
-            signature[name] = "i1"
-        elif isinstance(value, int):
-            signature[name] = "i32" if -(1 << 31) <= value < (1 << 31) else "i64"
-        else:
-            signature[name] = "fp32"
+    constexprs = {p.name: value_of(arguments[p.name]) for p in kernel.params if p.is_constexpr}
+    signature = {name: "constexpr" if name in constexprs else type_of(d) for name, d in arguments.items()}
     return signature, constexprs
 
 
-for launch in recorded_launches(("_select", "_admit", "_emit", "_demand")):
-    kernel = getattr(exchange, launch.name)
-    results.append(compile_one(kernel, f"exchange: {launch.name}", *signature_of(kernel, launch.arguments)))
+seen = set()
+for launch in recorded_launches():
+    kernel = getattr(importlib.import_module(launch["module"]), launch["name"])
+    signature, constexprs = signature_of(kernel, launch["arguments"])
+    key = (launch["module"], launch["name"], json.dumps([signature, constexprs], sort_keys=True))
+    if key not in seen:
+        seen.add(key)
+        results.append(compile_one(kernel, f"the device step's {launch['module']}.{launch['name']}", signature,
+                                   constexprs))
 sys.exit(0 if all(results) else 1)
