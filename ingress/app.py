@@ -177,7 +177,6 @@ def _add_generation_routes(app: FastAPI, state: IngressState) -> None:
                               chat=True, tools=tools, reasoning=reasoning,
                               thinking=reasoning is not None and reasoning.starts_thinking(text), grammar=grammar)
 
-
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, request: Request):
         """OpenAI's Responses API, stateless: served as a chat completion (blink.ingress.responses_api)."""

@@ -239,13 +239,10 @@ class ResponseFunctionOutput(BaseModel):
     status: str | None = None
 
 
-class ResponseTool(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class ResponseTool(FunctionDefinition):
+    """The Responses API's function tool: a chat tool's function, flattened."""
+
     type: Literal["function"]
-    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
-    description: str | None = None
-    parameters: dict | None = None
-    strict: StrictBool | None = None
 
 
 class ResponseToolChoice(BaseModel):
