@@ -19,7 +19,7 @@ def check_model(state: IngressState, model: str) -> None:
     names = state.info.served_model_names
     if model not in names:
         served = ", ".join(repr(n) for n in names[:8]) + (" ..." if len(names) > 8 else "")
-        raise APIError(400, f"the model {model[:100]!r} does not exist; this server serves {served}",
+        raise APIError(404, f"the model {model[:100]!r} does not exist; this server serves {served}",
                        param="model", code="model_not_found")
 
 

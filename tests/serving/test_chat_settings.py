@@ -73,7 +73,7 @@ def test_several_served_model_names(engine):
                 reply = await client.chat.completions.create(model=name, messages=USER)
                 assert reply.model == "first" and reply.choices[0].message.content == "Hello."
             r = await http.post("/v1/completions", json={"model": "third", "prompt": "x"})
-            assert r.status_code == 400 and r.json()["error"]["code"] == "model_not_found"
+            assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
             assert "'first', 'second'" in r.json()["error"]["message"]
 
     asyncio.run(run())

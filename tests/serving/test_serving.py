@@ -180,7 +180,7 @@ def test_admission_limit_over_the_control_plane(server):
     ({"model": MODEL}, 400, "prompt", "invalid_value"),
     ({"model": MODEL, "prompt": [1, 2, 10**9]}, 400, "prompt", None),
     ({"model": MODEL, "prompt": []}, 400, "prompt", None),
-    ({"model": "gpt-4", "prompt": "x"}, 400, "model", "model_not_found"),
+    ({"model": "gpt-4", "prompt": "x"}, 404, "model", "model_not_found"),
     ({"model": MODEL, "prompt": "x", "max_tokens": 5000}, 400, "max_tokens", "context_length_exceeded"),
     ({"model": MODEL, "prompt": "x" * 9000}, 400, "prompt", "context_length_exceeded"),
     ({"model": MODEL, "prompt": "x", "frobnicate": 1}, 400, "frobnicate", "invalid_value"),
@@ -256,7 +256,7 @@ def test_tokenize_detokenize_and_request_ids(server, offline):
     assert r.json()["prompt"] == "Hello world"
     for path, body in (("/tokenize", {"prompt": "x"}), ("/detokenize", {"tokens": [1]})):
         r = httpx.post(f"{server.url}{path}", json={"model": "gpt-4", **body})
-        assert r.status_code == 400 and r.json()["error"]["code"] == "model_not_found"
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
 
 
 def test_overload_answers_429_and_api_key_401(tmp_path):
