@@ -26,7 +26,7 @@ from blink.shared.grammar import (
     GrammarSpec,
     check_combination,
 )
-from blink.shared.grammar_backends import make_backend
+from blink.shared.grammar_backends import guidance
 
 KIND_NAMES = {GrammarKind.JSON_SCHEMA: "json_schema", GrammarKind.REGEX: "regex", GrammarKind.EBNF: "grammar"}
 
@@ -138,15 +138,13 @@ def _check_serving(state: IngressState, spec: GrammarSpec, param: str) -> None:
 
 
 def _compiler_for(state: IngressState) -> GrammarCompiler:
-    """The ingress's compiler over the backend its engine masks with (EngineInfo), made on the first constrained
-    request (the library is imported then: llguidance in tens of milliseconds, xgrammar with torch in seconds)."""
+    """The ingress's compiler, made on the first constrained request: llguidance whatever the engine masks with (the
+    ingress runs without torch, which xgrammar needs); a spec the engine's xgrammar refuses after it is ended there."""
     if state.grammars is None:
-        name = state.info.structured_outputs_backend
         try:
-            backend = make_backend(name, state.tokenizer.raw, state.info.vocab_size, state.info.eos_token_ids)
+            backend = guidance(state.tokenizer.raw, state.info.vocab_size, state.info.eos_token_ids)
         except ImportError as e:
-            package = "llguidance" if name == "guidance" else "xgrammar"
-            raise APIError(400, f"structured outputs need {package} beside the ingress, as its engine masks with "
-                           f"--structured-outputs-backend {name} ({e})", code="unsupported_parameter") from None
+            raise APIError(400, f"structured outputs need llguidance beside the ingress ({e})",
+                           code="unsupported_parameter") from None
         state.grammars = GrammarCompiler(backend, state.grammar_timeout_s or COMPILE_TIMEOUT_S)
     return state.grammars

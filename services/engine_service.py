@@ -92,7 +92,6 @@ class EngineService:
             prefix_caching=settings.enable_prefix_caching,
             limitations=list(self.driver.limitations),
             max_grammar_bytes=geometry.max_grammar_bytes,
-            structured_outputs_backend=settings.structured_outputs_backend,
         )
         log.info("drive mode", mode=self.driver.mode, kv_host_pages=self.info.kv_host_pages, **self.info.policies())
 

@@ -135,7 +135,6 @@ class EngineInfo(BaseModel):
     prefix_caching: bool = True
     limitations: list[str] = []  # what the drive mode does not do yet (blink.engine.drive.driver.Driver)
     max_grammar_bytes: int = 0  # the largest structured-output spec a record holds; 0: none
-    structured_outputs_backend: str = "guidance"  # the grammar library the engine masks with; the ingress checks alike
 
     @property
     def model(self) -> str:

@@ -1,10 +1,11 @@
-"""The grammar libraries behind `blink.shared.grammar.Backend`: llguidance (the default) and xgrammar.
+"""The grammar libraries' names, and llguidance behind `blink.shared.grammar.Backend`.
 
-`--structured-outputs-backend` names one (vLLM's backend names: `guidance`, `xgrammar`); the engine tells the ingress
-which in its handshake (EngineInfo), so both sides compile and refuse alike. llguidance has no required dependency,
-so the ingress (the SmartNIC's side) installs and runs it without torch; xgrammar imports torch and transformers
-(`pip install blink-serve[xgrammar]`). Each library is imported when its backend is made, never by this module. Both
-fill the same bitmask: int32 words, one row per request, bit b of word w allowing token 32 * w + b.
+`--structured-outputs-backend` names the engine's library (vLLM's backend names: `guidance`, `xgrammar`). llguidance
+has no required dependency, so the ingress (the SmartNIC's side, no torch) checks every spec with it, whatever the
+engine masks with; xgrammar imports torch and transformers, so it lives with the engine
+(blink.engine.core.xgrammar_backend, `pip install blink-serve[xgrammar]`). The library is imported when a backend is
+made, never by this module. Both fill the same bitmask: int32 words, one row per request, bit b of word w allowing
+token 32 * w + b.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from blink.shared.grammar import (
     KIND_WORDS,
     NAMED_SCHEMAS,
     VALUE_KEYWORDS,
-    Backend,
     GrammarError,
     GrammarKind,
     GrammarSpec,
@@ -26,23 +26,23 @@ from blink.shared.grammar import (
 
 BACKENDS = ("guidance", "xgrammar")
 DEFAULT_BACKEND = "guidance"
-HELP = ("the structured-outputs library (vLLM's names): guidance (llguidance, no torch: the ingress runs it too) or "
-        "xgrammar (needs torch and transformers beside the ingress: pip install blink-serve[xgrammar])")
+HELP = ("the library the engine masks structured outputs with (vLLM's names): guidance (llguidance) or xgrammar "
+        "(pip install blink-serve[xgrammar]); the ingress checks specs with llguidance either way")
 MAX_WHITESPACE = 4  # whitespace characters in a row a JSON answer may hold (a model drifting into blank space)
 
 
-def make_backend(name: str, tokenizer: Any, vocab_size: int, stop_ids: list[int],
-                 max_whitespace: int = MAX_WHITESPACE) -> Backend:
-    """The backend `name` over a `tokenizers` Tokenizer (blink.shared.tokenizer.Tokenizer's `raw`), for a model of
+def guidance(tokenizer: Any, vocab_size: int, stop_ids: list[int], max_whitespace: int = MAX_WHITESPACE) -> LLGuidance:
+    """llguidance over a `tokenizers` Tokenizer (blink.shared.tokenizer.Tokenizer's `raw`), for a model of
     `vocab_size` logits (the tokenizer's vocabulary padded, maybe) that stops on `stop_ids`. GrammarError when the
     model has no end token (a complete grammar allows only it, so no answer could end); ImportError when the library
     is not installed."""
-    if name not in BACKENDS:
-        raise ValueError(f"unknown structured-outputs backend {name!r}; one of {', '.join(BACKENDS)}")
+    check_stop_ids(stop_ids)
+    return LLGuidance(tokenizer, vocab_size, list(stop_ids), max_whitespace)
+
+
+def check_stop_ids(stop_ids: list[int]) -> None:
     if not stop_ids:
         raise GrammarError("this model has no end-of-sequence token, so a structured output could never end")
-    cls = LLGuidance if name == "guidance" else XGrammar
-    return cls(tokenizer, vocab_size, list(stop_ids), max_whitespace)
 
 
 class LLGuidance:
@@ -76,7 +76,7 @@ class LLGuidance:
             else:
                 raise GrammarError(f"unknown grammar kind {int(spec.kind)}")
         except (ValueError, TypeError) as e:  # not JSON, or a GBNF its converter could not read
-            raise GrammarError(f"invalid {KIND_WORDS[spec.kind]}: {_first_line(e)}") from None
+            raise GrammarError(f"invalid {KIND_WORDS[spec.kind]}: {first_line(e)}") from None
         matcher = matcher_of(self._tokenizer, grammar, log_level=0)
         if matcher.is_error():  # llguidance reports a bad grammar in the matcher, never by raising
             raise GrammarError(f"invalid {KIND_WORDS[spec.kind]}: {_llg_message(matcher.get_error())}")
@@ -91,45 +91,6 @@ class LLGuidance:
 
     def accept(self, matcher: Any, token: int) -> bool:
         return matcher.consume_token(token)
-
-
-class XGrammar:
-    """xgrammar (what vLLM and SGLang default to). A `grammar` is its EBNF (GBNF); a choice the EBNF of its
-    literals. JSON schemas compile with any whitespace between items, at most `max_whitespace` in a row."""
-
-    name = "xgrammar"
-
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_ids: list[int], max_whitespace: int):
-        import torch
-        import xgrammar as xgr
-        from transformers import PreTrainedTokenizerFast
-
-        self._xgr, self._torch, self.max_whitespace = xgr, torch, max_whitespace
-        info = xgr.TokenizerInfo.from_huggingface(PreTrainedTokenizerFast(tokenizer_object=tokenizer),
-                                                  vocab_size=vocab_size, stop_token_ids=stop_ids)
-        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)  # our cache: GrammarCompiler
-
-    def compile(self, spec: GrammarSpec) -> Any:
-        c = self._compiler
-        try:
-            if spec.kind == GrammarKind.JSON_SCHEMA:
-                return c.compile_json_schema(spec.text, any_whitespace=True, max_whitespace_cnt=self.max_whitespace)
-            if spec.kind == GrammarKind.REGEX:
-                return c.compile_regex(spec.text)
-            if spec.kind == GrammarKind.EBNF:
-                return c.compile_grammar(spec.text)
-        except (RuntimeError, ValueError, TypeError) as e:  # the library's words: why the spec is invalid
-            raise GrammarError(f"invalid {KIND_WORDS[spec.kind]}: {_first_line(e)}") from None
-        raise GrammarError(f"unknown grammar kind {int(spec.kind)}")
-
-    def matcher(self, compiled: Any) -> Any:
-        return self._xgr.GrammarMatcher(compiled)
-
-    def fill(self, matcher: Any, bitmask: np.ndarray, row: int) -> None:
-        matcher.fill_next_token_bitmask(self._torch.from_numpy(bitmask), row)  # the same memory
-
-    def accept(self, matcher: Any, token: int) -> bool:
-        return matcher.accept_token(token)
 
 
 def _closed(schema: Any) -> Any:
@@ -152,7 +113,7 @@ def _closed(schema: Any) -> Any:
     return closed
 
 
-def _first_line(e: BaseException | str) -> str:
+def first_line(e: BaseException | str) -> str:
     """The library's message without its source location ("[time] file.cc:line: ") or its state dump."""
     lines = [line for line in str(e).splitlines() if line.strip()]
     text = lines[0] if lines else type(e).__name__

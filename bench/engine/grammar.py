@@ -82,8 +82,8 @@ def _backend(args: argparse.Namespace, name: str) -> dict:
     """One backend's figures: its import in a fresh interpreter, the per-step cost in an engine masking with it, and
     its compiles."""
     from blink.engine import LLM, SamplingParams
+    from blink.engine.core.grammar import make_backend
     from blink.shared.grammar import GrammarCompiler, GrammarSpec, StructuredOutputs
-    from blink.shared.grammar_backends import make_backend
 
     module = "llguidance" if name == "guidance" else "xgrammar"
     imported = subprocess.run([sys.executable, "-c", f"import time; t = time.perf_counter(); import {module}; "

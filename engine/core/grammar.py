@@ -18,17 +18,30 @@ from typing import Any
 import numpy as np
 import torch
 
-from blink.shared.grammar import GrammarCompiler, GrammarError
-from blink.shared.grammar_backends import DEFAULT_BACKEND, make_backend
+from blink.shared.grammar import Backend, GrammarCompiler, GrammarError
+from blink.shared.grammar_backends import BACKENDS, DEFAULT_BACKEND, MAX_WHITESPACE, check_stop_ids, guidance
 from blink.shared.slot_table import grammar_of
 
 log = logging.getLogger(__name__)
 
 
+def make_backend(name: str, tokenizer: Any, vocab_size: int, stop_ids: list[int]) -> Backend:
+    """The engine's grammar library `name` (blink.shared.grammar_backends.guidance says what the arguments are);
+    ImportError when it is not installed."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown structured-outputs backend {name!r}; one of {', '.join(BACKENDS)}")
+    if name == "guidance":
+        return guidance(tokenizer, vocab_size, stop_ids)
+    from blink.engine.core.xgrammar_backend import XGrammar
+
+    check_stop_ids(stop_ids)
+    return XGrammar(tokenizer, vocab_size, list(stop_ids), MAX_WHITESPACE)
+
+
 class SlotGrammars:
     """The engine's constrained slots. `tokenizer`: the checkpoint's `tokenizers` Tokenizer; `vocab_size`: the
     logits' width; `eos_ids`: what ends a request (the matcher allows them once the grammar is complete); `backend`:
-    the library (blink.shared.grammar_backends.BACKENDS), the one the ingress is told to check with."""
+    the library it masks with (blink.shared.grammar_backends.BACKENDS; the ingress checks with llguidance)."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_ids: list[int], backend: str = DEFAULT_BACKEND):
         self._tokenizer, self.vocab_size, self.eos_ids, self.backend = tokenizer, vocab_size, list(eos_ids), backend

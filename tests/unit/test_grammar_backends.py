@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from blink.engine.core.grammar import SlotGrammars
+from blink.engine.core.grammar import SlotGrammars, make_backend
 from blink.engine.model.tiny_model import ensure_tiny_model
 from blink.shared.grammar import GrammarError, GrammarKind, GrammarSpec
-from blink.shared.grammar_backends import BACKENDS, make_backend
+from blink.shared.grammar_backends import BACKENDS
 from blink.shared.tokenizer import Tokenizer
 
 EOS = 1
@@ -131,8 +131,7 @@ from blink.shared.tokenizer import Tokenizer
 async def off_loop(f, *args):
     return f(*args)
 
-info = SimpleNamespace(drive="host", max_grammar_bytes=4096, model="m", vocab_size=1174, eos_token_ids=[1],
-                       structured_outputs_backend="guidance")
+info = SimpleNamespace(drive="host", max_grammar_bytes=4096, model="m", vocab_size=1174, eos_token_ids=[1])
 state = SimpleNamespace(info=info, metrics=Metrics("m", "host", "shm"), grammars=None, grammar_timeout_s=10.0,
                         tokenizer=Tokenizer(sys.argv[1]), off_loop=off_loop)
 asyncio.run(check_grammar(state, GrammarSpec.json_schema({"type": "object"}), "response_format"))
