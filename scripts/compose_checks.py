@@ -45,11 +45,7 @@ def check_serve(args) -> None:
     denied = httpx.post(f"{args.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 1}, timeout=30)
     assert denied.status_code == 401 and "error" in denied.json(), f"no key: {denied.status_code} {denied.text}"
     client = openai.OpenAI(base_url=f"{args.url}/v1", api_key=args.api_key, timeout=120)
-    model = client.models.list().data[0].id
-    completion = client.completions.create(model=model, prompt="The capital of France is", max_tokens=8,
-                                           temperature=0)
-    assert completion.choices[0].text and completion.usage.completion_tokens > 0, completion
-    print(f"completion ({model}): {completion.choices[0].text!r}")
+    model = _completion(client, "")
     text, finish = [], None
     for chunk in client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Say hello."}],
                                                 max_tokens=16, temperature=0, stream=True):
@@ -74,16 +70,21 @@ def check_serve(args) -> None:
         stranger.close()
 
 
-def check_request(args) -> None:
-    print(f"/ready 200 after {wait_ready(args.url, args.ready_timeout):.1f} s")
-    ready = httpx.get(f"{args.url}/ready", timeout=5).json()
-    assert ready.get("transport") == args.transport, f"/ready says {ready}"
-    client = openai.OpenAI(base_url=f"{args.url}/v1", api_key=args.api_key, timeout=120)
+def _completion(client: openai.OpenAI, where: str) -> str:
+    """A greedy completion through the OpenAI SDK, checked; the model's name."""
     model = client.models.list().data[0].id
     completion = client.completions.create(model=model, prompt="The capital of France is", max_tokens=8,
                                            temperature=0)
     assert completion.choices[0].text and completion.usage.completion_tokens > 0, completion
-    print(f"completion over {args.transport}: {completion.choices[0].text!r}")
+    print(f"completion{where} ({model}): {completion.choices[0].text!r}")
+    return model
+
+
+def check_request(args) -> None:
+    print(f"/ready 200 after {wait_ready(args.url, args.ready_timeout):.1f} s")
+    ready = httpx.get(f"{args.url}/ready", timeout=5).json()
+    assert ready.get("transport") == args.transport, f"/ready says {ready}"
+    _completion(openai.OpenAI(base_url=f"{args.url}/v1", api_key=args.api_key, timeout=120), f" over {args.transport}")
 
 
 async def _stream(client: httpx.AsyncClient, model: str, first_token: asyncio.Event) -> tuple[list[dict], float]:
