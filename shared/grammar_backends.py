@@ -125,3 +125,107 @@ def _llg_message(error: str) -> str:
     lines = [line.strip() for line in error.split("<state>")[0].splitlines() if line.strip()]
     said = [lines[0], *(line for line in lines[1:] if line.startswith("error:"))] if lines else ["rejected"]
     return " ".join(said)[:300]
+
+
+# The device modes' grammar walk (blink.engine.core.grammar_table) takes what lowers to a regular language: a
+# regex, a choice, a JSON schema through outlines-core's regex of it (whitespace: one optional space where JSON
+# allows any, a subset of what llguidance allows, so every answer the walk makes is one the ingress's check accepts).
+DEVICE_WHITESPACE = r"[ ]?"
+
+
+def device_regex(spec: GrammarSpec) -> str:
+    """The regex the device modes walk for `spec`; GrammarError saying why when it has none (a GBNF or Lark grammar,
+    which is not regular; a schema keyword outlines-core cannot express). ImportError without outlines-core."""
+    if spec.kind == GrammarKind.REGEX:
+        return spec.text
+    if spec.kind == GrammarKind.EBNF:
+        options = choice_options(spec.text)
+        if options is None:
+            raise GrammarError("a grammar is not walked on the device (graph and persistent drive modes); a regex, "
+                               "a choice or a JSON schema is, and the host drive mode serves grammars")
+        return "|".join(_escape(option) for option in options)
+    if spec.kind != GrammarKind.JSON_SCHEMA:
+        raise GrammarError(f"unknown grammar kind {int(spec.kind)}")
+    from outlines_core.json_schema import build_regex_from_schema
+
+    schema, where = _device_schema(json.loads(spec.text), "#")
+    if where is not None:
+        raise GrammarError(f"the JSON schema keyword at {where[:200]} is not enforced by the device's grammar walk "
+                           "(graph and persistent drive modes); the host drive mode serves it")
+    try:
+        return build_regex_from_schema(json.dumps(schema), DEVICE_WHITESPACE)
+    except (ValueError, TypeError) as e:
+        raise GrammarError(f"the JSON schema cannot be walked on the device (graph and persistent drive modes): "
+                           f"{first_line(e)}; the host drive mode serves it") from None
+
+
+def choice_options(text: str) -> list[str] | None:
+    """The options of a grammar GrammarSpec.choice wrote (`root ::= "a" | "b"`), or None for any other grammar."""
+    prefix, decoder, options, at = "root ::= ", json.JSONDecoder(), [], 0
+    if not text.startswith(prefix):
+        return None
+    at = len(prefix)
+    while True:
+        try:
+            option, at = decoder.raw_decode(text, at)
+        except ValueError:
+            return None
+        if not isinstance(option, str):
+            return None
+        options.append(option)
+        if at == len(text):
+            return options
+        if not text.startswith(" | ", at):
+            return None
+        at += 3
+
+
+def _escape(literal: str) -> str:
+    """`literal` matched as it is by outlines-core's regex syntax (Rust's: Python's re.escape escapes alike)."""
+    return "".join("\\" + c if c in r"\.+*?()|[]{}^$#&-~" else c for c in literal)
+
+
+# Keywords outlines-core's regex leaves out (checked by hand on 0.2.14: the regex is the same without them).
+DEVICE_UNENFORCED = frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf",
+                               "uniqueItems", "minProperties", "maxProperties", "patternProperties", "propertyNames"})
+RANGE_AS_ENUM = 1024  # an integer range at most this wide becomes the enum of its values, which the regex enforces
+
+
+def _device_schema(schema: Any, path: str) -> tuple[Any, str | None]:
+    """`schema` with each bounded integer range as the enum of its values, and where the first keyword of
+    DEVICE_UNENFORCED still is (None: nowhere)."""
+    if isinstance(schema, list):
+        items = [_device_schema(item, f"{path}/{i}") for i, item in enumerate(schema)]
+        return [item for item, _ in items], next((w for _, w in items if w is not None), None)
+    if not isinstance(schema, dict):
+        return schema, None
+    schema = _integer_range(schema)
+    out, found = {}, None
+    for key, value in schema.items():
+        if key in DEVICE_UNENFORCED and found is None:
+            found = f"{path}/{key}"
+        if key in VALUE_KEYWORDS:
+            out[key] = value
+            continue
+        if key in NAMED_SCHEMAS and isinstance(value, dict):
+            subs = {name: _device_schema(sub, f"{path}/{key}/{name}") for name, sub in value.items()}
+            out[key] = {name: sub for name, (sub, _) in subs.items()}
+            where = next((w for _, w in subs.values() if w is not None), None)
+        else:
+            out[key], where = _device_schema(value, f"{path}/{key}")
+        found = found or where
+    return out, found
+
+
+def _integer_range(schema: dict) -> dict:
+    """An integer schema bounded both ways (and at most RANGE_AS_ENUM wide) as the enum of its values."""
+    low, high = schema.get("minimum"), schema.get("maximum")
+    low = schema["exclusiveMinimum"] + 1 if isinstance(schema.get("exclusiveMinimum"), int) else low
+    high = schema["exclusiveMaximum"] - 1 if isinstance(schema.get("exclusiveMaximum"), int) else high
+    step = schema.get("multipleOf", 1)
+    if (schema.get("type") != "integer" or not all(type(v) is int for v in (low, high, step)) or step <= 0
+            or high - low > RANGE_AS_ENUM or "enum" in schema or "const" in schema):
+        return schema
+    rest = {k: v for k, v in schema.items()
+            if k not in ("type", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")}
+    return {**rest, "enum": [v for v in range(low, high + 1) if v % step == 0]}
