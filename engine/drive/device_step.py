@@ -23,6 +23,7 @@ from blink.engine.core.policy import StepCostModel
 from blink.engine.core.sampler import SamplerFeatures
 from blink.engine.core.scheduler import max_chunk_rows, plan
 from blink.engine.core.step import StepShape
+from blink.engine.drive.device_grammars import DeviceGrammars
 from blink.engine.drive.table_memory import TableMemory, device_alias
 from blink.engine.engine import Engine
 from blink.engine.kernels import admission, page_release, step_cost
@@ -63,6 +64,10 @@ class DeviceStep:
         self.demand = torch.zeros(2, dtype=torch.int64, pin_memory=pinned)  # [tokens wanted, resident], the device's
         self.inbox = Inbox.create(self.table, int(table.header["epoch"]), device_alias(self.clock, device),
                                   device_alias(self.limit, device))
+        # Structured outputs: the grammar walk (its gate admits a constrained record once its table is in place).
+        self.grammars = DeviceGrammars(engine, table)
+        self.inbox.grammar_ready = self.grammars.device_ready
+        self.step.grammar = self.grammars  # Step.run masks the rows through it
         self._record = slot_dtype(table.geometry)
         self._demand = device_alias(self.demand, device)
         self.buckets = self.step.token_buckets
@@ -106,6 +111,7 @@ class DeviceStep:
         out = self.step.run(planned, self.shape(bucket), ALL_FEATURES, self.mirror)
         if self._in_stream is not None:  # the next step's moves may reuse the mirror pages this one read
             torch.cuda.current_stream(self.engine.device).wait_stream(self._in_stream)
+        self.grammars.advance(out.token, out.finish_reason)  # before emit: a finished slot's state is gone first
         emit(self.table, inbox, state, out, self.page_bytes)
         report_demand(state, self._demand)
 
@@ -141,9 +147,10 @@ class DeviceStep:
         if self.step.admitter is admit:  # the torch reference's landing in one kernel, unless it was compiled
             admission.admit(self.state, inbox.admit, inbox.requests, self._record, inbox.now, inbox.arrival,
                             engine.max_model_len)
-            return
-        self.step.admitter(self.state, inbox.admit, field_views(inbox.requests, self._record), inbox.now,
-                           inbox.arrival, engine.max_model_len)
+        else:
+            self.step.admitter(self.state, inbox.admit, field_views(inbox.requests, self._record), inbox.now,
+                               inbox.arrival, engine.max_model_len)
+        self.grammars.land(inbox.admit)  # each admitted slot's first state, or none
 
     def shape(self, bucket: int) -> StepShape:
         S = self.state.num_slots
@@ -159,6 +166,7 @@ class DeviceStep:
         return next((b for b in self.buckets if b >= demand), self.buckets[-1])
 
     def close(self) -> None:
+        self.grammars.close()
         self.table = None
         self.memory.close()
 

@@ -62,6 +62,7 @@ class GraphDriver(DeviceDriver):
         self.replays = 0
 
     def start(self) -> None:
+        self.step.grammars.start()  # the gate constrained records wait at until their grammar is on the device
         self._thread.start()
 
     def stop(self) -> None:
@@ -69,6 +70,7 @@ class GraphDriver(DeviceDriver):
         self._stop.set()
         self._thread.join()
         self.stream.synchronize()
+        self.step.grammars.stop()
 
     def close(self) -> None:
         if self._thread.is_alive():

@@ -277,6 +277,7 @@ class PersistentDriver(DeviceDriver):
             _ok(d.cuGraphLaunch(self._exec, d.CUstream(self.stream.cuda_stream)), "cuGraphLaunch")
         self._running = True
         self.launches += 1
+        self.step.grammars.start()  # the loop has no host thread: the grammar gate brings its own
 
     def stop(self) -> None:
         """Returns once the loop has ended, after the step in flight: admitted requests stay resident and carry on
@@ -284,6 +285,7 @@ class PersistentDriver(DeviceDriver):
         self._stop.fill_(1)
         self.stream.synchronize()
         self._running = False
+        self.step.grammars.stop()
 
     def close(self) -> None:
         if self._running:

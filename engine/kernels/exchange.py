@@ -27,10 +27,11 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # fields are not among them: the admit kernel copies their bytes whole and blink.engine.core.admission lands them.
 FIELDS = ("state", "epoch", "cancel", "prompt_len", "logprobs", "prompt_logprobs", "prompt", "produced", "consumed",
           "finish_reason", "preemptions", "pages_out", "pages_in", "bytes_out", "bytes_in", "cached_tokens", "wait_ms",
-          "tokens", "logprob", "top_ids", "top_logprobs")
+          "tokens", "logprob", "top_ids", "top_logprobs", "grammar_kind")
 (K_STATE, K_EPOCH, K_CANCEL, K_PROMPT_LEN, K_LOGPROBS, K_PROMPT_LOGPROBS, K_PROMPT, K_PRODUCED, K_CONSUMED, K_FINISH,
  K_PREEMPTIONS, K_PAGES_OUT, K_PAGES_IN, K_BYTES_OUT, K_BYTES_IN, K_CACHED_TOKENS, K_WAIT_MS, K_TOKENS, K_LOGPROB,
- K_TOP_IDS, K_TOP_LOGPROBS) = (tl.constexpr(i) for i in range(len(FIELDS)))
+ K_TOP_IDS, K_TOP_LOGPROBS, K_GRAMMAR_KIND) = (tl.constexpr(i) for i in range(len(FIELDS)))
+GRAMMAR_READY = tl.constexpr(1)  # blink.engine.drive.device_grammars.READY
 
 ENGINE_FREE = tl.constexpr(int(SlotStatus.FREE))  # the engine's slot status, beside the table's states
 SUBMITTED = tl.constexpr(int(SlotState.SUBMITTED))
@@ -80,10 +81,11 @@ def _room(produced, consumed, WINDOW: tl.constexpr):
 
 @triton.jit
 def _select(table, offsets, epoch, status, cancel, paused, window_room, admit, arrival, arrivals, limit, fenced,
-            S, RECORD: tl.constexpr, HEADER_EPOCH: tl.constexpr, WINDOW: tl.constexpr, BLOCK_S: tl.constexpr,
-            INTERPRET: tl.constexpr):
-    """One program: which published slots to admit (in slot order, up to the running limit), and each resident
-    slot's cancel flag and window room (and whether it has none)."""
+            grammar_ready, S, RECORD: tl.constexpr, HEADER_EPOCH: tl.constexpr, WINDOW: tl.constexpr,
+            BLOCK_S: tl.constexpr, INTERPRET: tl.constexpr):
+    """One program: which published slots to admit (in slot order, up to the running limit; one with a grammar once
+    the host put its table in the arena: `grammar_ready`), and each resident slot's cancel flag and window room (and
+    whether it has none)."""
     s = tl.arange(0, BLOCK_S)
     real = s < S
     if tl.load((table + HEADER_EPOCH).to(tl.pointer_type(tl.uint64)), volatile=True).to(tl.int64) != tl.load(epoch):
@@ -97,6 +99,8 @@ def _select(table, offsets, epoch, status, cancel, paused, window_room, admit, a
     engine = tl.load(status + s, mask=real, other=ENGINE_FREE)
     ours = epochs.to(tl.uint64) == tl.load(epoch).to(tl.uint64)
     wanted = real & (states == SUBMITTED) & ours & (engine == ENGINE_FREE)
+    constrained = tl.load(_field(record, offsets, K_GRAMMAR_KIND, tl.uint32)) != 0
+    wanted &= ~constrained | (tl.load(grammar_ready + s, mask=real, other=0, volatile=True) == GRAMMAR_READY)
     room = tl.load(limit) - tl.sum((engine != ENGINE_FREE).to(tl.int64))
     rank = tl.cumsum(wanted.to(tl.int64), 0)
     take = wanted & (rank <= room)
@@ -260,6 +264,7 @@ class Inbox:
     arrival: torch.Tensor  # [S] int64: their arrival numbers
     arrivals: torch.Tensor  # [1] int64: requests admitted so far
     fenced: torch.Tensor  # [1] int32: set once a newer engine's epoch is seen; nothing is written after
+    grammar_ready: torch.Tensor  # [S] int32: constrained slots that may be admitted (engine/drive/device_grammars.py)
     requests: torch.Tensor  # [S, span] uint8: the admitted records' request fields (blink.engine.core.admission.span)
 
     @classmethod
@@ -272,6 +277,7 @@ class Inbox:
         _, span_bytes = span(slot_dtype(table.geometry))
         return cls(one(epoch, torch.int64), now, limit, torch.zeros(num_slots, dtype=torch.bool, device=device),
                    torch.zeros(num_slots, dtype=torch.int64, device=device), one(0, torch.int64), one(0, torch.int32),
+                   torch.zeros(num_slots, dtype=torch.int32, device=device),
                    torch.zeros(num_slots, span_bytes, dtype=torch.uint8, device=device))
 
 
@@ -282,7 +288,8 @@ def take_requests(table: DeviceTable, inbox: Inbox, state, vocab: int, max_len: 
     window room."""
     g, S = table.geometry, state.num_slots
     _select[(1,)](table.memory, table.offsets, inbox.epoch, state.status, state.cancel, state.paused, state.room,
-                  inbox.admit, inbox.arrival, inbox.arrivals, inbox.limit, inbox.fenced, S, RECORD=table.record_bytes,
+                  inbox.admit, inbox.arrival, inbox.arrivals, inbox.limit, inbox.fenced, inbox.grammar_ready, S,
+                  RECORD=table.record_bytes,
                   HEADER_EPOCH=header_offset("epoch"), WINDOW=g.window, BLOCK_S=next_power_of_2(S),
                   INTERPRET=INTERPRET)
     start, span_bytes = span(slot_dtype(g))

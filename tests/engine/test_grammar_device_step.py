@@ -1,0 +1,134 @@
+"""Structured outputs in the device step (the graph and persistent modes' work, run eagerly on the CPU with its kernels
+in Triton's interpreter; the grammar gate polled by the test between steps, as its thread does): regex, choice and
+JSON-schema requests follow their grammar beside an unconstrained row whose tokens are those it has alone; a grammar
+that does not lower and one larger than the arena end their records, and the engine serves the rest."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import uuid
+
+import jsonschema
+import pytest
+
+from blink.engine.drive import device_grammars
+from blink.engine.drive.device_step import DeviceStep
+from blink.engine.engine import Engine, EngineConfig
+from blink.engine.model.tiny_model import ensure_tiny_model
+from blink.shared.grammar import GrammarKind, GrammarSpec
+from blink.shared.slot_table import Finish, Geometry, Request, SlotTable
+
+PROMPT = [5, 6, 7, 8]
+REGEX = r"[a-c]{3,6}"
+CHOICES = ["cat", "dog", "a bird"]
+SCHEMA = {"type": "object", "properties": {"kind": {"enum": ["cat", "dog"]},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 20},
+                                           "name": {"type": "string", "maxLength": 4}},
+          "required": ["kind", "age"]}
+
+
+def _constrained(spec: GrammarSpec, **sampling) -> Request:
+    return Request(prompt=PROMPT, max_tokens=60, grammar_kind=int(spec.kind), grammar=spec.text, **sampling)
+
+
+PLAIN = Request(prompt=PROMPT, max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture
+def table():
+    table = SlotTable.create(f"test-{uuid.uuid4().hex[:10]}", Geometry(4, 64, 3, page_size=8,
+                                                                         max_grammar_bytes=1024))
+    yield table
+    table.unlink()
+
+
+@pytest.fixture
+def device(table, monkeypatch):
+    """A device step on the tiny model (it has an end-of-sequence token), with a 1 MiB arena; closed afterwards."""
+    monkeypatch.setattr(device_grammars, "ARENA_BYTES", 1 << 20)
+    opened = []
+
+    def make() -> DeviceStep:
+        engine = Engine(EngineConfig(model=str(ensure_tiny_model()), max_num_seqs=4, max_num_batched_tokens=32,
+                                     num_pages=64, page_size=8, max_model_len=96, enable_prefix_caching=False))
+        opened.append(DeviceStep(engine, table))
+        return opened[-1]
+
+    yield make
+    for step in opened:
+        step.close()
+
+
+def _serve(table: SlotTable, device: DeviceStep, requests: dict[int, Request], seconds: float = 600) -> dict:
+    """Publishes `requests`, polls the gate and steps until every one finished; each slot's tokens and finish."""
+    for slot, request in requests.items():
+        table.publish(slot, request)
+    got = {slot: ([], Finish.NONE) for slot in requests}
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        device.grammars.poll()
+        device.clock[0] = time.monotonic()
+        device.run(device.bucket_for(int(device.demand[0])))
+        for slot in requests:
+            out = table.read(slot)
+            got[slot] = (got[slot][0] + out.tokens, out.finish or got[slot][1])
+        if all(finish for _, finish in got.values()):
+            for slot in requests:
+                table.free(slot)
+            return got
+    raise AssertionError(f"not finished after {seconds} s: {got}")
+
+
+def test_constrained_rows_follow_their_grammar_beside_an_unchanged_one(table, device):
+    step = device()
+    alone = _serve(table, step, {1: PLAIN})[1]
+    got = _serve(table, step, {
+        0: _constrained(GrammarSpec(GrammarKind.REGEX, REGEX), temperature=1.0, seed=3),
+        1: PLAIN,
+        2: _constrained(GrammarSpec.choice(CHOICES), temperature=0.0),
+        3: _constrained(GrammarSpec.json_schema(SCHEMA), temperature=1.0, seed=11),
+    })
+    decode = step.engine.tokenizer.decode
+    assert got[1] == alone  # the unconstrained row's greedy tokens, as without its neighbours
+    assert all(got[s][1] == Finish.STOP for s in (0, 2, 3)), got
+    assert re.fullmatch(REGEX, decode(got[0][0])), decode(got[0][0])
+    assert decode(got[2][0]) in CHOICES
+    jsonschema.validate(json.loads(decode(got[3][0])), SCHEMA)
+    assert (step.grammars.state == -1).all()  # each finished slot let go of its state
+    step.grammars.poll()
+    assert step.grammars.blocks == {} and step.grammars.space.free_words == step.grammars.space.words
+
+
+def test_more_schemas_parse_greedy_and_seeded(table, device):
+    schemas = [
+        {"type": "object", "properties": {"tags": {"type": "array", "items": {"enum": ["red", "green"]},
+                                                   "minItems": 1, "maxItems": 2}}, "required": ["tags"]},
+        {"type": "object", "properties": {"id": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 9},
+                                                           {"type": "boolean"}]},
+                                          "day": {"type": "string", "format": "date"}}, "required": ["id", "day"]},
+    ]
+    step = device()
+    requests = {2 * i + seeded: _constrained(GrammarSpec.json_schema(schema), temperature=1.0 if seeded else 0.0,
+                                             seed=5)
+                for i, schema in enumerate(schemas) for seeded in (0, 1)}
+    got = _serve(table, step, requests)
+    for slot, (tokens, finish) in got.items():
+        assert finish == Finish.STOP, (slot, got)
+        jsonschema.validate(json.loads(step.engine.tokenizer.decode(tokens)), schemas[slot // 2])
+
+
+def test_grammars_that_cannot_be_walked_end_their_records_and_the_rest_is_served(table, device, monkeypatch):
+    step = device()
+    step.grammars.space = device_grammars.Arena(400)  # smaller than the schema's table, larger than the regex's
+    got = _serve(table, step, {
+        0: _constrained(GrammarSpec(GrammarKind.EBNF, 'root ::= "a" root | "b"')),  # not regular
+        1: PLAIN,
+        2: _constrained(GrammarSpec.json_schema(SCHEMA), temperature=0.0),  # too large for the arena
+        3: _constrained(GrammarSpec(GrammarKind.REGEX, "ab+c"), temperature=0.0),
+    })
+    assert got[0] == ([], Finish.ABORT) and got[2] == ([], Finish.ABORT)
+    assert len(got[1][0]) == 8 and got[1][1] == Finish.LENGTH
+    assert got[3][1] == Finish.STOP and re.fullmatch("ab+c", step.engine.tokenizer.decode(got[3][0]))
+    assert step.grammars.refused == 2
