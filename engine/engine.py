@@ -17,7 +17,7 @@ from blink.engine.core.rotation import HostMirror
 from blink.engine.core.state import Slots
 from blink.engine.core.step import Step
 from blink.engine.device import auto_dtype, available_memory, configure_threads, resolve_device
-from blink.engine.model import quant
+from blink.engine.model import fp8, quant
 from blink.engine.model.checkpoint import load_config, read_generation_defaults
 from blink.engine.model.config import DTYPES, ModelConfig
 from blink.engine.model.model import LOAD_FORMATS, Transformer
@@ -47,7 +47,7 @@ class EngineConfig:
     kv_memory_fraction: float | None = None  # of the device's free memory after loading weights
     seed: int = 0  # seeds requests that bring none
     load_format: str = "auto"  # auto: the checkpoint's safetensors; dummy: random weights of their shapes (vLLM's)
-    quantization: str | None = None  # int8 | int4 (quantized on load) | gguf (a GGUF file's blocks): model/quant.py
+    quantization: str | None = None  # int8 | int4 | fp8 (quantized on load) | gguf (a GGUF's blocks): quant.py, fp8.py
     scheduling_policy: str = "slo"  # fcfs | priority | slo (blink.engine.core.policy)
     swap_space: float = 4.0  # GiB of host memory for KV rotation; 0: recompute preempted requests instead
     enable_prefix_caching: bool = True  # requests share the KV pages of equal prompt prefixes (vLLM's default)
@@ -112,7 +112,9 @@ class Engine:
                              "so every running sequence can decode in one step")
         page = config.page_size
 
-        quant.check(config.quantization, self.device, config.load_format, config.tensor_parallel_size)
+        if config.quantization != "fp8":  # the CPU's formats; FP8's rules are fp8.check's
+            quant.check(config.quantization, self.device, config.load_format, config.tensor_parallel_size)
+        fp8.check(config.quantization, cfg.fp8, config.tensor_parallel_size)
         self.model = Transformer.from_checkpoint(self.model_dir, cfg, max_len, self.device, config.load_format,
                                                  self.shard, config.quantization)
         if on_cuda:  # the loading's staging copies go back to the device before the KV pool is sized from what is free

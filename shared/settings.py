@@ -16,7 +16,7 @@ from blink.shared.request_schema import MAX_GRAMMAR_BYTES
 from blink.shared.service_class import ClassDefaults, ClassName, ClassSLO
 
 SCHEDULING_POLICIES = ("fcfs", "priority", "slo")  # blink.engine.core.policy
-QUANTIZATIONS = ("int8", "int4", "gguf")  # blink.engine.model.quant
+QUANTIZATIONS = ("int8", "int4", "gguf", "fp8")  # blink.engine.model.quant; fp8: blink.engine.model.fp8
 REASONING_PARSERS = ("qwen3", "deepseek_r1")  # blink.ingress.reasoning
 # Variables a chat template gets from the request itself, which chat_template_kwargs may not replace.
 RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt"})
@@ -41,9 +41,10 @@ class Settings(BaseSettings):
     load_format: Literal["auto", "dummy"] = Field("auto", description="auto: the checkpoint's weights; dummy: "
                                                   "random weights of their shapes (vLLM's; for benchmarks)")
     quantization: Literal[QUANTIZATIONS] | None = Field(
-        None, description="weights in fewer bits, on the CPU (vLLM's flag): int8 (a scale per output channel) or int4 "
+        None, description="weights in fewer bits (vLLM's flag): on the CPU, int8 (a scale per output channel) or int4 "
         "(groups of 32) quantize a float checkpoint on load; gguf runs a .gguf file's Q8_0/Q4_0/Q4_1/Q4_K blocks as "
-        "stored (default: the checkpoint's floats)")
+        "stored; on a GPU, fp8 quantizes it to FP8 E4M3 with a scale per output channel (an FP8 checkpoint needs no "
+        "flag) (default: the checkpoint's own weights)")
     max_num_seqs: int | None = Field(None, ge=1)
     max_num_batched_tokens: int | None = Field(None, ge=1)
     max_model_len: int | None = Field(None, ge=2)

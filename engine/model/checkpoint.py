@@ -1,9 +1,12 @@
-"""Load a Hugging Face checkpoint directory as it is: config, safetensors shards, generation config; and a converted
-GGUF's quantized matrices as the file stored them (`load_quantized`)."""
+"""Load a Hugging Face checkpoint directory as it is: config, safetensors shards (an FP8 checkpoint's projections
+with their scales), generation config; and a converted GGUF's quantized matrices as the file stored them
+(`load_quantized`)."""
 
 from __future__ import annotations
 
 import json
+import re
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,6 +14,7 @@ import torch
 from safetensors import safe_open
 
 from blink.engine.errors import CheckpointError
+from blink.engine.model import fp8
 from blink.engine.model.config import ModelConfig
 from blink.engine.model.quant import Quantized
 from blink.shared.checkpoints import gguf_blocks
@@ -37,23 +41,42 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-# safetensors' names of the types a weight may be stored in: any other (F8_E4M3, I8, U8) is a quantized weight that
-# a cast would turn into wrong numbers, whatever config.json says.
+# safetensors' names of the types a weight may be stored in: any other (I8, U8, F8_E4M3 outside an FP8 checkpoint) is
+# a quantized weight that a cast would turn into wrong numbers, whatever config.json says.
 FLOAT_TYPES = {"F32", "BF16", "F16"}
+# The dense projections a model runs as `linear` products: an FP8 checkpoint's stay FP8 (blink.engine.model.fp8),
+# its other FP8 tensors (experts, an output projection) are dequantized to the float dtype on load.
+FP8_PROJECTION = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight")
 
 
-def load_tensors(model_dir: Path, wanted: set[str], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Reads the wanted tensors from every shard, cast to dtype; other tensors are left on disk."""
-    tensors: dict[str, torch.Tensor] = {}
-    for file in safetensors_files(model_dir):
+def load_tensors(model_dir: Path, wanted: set[str], dtype: torch.dtype,
+                 fp8_scheme: fp8.Fp8Scheme | None = None) -> dict[str, torch.Tensor | fp8.Fp8Weight]:
+    """Reads the wanted tensors from every shard, cast to dtype; other tensors are left on disk. fp8_scheme: the
+    checkpoint's FP8 format (ModelConfig.fp8), whose projections come as `fp8.Fp8Weight`s with their scales."""
+    files = safetensors_files(model_dir)
+    where: dict[str, Path] = {}
+    for file in files:
         with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                if name in wanted:
-                    stored = f.get_slice(name).get_dtype()
-                    if stored not in FLOAT_TYPES:
-                        raise CheckpointError(f"{file}: {name} is stored as {stored}, a quantized type Blink does not "
-                                              f"load (it loads {', '.join(sorted(FLOAT_TYPES))})")
-                    tensors[name] = f.get_tensor(name).to(dtype)
+            where.update(dict.fromkeys(f.keys(), file))
+    tensors: dict[str, torch.Tensor | fp8.Fp8Weight] = {}
+    with ExitStack() as stack:
+        opened = {file: stack.enter_context(safe_open(str(file), framework="pt")) for file in files}
+
+        def get(name: str) -> torch.Tensor:
+            return opened[where[name]].get_tensor(name)
+
+        for name in sorted(wanted & where.keys()):
+            file = where[name]
+            stored = opened[file].get_slice(name).get_dtype()
+            if stored == fp8.STORED and fp8_scheme is not None:
+                weight = fp8.read(get, name, where.__contains__, fp8_scheme, dtype, f"{file}")
+                tensors[name] = weight if FP8_PROJECTION.fullmatch(name) else weight.dequantize()
+            elif stored not in FLOAT_TYPES:
+                raise CheckpointError(f"{file}: {name} is stored as {stored}, a quantized type Blink does not "
+                                      f"load here (it loads {', '.join(sorted(FLOAT_TYPES))}, and F8_E4M3 where "
+                                      "config.json's quantization_config says FP8)")
+            else:
+                tensors[name] = get(name).to(dtype)
     return tensors
 
 

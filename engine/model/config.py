@@ -1,4 +1,4 @@
-"""The architecture description read from a checkpoint's config.json."""
+"""The architecture description read from a checkpoint's config.json (and its FP8 format, where it has one)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from blink.engine.errors import CheckpointError
+from blink.engine.model.fp8 import Fp8Scheme, scheme
 
 # Architectures that share one decoder; they differ in which optional tensors exist, and the mixture-of-experts
 # ones in their MLPs (MoeConfig). The family names the attention's details.
@@ -71,6 +72,7 @@ class ModelConfig:
     sliding_window: int | None
     dtype: torch.dtype
     moe: MoeConfig | None = None
+    fp8: Fp8Scheme | None = None  # the checkpoint's weights are FP8, stored as this scheme says
 
     @property
     def q_size(self) -> int:
@@ -97,11 +99,9 @@ class ModelConfig:
                 f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
             )
         family = SUPPORTED_ARCHITECTURES[arch]
+        # FP8 is the one quantized format read from a checkpoint (blink.engine.model.fp8); others are refused by name
         quantization = cfg.get("quantization_config") or cfg.get("compression_config")
-        if quantization:
-            method = quantization.get("quant_method") or quantization.get("format") or "unnamed"
-            raise CheckpointError(f"{source}: quantized weights ({method}) are not supported: Blink loads float32, "
-                                  "bfloat16 and float16 checkpoints, and GGUF files (dequantized)")
+        fp8_scheme = scheme(quantization, source) if quantization else None
         if cfg.get("hidden_act", "silu") != "silu":
             raise CheckpointError(f"{source}: unsupported hidden_act {cfg['hidden_act']!r}; supported: silu")
         if cfg.get("mlp_bias", False):
@@ -139,6 +139,7 @@ class ModelConfig:
             sliding_window=window,
             dtype=DTYPES[dtype_name],
             moe=_moe(arch, cfg, source),
+            fp8=fp8_scheme,
         )
 
 

@@ -24,7 +24,11 @@ Measured on this project's 2-core VMs, all the projections of a token of a 125M 
 - Quantized weights (`--quantization`, blink.engine.model.quant): 8- and 4-bit codes in Blink's AVX-512 VNNI kernel
   (engine/kernels/quant_linear.cpp), activations quantized to int8 on the fly.
 
-CUDA products go to cuBLAS as they are.
+- FP8 weights (an FP8 checkpoint, `--quantization fp8`; blink.engine.model.fp8): on a GPU with FP8 tensor cores,
+  `torch._scaled_mm` with row-wise scales, or a Triton kernel for block-scaled ones; on the CPU dequantized to the
+  float dtype at load, then as any float weight.
+
+Other CUDA products go to cuBLAS as they are.
 """
 
 from __future__ import annotations
@@ -34,19 +38,34 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from blink.engine.model import huge_pages, quant
+from blink.engine.model import fp8, huge_pages, quant
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
 
-Weight = torch.Tensor | quant.Quantized | quant.LaidOut
+Weight = torch.Tensor | quant.Quantized | quant.LaidOut | fp8.Fp8Weight
+# The output projection's quantization, where it differs from the layers': vLLM's fp8 leaves it in float.
+OUTPUT = quant.OUTPUT | {"fp8": None}
 
 
-def prepare(weight: torch.Tensor | quant.Quantized, quantization: str | None = None) -> Weight:
-    """The weight as `linear` runs it fastest here: quantized where it is (a GGUF's blocks) or `quantization` asks
-    (int8, int4; gguf: int8 for a matrix whose type has no repacking), laid out for the VNNI kernel; else plain where
-    the AMX kernel takes it, `block`ed where the AVX-512 kernel does, else `pack`ed where that pays, else as it is; on
-    the CPU, in huge pages but where oneDNN packs it (blink.engine.model.huge_pages)."""
+def cat(parts: list) -> torch.Tensor | quant.Quantized | fp8.Fp8Weight:
+    """Projections fused by their outputs (q, k, v; gate, up), in the form of their parts."""
+    if any(isinstance(p, fp8.Fp8Weight) for p in parts):
+        return fp8.cat(parts)
+    return quant.cat(parts)
+
+
+def prepare(weight: torch.Tensor | quant.Quantized | fp8.Fp8Weight, quantization: str | None = None) -> Weight:
+    """The weight as `linear` runs it fastest here: FP8 where it is or `quantization` asks and this device multiplies
+    FP8 (else its FP8 values in the float dtype: blink.engine.model.fp8); quantized where it is (a GGUF's blocks) or
+    `quantization` asks (int8, int4; gguf: int8 for a matrix whose type has no repacking), laid out for the VNNI
+    kernel; else plain where the AMX kernel takes it, `block`ed where the AVX-512 kernel does, else `pack`ed where
+    that pays, else as it is; on the CPU, in huge pages but where oneDNN packs it (blink.engine.model.huge_pages)."""
+    if isinstance(weight, fp8.Fp8Weight) or quantization == "fp8":
+        weight = fp8.prepare(weight, quantization)
+        if isinstance(weight, fp8.Fp8Weight):
+            return weight
+        quantization = None if quantization == "fp8" else quantization
     if quantization in quant.METHODS and isinstance(weight, torch.Tensor) and quant.takes(weight):
         weight = quant.quantize(weight, "int8" if quantization == "gguf" else quantization)
     if isinstance(weight, quant.Quantized):
@@ -139,6 +158,8 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x: [M, K]; weight: [N, K] (as torch.nn.Linear holds it), or `prepare`d."""
+    if isinstance(weight, fp8.Fp8Weight):
+        return fp8.linear(x, weight, bias)
     if not isinstance(weight, torch.Tensor):
         return quant.linear(x, weight, bias)
     if weight.dim() == 4:  # `block`ed

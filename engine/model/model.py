@@ -10,13 +10,13 @@ import torch
 import torch.nn.functional as F
 
 from blink.engine.errors import CheckpointError
-from blink.engine.model import kernel_sets, moe, quant
+from blink.engine.model import kernel_sets, moe
 from blink.engine.model.attention import AttentionBatch
 from blink.engine.model.checkpoint import load_quantized, load_tensors
 from blink.engine.model.config import ModelConfig
 from blink.engine.model.dummy import dummy_tensors
 from blink.engine.model.kernel_sets import Tokens
-from blink.engine.model.linear import linear, prepare
+from blink.engine.model.linear import OUTPUT, cat, linear, prepare
 from blink.engine.model.moe import MoeWeights
 from blink.engine.model.parallel import Shard
 from blink.engine.model.rope import rope_tables
@@ -87,7 +87,7 @@ class Transformer:
             sparse = cfg.moe is not None and cfg.moe.sparse_layers[i]
             self.layers.append(LayerWeights(
                 input_norm=get(p + "input_layernorm.weight"),
-                qkv=quant.cat([get(attn + f"{n}_proj.weight") for n in ("q", "k", "v")]),
+                qkv=cat([get(attn + f"{n}_proj.weight") for n in ("q", "k", "v")]),
                 qkv_bias=torch.cat([get(attn + f"{n}_proj.bias") for n in ("q", "k", "v")])
                 if cfg.attention_bias else None,
                 q_norm=get(attn + "q_norm.weight") if cfg.qk_norm else None,
@@ -95,7 +95,7 @@ class Transformer:
                 o_proj=get(attn + "o_proj.weight"),
                 o_proj_bias=get(attn + "o_proj.bias") if cfg.o_proj_bias else None,
                 post_norm=get(p + "post_attention_layernorm.weight"),
-                gate_up=None if sparse else quant.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]),
+                gate_up=None if sparse else cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]),
                 down=None if sparse else get(p + "mlp.down_proj.weight"),
                 moe=moe.load(cfg.moe, i, get) if sparse else None,
             ))
@@ -108,7 +108,7 @@ class Transformer:
             w.qkv, w.o_proj = prepare(w.qkv, quantization), prepare(w.o_proj, quantization)
             if w.moe is None:
                 w.gate_up, w.down = prepare(w.gate_up, quantization), prepare(w.down, quantization)
-        self.lm_head = prepare(self.lm_head, quant.OUTPUT.get(quantization, quantization))
+        self.lm_head = prepare(self.lm_head, OUTPUT.get(quantization, quantization))
         if (tied and isinstance(self.lm_head, torch.Tensor) and self.lm_head.layout == torch.strided
                 and self.lm_head.dim() == 2):
             self.embed = self.lm_head  # still plain (moved into huge pages, maybe): one copy serves both
@@ -131,7 +131,7 @@ class Transformer:
             tensors = dummy_tensors(cfg, names, device)
         else:
             quantized = load_quantized(model_dir, set(names), cfg.tie_word_embeddings) if quantization == "gguf" else {}
-            tensors = load_tensors(model_dir, set(names) - quantized.keys(), cfg.dtype) | quantized
+            tensors = load_tensors(model_dir, set(names) - quantized.keys(), cfg.dtype, cfg.fp8) | quantized
         if shard is None:
             return cls(cfg, tensors, max_len, device, quantization=quantization)
         shard.check(cfg)

@@ -155,8 +155,8 @@ def test_quantized_safetensors_checkpoints_are_refused_by_name(checkpoint, tmp_p
     fp8 = tmp_path / "fp8"
     shutil.copytree(checkpoint("qwen3"), fp8)
     config = json.loads((fp8 / "config.json").read_text())
-    (fp8 / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "fp8"}}))
-    with pytest.raises(CheckpointError, match=r"quantized weights \(fp8\)"):
+    (fp8 / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "awq"}}))
+    with pytest.raises(CheckpointError, match=r"Blink cannot load awq checkpoints yet"):  # FP8 ones: test_fp8.py
         load_config(fp8)
     # The same tensors without the config's word for it: the stored type gives it away.
     (fp8 / "config.json").write_text(json.dumps(config))

@@ -1,0 +1,243 @@
+"""FP8 weights (blink.engine.model.fp8): checkpoints written as vLLM expects them (fp8 per tensor with static
+activation scales, 128x128 blocks; compressed-tensors by channel and by block) loaded and run on the CPU against the
+float checkpoint of their dequantized values; `--quantization fp8` against the float model; the GPU's products
+(torch._scaled_mm's numbers emulated, the block kernel in Triton's interpreter) against float products; what cannot
+load refused by name."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from blink.engine import LLM, SamplingParams
+from blink.engine.errors import CheckpointError
+from blink.engine.kernels.fp8_linear import block_linear
+from blink.engine.model import fp8
+from blink.engine.model.checkpoint import FP8_PROJECTION
+from blink.engine.model.config import ModelConfig
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+
+
+def _ct_group(strategy: str, static: bool) -> dict:
+    """A compressed-tensors config group as llm-compressor writes one."""
+    weights = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": strategy}
+    if strategy == "block":
+        weights["block_structure"] = [128, 128]
+    inputs = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": not static,
+              "strategy": "tensor" if static else "token"}
+    return {"targets": ["Linear"], "weights": weights, "input_activations": inputs}
+
+
+def _ct_config(strategy: str, static: bool = False) -> dict:
+    return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+            "ignore": ["lm_head"], "config_groups": {"group_0": _ct_group(strategy, static)}}
+
+
+# name: (quantization_config, how each weight is scaled, whether activation scales are stored)
+FORMATS = {
+    "fp8-tensor-static": ({"quant_method": "fp8", "activation_scheme": "static"}, "tensor", True),
+    "fp8-block": ({"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                   "weight_block_size": [128, 128]}, "block", False),
+    "ct-channel": (_ct_config("channel"), "channel", False),
+    "ct-block": (_ct_config("block"), "block", False),
+    "ct-tensor-static": (_ct_config("tensor", static=True), "tensor", True),
+}
+
+
+def _quantized(w: torch.Tensor, how: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """codes and the stored scale of a float weight, as a quantizer of each format writes them."""
+    w = w.float()
+    if how == "tensor":
+        scale = w.abs().amax() / fp8.E4M3_MAX
+        return (w / scale).to(fp8.E4M3), scale.reshape(1)
+    if how == "channel":
+        scale = w.abs().amax(dim=1, keepdim=True) / fp8.E4M3_MAX
+        return (w / scale).to(fp8.E4M3), scale
+    n, k = w.shape
+    blocks = w.view(n // 128, 128, k // 128, 128).abs().amax(dim=(1, 3))
+    scale = blocks / fp8.E4M3_MAX
+    return (w / fp8.expand_scale(scale, (128, 128), w.shape)).to(fp8.E4M3), scale
+
+
+def write_fp8_checkpoint(source: Path, fp8_dir: Path, float_dir: Path, form: str) -> None:
+    """`source` (a float checkpoint) as an FP8 checkpoint in `form` (every projection; the embeddings, norms and
+    the output projection in float, as vLLM's and llm-compressor's quantizers leave them), and the float checkpoint
+    of the FP8 weights' dequantized values beside it."""
+    config_json, how, static = FORMATS[form]
+    tensors = load_file(str(source / "model.safetensors"))
+    stored, floats = {}, {}
+    for name, t in tensors.items():
+        if not FP8_PROJECTION.fullmatch(name):
+            stored[name] = floats[name] = t
+            continue
+        codes, scale = _quantized(t, how)
+        stem = name.removesuffix("weight")
+        scale_name = "weight_scale_inv" if form == "fp8-block" else "weight_scale"
+        stored[name], stored[stem + scale_name] = codes, scale
+        if static:
+            stored[stem + "input_scale"] = torch.tensor([0.05])
+        floats[name] = (codes.float() * fp8.expand_scale(scale.reshape(-1, 1) if how != "block" else scale,
+                                                         (128, 128) if how == "block" else None, t.shape))
+    for target, weights, extra in ((fp8_dir, stored, {"quantization_config": config_json}), (float_dir, floats, {})):
+        shutil.copytree(source, target)
+        (target / "model.safetensors").unlink()
+        save_file(weights, str(target / "model.safetensors"), metadata={"format": "pt"})
+        config = json.loads((target / "config.json").read_text())
+        (target / "config.json").write_text(json.dumps(config | extra))
+
+
+def _prompt_logprobs(llm: LLM, prompt: list[int]) -> torch.Tensor:
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))[0]
+    return torch.tensor([row[token] for row, token in zip(out.prompt_logprobs[1:], prompt[1:], strict=True)])
+
+
+@pytest.mark.parametrize("form", FORMATS)
+def test_an_fp8_checkpoint_runs_as_its_dequantized_floats_do(form, tmp_path):
+    """The tiny model in each format, on the CPU (dequantized at load): greedy tokens equal and prompt
+    log-probabilities within float32's rounding of the float checkpoint holding the same values."""
+    fp8_dir, float_dir = tmp_path / "fp8", tmp_path / "float"
+    write_fp8_checkpoint(Path(os.environ["BLINK_MODEL"]), fp8_dir, float_dir, form)
+    cfg = ModelConfig.from_dir(fp8_dir)
+    assert cfg.fp8 is not None and cfg.fp8.strategy == FORMATS[form][1]
+    prompt = list(range(5, 60, 3))
+    quantized, floats = LLM(str(fp8_dir), num_pages=32), LLM(str(float_dir), num_pages=32)
+    assert isinstance(quantized.engine.model.layers[0].qkv, torch.Tensor)  # no FP8 product on the CPU
+    assert (_prompt_logprobs(quantized, prompt) - _prompt_logprobs(floats, prompt)).abs().max() < 1e-4
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    assert quantized.generate([prompt], greedy)[0].token_ids == floats.generate([prompt], greedy)[0].token_ids
+
+
+def test_fp8_weights_load_with_their_scales(tmp_path):
+    """What the GPU gets: the projections in E4M3 with float32 scales of the stored shapes, a per-tensor scale
+    spread over the channels, q, k and v fused with the largest static activation scale."""
+    from blink.engine.model.checkpoint import load_tensors
+    from blink.engine.model.linear import cat
+    from blink.engine.model.model import checkpoint_tensor_names
+
+    fp8_dir, float_dir = tmp_path / "fp8", tmp_path / "float"
+    write_fp8_checkpoint(Path(os.environ["BLINK_MODEL"]), fp8_dir, float_dir, "fp8-tensor-static")
+    cfg = ModelConfig.from_dir(fp8_dir)
+    tensors = load_tensors(fp8_dir, set(checkpoint_tensor_names(cfg)), torch.float32, cfg.fp8)
+    floats = load_file(str(float_dir / "model.safetensors"))
+    q = tensors["model.layers.0.self_attn.q_proj.weight"]
+    assert isinstance(q, fp8.Fp8Weight) and q.codes.dtype == fp8.E4M3 and q.scale.shape == (q.shape[0], 1)
+    assert torch.equal(q.dequantize(), floats["model.layers.0.self_attn.q_proj.weight"])
+    assert isinstance(tensors["lm_head.weight"], torch.Tensor)
+    parts = [tensors[f"model.layers.0.self_attn.{n}_proj.weight"] for n in "qkv"]
+    for part, value in zip(parts, (0.05, 0.2, 0.1), strict=True):
+        part.input_scale = torch.tensor(value)
+    fused = cat(parts)
+    assert isinstance(fused, fp8.Fp8Weight) and fused.input_scale.item() == pytest.approx(0.2)
+    assert torch.equal(fused.dequantize(), torch.cat([p.dequantize() for p in parts]))
+
+
+def test_quantization_fp8_scores_text_near_the_float_model():
+    """--quantization fp8 on the tiny model (weights rounded to E4M3 per output channel; on the CPU they then run
+    in float32): each prompt token's log-probability within 0.05 of the float model's (int8's bound)."""
+    prompt = list(range(3, 60, 2))
+    floats = _prompt_logprobs(LLM(os.environ["BLINK_MODEL"], num_pages=32), prompt)
+    llm = LLM(os.environ["BLINK_MODEL"], num_pages=32, quantization="fp8")
+    qkv = llm.engine.model.layers[0].qkv
+    assert isinstance(qkv, torch.Tensor) and not torch.equal(qkv, LLM(os.environ["BLINK_MODEL"], num_pages=32)
+                                                              .engine.model.layers[0].qkv)
+    error = (_prompt_logprobs(llm, prompt) - floats).abs().max()
+    assert 0 < error < 0.05
+
+
+def test_quantizing_to_fp8_keeps_each_weight_within_e4m3s_step():
+    """Per output channel: every value within half an E4M3 step of its magnitude (3 mantissa bits: 1/16), the
+    channel's largest exact."""
+    torch.manual_seed(0)
+    w = torch.randn(64, 96) * torch.rand(64, 1) * 3
+    q = fp8.quantize(w)
+    back = q.dequantize(torch.float32)
+    assert q.codes.dtype == fp8.E4M3 and q.scale.shape == (64, 1)
+    step = torch.maximum(w.abs(), q.scale * 2**-6)  # below E4M3's normal range its steps are fixed
+    assert ((back - w).abs() <= step / 16 + 1e-7).all()
+    assert torch.allclose(back.abs().amax(dim=1), w.abs().amax(dim=1))
+
+
+def _per_channel(n: int, k: int) -> fp8.Fp8Weight:
+    return fp8.quantize(torch.randn(n, k) * 0.05)
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_the_scaled_mm_product_is_the_float_product_of_its_fp8_values(static):
+    """The GPU's per-channel path with torch._scaled_mm emulated in float32: exactly the product of the E4M3
+    activations and codes times both scales; within E4M3's rounding (a few percent) of the float product of the
+    dequantized weight. torch's own _scaled_mm on the CPU computes the same numbers."""
+    torch.manual_seed(0)
+    w = _per_channel(96, 128)
+    if static:
+        w.input_scale = torch.tensor(4.0 / fp8.E4M3_MAX)  # activations within ±4: none clip
+    bias = torch.randn(96).to(torch.bfloat16)
+    for m in (1, 5, 32):
+        x = (torch.rand(m, 128) * 8 - 4).to(torch.bfloat16)
+        got = fp8.linear(x, w, bias, scaled_mm=fp8.emulated_scaled_mm)
+        xq, xs = fp8.quantize_rows(x, w.input_scale)
+        exact = (xq.float() @ w.codes.float().t()) * xs * w.scale.view(1, -1)
+        assert got.dtype == torch.bfloat16 and _relative(got - bias, exact) < 1e-2
+        assert _relative(got, F.linear(x.float(), w.dequantize(torch.float32), bias.float())) < 5e-2
+        torch_mm = torch._scaled_mm(xq, w.codes.t(), scale_a=xs, scale_b=w.scale.view(1, -1), out_dtype=torch.float32)
+        assert _relative(fp8.emulated_scaled_mm(xq, w.codes.t(), xs, w.scale.view(1, -1), torch.float32),
+                         torch_mm) < 1e-5
+
+
+@pytest.mark.parametrize(("n", "k", "block"), [(256, 384, (128, 128)), (200, 300, (128, 128)), (96, 80, (64, 32))])
+def test_the_block_kernel_computes_the_references_numbers(n, k, block):
+    """The Triton kernel (interpreted without a GPU) against its torch reference, ragged edges included; within
+    E4M3's rounding of the float product of the dequantized weight."""
+    torch.manual_seed(0)
+    w = torch.randn(n, k) * 0.05
+    scale = torch.rand(-(-n // block[0]), -(-k // block[1])) * 1e-3 + 1e-4
+    codes = (w / fp8.expand_scale(scale, block, w.shape)).clamp(-fp8.E4M3_MAX, fp8.E4M3_MAX).to(fp8.E4M3)
+    weight = fp8.Fp8Weight(codes, scale, block, None, torch.float32)
+    for m in (1, 3, 17, 70):
+        x = torch.randn(m, k)
+        xq, xs = fp8.quantize_groups(x, block[1])
+        got = block_linear(xq, xs, codes, scale, block, torch.float32)
+        assert _relative(got, fp8.reference_block_linear(xq, xs, codes, scale, block, torch.float32)) < 1e-5
+        assert _relative(fp8.linear(x, weight), F.linear(x, weight.dequantize())) < 5e-2
+
+
+def test_what_fp8_cannot_load_is_refused_by_name():
+    base = json.loads((Path(os.environ["BLINK_MODEL"]) / "config.json").read_text())
+    refused = {"awq": {"quant_method": "awq", "bits": 4}, "gptq": {"quant_method": "gptq", "bits": 4},
+               "mxfp4": {"quant_method": "mxfp4"}, "bitsandbytes": {"quant_method": "bitsandbytes"},
+               "compressed-tensors int4 weights": {"quant_method": "compressed-tensors", "format": "pack-quantized",
+                                                   "config_groups": {"g": {"weights": {"num_bits": 4,
+                                                                                       "type": "int"}}}},
+               "compressed-tensors int8 weights": {"quant_method": "compressed-tensors", "format": "int-quantized",
+                                                   "config_groups": {"g": {"weights": {"num_bits": 8,
+                                                                                       "type": "int"}}}},
+               "e5m2": {"quant_method": "fp8", "fmt": "e5m2"}}
+    for name, config in refused.items():
+        with pytest.raises(CheckpointError, match=f"Blink cannot load .*{name}.* yet"):
+            ModelConfig.from_dict(base | {"quantization_config": config})
+    with pytest.raises(CheckpointError, match="weight_block_size"):
+        ModelConfig.from_dict(base | {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 100]}})
+    cfg = ModelConfig.from_dict(base | {"quantization_config": FORMATS["fp8-block"][0]})
+    with pytest.raises(ValueError, match="the checkpoint's weights are FP8"):
+        fp8.check("int8", cfg.fp8, 1)
+    with pytest.raises(ValueError, match="tensor-parallel"):
+        fp8.check("fp8", None, 2)
+
+
+def test_a_scale_of_the_wrong_shape_is_refused(tmp_path):
+    fp8_dir, float_dir = tmp_path / "fp8", tmp_path / "float"
+    write_fp8_checkpoint(Path(os.environ["BLINK_MODEL"]), fp8_dir, float_dir, "fp8-block")
+    tensors = load_file(str(fp8_dir / "model.safetensors"))
+    tensors["model.layers.1.mlp.down_proj.weight_scale_inv"] = torch.ones(3, 3)
+    save_file(tensors, str(fp8_dir / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"down_proj.weight_scale_inv is \[3, 3\]; blocks of 128x128"):
+        LLM(str(fp8_dir), num_pages=32)
