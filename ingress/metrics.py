@@ -108,9 +108,10 @@ class Metrics:
         self.prefix_hits = Counter("blink:prefix_cache_hits", "Of those, the tokens found cached", list(labels),
                                    registry=r).labels(**labels)
         # Structured outputs (a grammar): by kind (json_schema, regex, grammar), served (masked on the host, in the host
-        # drive mode) or refused (an invalid spec, or a drive mode that walks no grammar yet).
+        # drive mode; walked on the device, in the others) or refused (an invalid spec, or one the mode cannot walk).
         self.structured = Counter("blink:structured_output_requests", "Requests with a structured output, by kind "
-                                  "and outcome (host: masked on the host; refused)", [*labels, "kind", "outcome"],
+                                  "and outcome (host: masked on the host; device: walked on the device; refused)",
+                                  [*labels, "kind", "outcome"],
                                   registry=r)
         self.policies = dict(policies or {})
         self.info = Gauge("blink:engine_info", "The engine's drive mode, transport and scheduling policies",

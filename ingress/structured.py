@@ -26,7 +26,7 @@ from blink.shared.grammar import (
     GrammarSpec,
     check_combination,
 )
-from blink.shared.grammar_backends import guidance
+from blink.shared.grammar_backends import device_regex, guidance
 
 KIND_NAMES = {GrammarKind.JSON_SCHEMA: "json_schema", GrammarKind.REGEX: "regex", GrammarKind.EBNF: "grammar"}
 
@@ -122,15 +122,23 @@ async def check_grammar(state: IngressState, spec: GrammarSpec, param: str) -> N
         message = str(e) if isinstance(e, GrammarError) else (
             f"the {kind.replace('_', ' ')} did not compile within {compiler.timeout_s:g} s; simplify it")
         raise APIError(400, message, param=param) from None
-    state.metrics.structured.labels(model_name=state.info.model, kind=kind, outcome="host").inc()
+    outcome = "device" if MODES[state.info.drive].walks_grammars else "host"
+    state.metrics.structured.labels(model_name=state.info.model, kind=kind, outcome=outcome).inc()
 
 
 def _check_serving(state: IngressState, spec: GrammarSpec, param: str) -> None:
     mode = MODES.get(state.info.drive)
     if mode is None or not mode.grammars:
         raise APIError(400, f"structured outputs are served in the host drive mode; this engine runs "
-                       f"{state.info.drive!r}, whose grammar walk on the device is not built yet", param=param,
-                       code="unsupported_parameter")
+                       f"{state.info.drive!r}, which masks no grammar", param=param, code="unsupported_parameter")
+    if mode.walks_grammars:  # the device walks a token automaton: a spec that does not lower to one is refused
+        try:
+            device_regex(spec)
+        except GrammarError as e:
+            raise APIError(400, f"{e} (this engine runs {state.info.drive!r})", param=param,
+                           code="unsupported_parameter") from None
+        except ImportError:  # outlines-core is not beside the ingress: the engine ends such a request
+            pass
     size, limit = len(spec.text.encode()), state.info.max_grammar_bytes
     if size > limit:
         raise APIError(400, f"the structured output's spec is {size} bytes; this server takes {limit} at most "

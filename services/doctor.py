@@ -70,9 +70,12 @@ def _structured_outputs() -> Capability:
         return Capability("feature", "structured-outputs", False, "llguidance is not installed: JSON schemas, regexes, "
                           "choices and forced tool calls are refused under the default --structured-outputs-backend "
                           f"guidance (pip install blink-serve[engine,ingress]){f'; here: {have}' if have else ''}")
-    grammars = ", ".join(m.name for m in MODES.values() if m.grammars)
-    return Capability("feature", "structured-outputs", True, f"backends here: {have}; grammars are masked in the "
-                      f"{grammars} drive mode; the device modes refuse them until the device walks the grammar")
+    masked = ", ".join(m.name for m in MODES.values() if m.grammars and not m.walks_grammars)
+    walked = ", ".join(m.name for m in MODES.values() if m.walks_grammars)
+    lowering = "here" if importlib.util.find_spec("outlines_core") is not None else "missing: they refuse them"
+    return Capability("feature", "structured-outputs", True, f"backends here: {have}; grammars are masked on the "
+                      f"host in the {masked} drive mode and walked on the device in {walked} (regexes, choices and "
+                      f"JSON schemas that lower to a token automaton; outlines-core {lowering})")
 
 
 def _huge_pages() -> Capability:

@@ -101,16 +101,24 @@ def test_the_record_carries_the_grammar_within_its_area():
         write_request(records[1], Request(prompt=[1], max_tokens=1, grammar_kind=2, grammar="x" * 17), g)
 
 
-@pytest.mark.parametrize(("drive", "limit", "words"), [
-    ("graph", 4096, "host drive mode"), ("persistent", 4096, "host drive mode"), ("host", 4, "--max-grammar-bytes")])
-def test_the_ingress_refuses_what_its_engine_cannot_mask(drive, limit, words):
+GBNF = GrammarSpec(GrammarKind.EBNF, 'root ::= "a" root | "b"')
+UNBOUNDED = GrammarSpec.json_schema({"type": "object", "properties": {"n": {"type": "integer", "minimum": 0}}})
+
+
+@pytest.mark.parametrize(("drive", "limit", "spec", "words"), [
+    ("graph", 4096, GBNF, "host drive mode"), ("persistent", 4096, UNBOUNDED, "#/properties/n/minimum"),
+    ("host", 4, GrammarSpec(GrammarKind.REGEX, "[a-z]+"), "--max-grammar-bytes")])
+def test_the_ingress_refuses_what_its_engine_cannot_mask(drive, limit, spec, words):
+    """The device modes walk what lowers to a token automaton (a GBNF grammar does not; outlines-core's JSON regex
+    leaves an open integer bound out); the host mode masks what fits the record."""
     info = SimpleNamespace(drive=drive, max_grammar_bytes=limit, model="m")
     state = SimpleNamespace(info=info, metrics=Metrics("m", drive, "shm"), grammars=None)
     with pytest.raises(APIError) as e:
-        asyncio.run(check_grammar(state, GrammarSpec(GrammarKind.REGEX, "[a-z]+"), "guided_regex"))
-    assert e.value.status == 400 and words in e.value.message and e.value.param == "guided_regex"
+        asyncio.run(check_grammar(state, spec, "structured_outputs"))
+    assert e.value.status == 400 and words in e.value.message and e.value.param == "structured_outputs"
+    kind = {GrammarKind.EBNF: "grammar", GrammarKind.REGEX: "regex", GrammarKind.JSON_SCHEMA: "json_schema"}[spec.kind]
     counted = state.metrics.registry.get_sample_value("blink:structured_output_requests_total",
-                                                      {"model_name": "m", "kind": "regex", "outcome": "refused"})
+                                                      {"model_name": "m", "kind": kind, "outcome": "refused"})
     assert counted == 1
 
 
