@@ -16,7 +16,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from blink.engine.kernels import activation, attention, moe, rms_norm, rope_kv, rotation, sampler  # noqa: E402
+from blink.engine.kernels import activation, attention, fp8_linear, moe, rms_norm, rope_kv, rotation, sampler  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -75,6 +75,11 @@ results = [
           dict(N=768, K=2048, GATHER=True, GATED=True, BLOCK_M=moe.BLOCK_M, BLOCK_N=moe.BLOCK_N, BLOCK_K=moe.BLOCK_K,
                PRECISION="tf32", UPCAST=False),
           pointers("bf16", "x_ptr", "w_ptr", "out_ptr") | pointers("i64", "row_ptr", "expert_ptr")),
+    # FP8 block-scaled products (engine/model/fp8.py): a decode's 16-row tile and a batch's 64x128 (Hopper's wgmma)
+    *(build(fp8_linear._block_fp8_kernel, f"fp8 block product, {bm}x{bn} tiles",
+            dict(K=4096, GROUP_N=128, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128),
+            pointers("fp8e4nv", "x_ptr", "w_ptr") | pointers("fp32", "xs_ptr", "ws_ptr") | pointers("bf16", "out_ptr"))
+      for bm, bn in ((16, 64), (64, 128))),
     build(rotation._copy_pages_kernel, "KV rotation: page copies",
           dict(LAYERS=16, PAGE_ELEMENTS=16 * 8 * 64, PROGRAMS=rotation.PROGRAMS, BLOCK=rotation.BLOCK),
           pointers("bf16", "src_ptr", "dst_ptr") | pointers("i64", "src_ids_ptr", "dst_ids_ptr", "count_ptr")),
@@ -82,7 +87,7 @@ results = [
 
 
 TYPES = {"uint8": "u8", "bool": "i1", "int32": "i32", "int64": "i64", "float32": "fp32", "float64": "fp64",
-         "bfloat16": "bf16", "float16": "fp16"}
+         "bfloat16": "bf16", "float16": "fp16", "float8_e4m3fn": "fp8e4nv"}
 
 
 def recorded_launches() -> list[dict]:
