@@ -14,6 +14,7 @@ from blink.engine.core.kv_cache import PagePool
 from blink.engine.core.policy import policy_named
 from blink.engine.core.prefix_cache import PrefixCache
 from blink.engine.core.rotation import HostMirror
+from blink.engine.core.speculation import Speculation
 from blink.engine.core.state import Slots
 from blink.engine.core.step import Step
 from blink.engine.device import auto_dtype, available_memory, configure_threads, resolve_device
@@ -28,6 +29,7 @@ from blink.shared.grammar_backends import BACKENDS, DEFAULT_BACKEND
 from blink.shared.prefix_hash import prefix_seed
 from blink.shared.request_schema import MAX_GRAMMAR_BYTES
 from blink.shared.slot_table import Geometry
+from blink.shared.speculative import SpeculativeConfig, speculative_config
 from blink.shared.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -56,6 +58,9 @@ class EngineConfig:
     tensor_parallel_rank: int = 0  # this engine's (the LLM API starts the others)
     distributed_init_method: str | None = None  # where the ranks meet: tcp://HOST:PORT
     structured_outputs_backend: str = DEFAULT_BACKEND  # the grammar library (blink.shared.grammar_backends)
+    # vLLM's --speculative-config: a dict or its JSON ({"method": "ngram", "num_speculative_tokens": K, ...});
+    # None: off (blink.shared.speculative, engine/core/speculation.py; the host drive mode)
+    speculative_config: dict | str | None = None
 
     def validate(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -79,6 +84,11 @@ class EngineConfig:
                              f"{self.structured_outputs_backend!r}")
         if self.kv_memory_fraction is not None and not 0 < self.kv_memory_fraction <= 1:
             raise ValueError(f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
+        speculative_config(self.speculative_config)  # raises on a config that is not one
+
+    @property
+    def speculation(self) -> SpeculativeConfig | None:
+        return speculative_config(self.speculative_config)
 
 
 class Engine:
@@ -141,15 +151,17 @@ class Engine:
         mirror_pages = min(int(config.swap_space * 2**30) // PagePool.bytes_per_page(cfg, page),
                            num_slots * pages_per_seq) + 1
         self._mirror_pages = mirror_pages if config.swap_space > 0 and mirror_pages > 1 else 0
+        spec = config.speculation
         self.step = Step(self.model, self.pool, self.state, list(self.generation.eos_token_ids), budget,
-                         policy_named(config.scheduling_policy), self.shard)
+                         policy_named(config.scheduling_policy), self.shard, Speculation.of(spec) if spec else None)
         if config.compile_bookkeeping:
             self.step.compile_bookkeeping()
         log.info("engine ready: %s on %s in %s (dtype %s), %d slots, %d-token budget, %d KV pages of %d, context %d, "
-                 "%s scheduling, %d host pages for KV rotation, prefix caching %s, bookkeeping %s",
+                 "%s scheduling, %d host pages for KV rotation, prefix caching %s, bookkeeping %s, speculation %s",
                  cfg.architecture, self.device, str(cfg.dtype).removeprefix("torch."), config.dtype, num_slots, budget,
                  num_pages, page, max_len, config.scheduling_policy, max(0, self._mirror_pages - 1),
-                 "on" if config.enable_prefix_caching else "off", "compiled" if config.compile_bookkeeping else "eager")
+                 "on" if config.enable_prefix_caching else "off", "compiled" if config.compile_bookkeeping else "eager",
+                 spec.model_dump(exclude_none=True) if spec else "off")
 
     def geometry(self, window: int, max_prompt_tokens: int | None = None,
                  max_grammar_bytes: int = MAX_GRAMMAR_BYTES) -> Geometry:

@@ -77,10 +77,10 @@ class LLM:
                     continue  # an aborted leftover
                 if out.prompt_logprobs is not None:
                     out.prompt_logprobs += [{**dict(p.top), p.token_id: p.logprob} for p in event.prompt]
-                if event.token is not None:
-                    out.token_ids.append(event.token)
+                for sampled in event.tokens:
+                    out.token_ids.append(sampled.token)
                     if out.logprobs is not None:
-                        out.logprobs.append(event.top_logprobs)
+                        out.logprobs.append(sampled.top_logprobs)
                 out.finish_reason = event.finish_reason or out.finish_reason
                 if event.stats is not None:
                     out.num_cached_tokens = event.stats.cached_tokens

@@ -14,6 +14,8 @@ from blink.shared import drive_modes, grammar_backends, transports
 from blink.shared.cpus import CPU_LIST
 from blink.shared.request_schema import MAX_GRAMMAR_BYTES
 from blink.shared.service_class import ClassDefaults, ClassName, ClassSLO
+from blink.shared.speculative import HELP as SPECULATIVE_HELP
+from blink.shared.speculative import SpeculativeConfig, speculative_config
 
 SCHEDULING_POLICIES = ("fcfs", "priority", "slo")  # blink.engine.core.policy
 QUANTIZATIONS = ("int8", "int4", "gguf", "fp8")  # blink.engine.model.quant; fp8: blink.engine.model.fp8
@@ -103,6 +105,7 @@ class Settings(BaseSettings):
                                       "torch.compile (fused into tens of kernels from hundreds of ops), in the graph "
                                       "and persistent drive modes (compiled before serving); the offline API's "
                                       "LLM(compile_bookkeeping=True) runs it on the CPU too")
+    speculative_config: Annotated[SpeculativeConfig | None, NoDecode] = Field(None, description=SPECULATIVE_HELP)
     enable_auto_tool_choice: bool = Field(False, description="find tool calls in chat output (tool_choice auto), "
                                           "with --tool-call-parser (vLLM's flags)")
     tool_call_parser: Literal["hermes", "llama3_json"] | None = Field(
@@ -154,6 +157,11 @@ class Settings(BaseSettings):
         if isinstance(value, str):
             return _json(value, "a JSON array") if value.lstrip().startswith("[") else [value]
         return value
+
+    @field_validator("speculative_config", mode="before")
+    @classmethod
+    def _speculative(cls, value: object) -> SpeculativeConfig | None:
+        return speculative_config(value)
 
     @field_validator("default_chat_template_kwargs", mode="before")
     @classmethod

@@ -42,8 +42,21 @@ def score_prompt(state: Slots, plan: StepPlan, batch_index: torch.Tensor, logits
 
 
 @dataclass
+class EmittedRuns:
+    """The tokens each slot emitted in a step with drafts (engine/core/speculation.py), in order: [S, K + 1] each
+    (the first `count[s]` real), the logprobs' [S, K + 1, ...] where the step computed them."""
+
+    token: torch.Tensor
+    count: torch.Tensor  # [S]
+    logprob: torch.Tensor | None
+    top_ids: torch.Tensor | None
+    top_logprobs: torch.Tensor | None
+
+
+@dataclass
 class StepOutput:
-    """What one step produced, per slot ([S] or [S, k]); `token` is -1 where a slot sampled nothing."""
+    """What one step produced, per slot ([S] or [S, k]); `token` is -1 where a slot sampled nothing. With drafts,
+    `runs` holds every token a slot emitted (token: the first), and the per-slot logprobs are in it alone."""
 
     token: torch.Tensor
     finish_reason: torch.Tensor  # Finish.NONE unless the slot finished this step
@@ -53,6 +66,7 @@ class StepOutput:
     row_slot: torch.Tensor  # [R] slot of each logits row
     row_logits: torch.Tensor  # [R, V] float32 logits the rows sampled from, before penalties
     prompt: PromptScores | None = None  # when a resident request asked for its prompt's logprobs
+    runs: EmittedRuns | None = None  # with speculative decoding: one to K + 1 tokens per slot
 
 
 def commit(state: Slots, pool: PagePool, mirror: HostMirror | None, plan: StepPlan, rows: int, out: SampleOutput,
@@ -93,13 +107,9 @@ def settle(state: Slots, plan: StepPlan, rows: int, out: SampleOutput, logits: t
     if count_outputs:
         state.output_counts.index_put_((slot, tok), valid.int(), accumulate=True)
 
-    seq_len = state.seq_len[slot]
-    stopped = (state.stop_ids[slot] == tok[:, None]).any(-1)
-    # Not torch.isin: on CUDA past a few ids it sorts, and syncs (which no captured step may).
-    stopped |= (tok[:, None] == eos_ids).any(-1) & ~state.ignore_eos[slot]
-    too_long = (seq_len - state.prompt_len[slot] >= state.max_tokens[slot]) | (seq_len >= state.max_len)
+    stopped, too_long = ends_request(state, slot, tok, eos_ids, state.seq_len[slot])
     row_reason = torch.where(stopped & valid, Finish.STOP, torch.where(too_long, Finish.LENGTH, 0))
-    reason = _per_slot(S, torch.where(sampled, slot, S), row_reason, 0)
+    reason = per_slot(S, torch.where(sampled, slot, S), row_reason, 0)
     running = state.status_is(SlotStatus.RUNNING)
     reason = torch.where(running & state.cancel & (reason == 0), Finish.ABORT, reason)
 
@@ -107,21 +117,32 @@ def settle(state: Slots, plan: StepPlan, rows: int, out: SampleOutput, logits: t
     state.finish_reason.copy_(torch.where(finished, reason, state.finish_reason))
     state.status.masked_fill_(finished, SlotStatus.FINISHED)
 
-    def per_slot(x: torch.Tensor | None, fill: float) -> torch.Tensor | None:
-        return None if x is None else _per_slot(S, target, x, fill)
+    def slot_values(x: torch.Tensor | None, fill: float) -> torch.Tensor | None:
+        return None if x is None else per_slot(S, target, x, fill)
 
     return StepOutput(
-        token=torch.where(reason.eq(Finish.ABORT), -1, _per_slot(S, target, tok, -1)),  # aborts emit nothing
+        token=torch.where(reason.eq(Finish.ABORT), -1, per_slot(S, target, tok, -1)),  # aborts emit nothing
         finish_reason=reason,
-        logprob=per_slot(out.logprob, 0.0),
-        top_ids=per_slot(out.top_ids, -1),
-        top_logprobs=per_slot(out.top_logprobs, 0.0),
+        logprob=slot_values(out.logprob, 0.0),
+        top_ids=slot_values(out.top_ids, -1),
+        top_logprobs=slot_values(out.top_logprobs, 0.0),
         row_slot=torch.where(valid, slot, -1),
         row_logits=logits,
     )
 
 
-def _per_slot(num_slots: int, target: torch.Tensor, rows: torch.Tensor, fill: float) -> torch.Tensor:
+def ends_request(state: Slots, slot: torch.Tensor, tok: torch.Tensor, eos_ids: torch.Tensor,
+                 seq_len: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[R] whether each row's token stops its request (a stop id, or eos unless ignored), and whether the request is
+    at its length limit (max_tokens, or the context) once its sequence is `seq_len` long with that token."""
+    stopped = (state.stop_ids[slot] == tok[:, None]).any(-1)
+    # Not torch.isin: on CUDA past a few ids it sorts, and syncs (which no captured step may).
+    stopped |= (tok[:, None] == eos_ids).any(-1) & ~state.ignore_eos[slot]
+    too_long = (seq_len - state.prompt_len[slot] >= state.max_tokens[slot]) | (seq_len >= state.max_len)
+    return stopped, too_long
+
+
+def per_slot(num_slots: int, target: torch.Tensor, rows: torch.Tensor, fill: float) -> torch.Tensor:
     """Scatters [R, ...] row values to [S, ...] slot values; target S is the trash entry."""
     full = torch.full((num_slots + 1, *rows.shape[1:]), fill, dtype=rows.dtype, device=rows.device)
     full[target] = rows

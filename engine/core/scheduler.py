@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Generic, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Generic, NamedTuple, TypeVar
 
 import torch
 
@@ -22,6 +22,9 @@ from blink.engine.core.policy import Policy, StepCost, ahead, lexsort
 from blink.engine.core.prefix_cache import PrefixCache
 from blink.engine.core.rotation import HostMirror, PageMoves
 from blink.engine.core.state import Slots, SlotStatus, none_set
+
+if TYPE_CHECKING:
+    from blink.engine.core.speculation import Speculation
 
 QUERY_BLOCK = 64  # prefill chunks are attended in blocks of this many queries
 
@@ -49,8 +52,9 @@ class StepPlan:
     input_ids: torch.Tensor  # [T]
     decode_rows: QueryRows  # sequences computing one token
     chunk_rows: QueryRows  # sequences computing several (prefill chunks), in blocks of QUERY_BLOCK
-    sample_slot: torch.Tensor  # [S] slots that sample this step, packed first
-    sample_token: torch.Tensor  # [S] batch index of each sampling row's last token
+    sample_slot: torch.Tensor  # [S] slots that sample this step, packed first (with drafts: [rows], a row per
+    # position of each speculating slot's run, in batch order)
+    sample_token: torch.Tensor  # [S] batch index of each sampling row's last token (with drafts: its token)
     sample_valid: torch.Tensor  # [S]
     prompt_entries: torch.Tensor | None  # [S] prompt logprobs each slot publishes this step, ahead of its token;
     # None when the step may score none (no resident request asked)
@@ -83,17 +87,25 @@ class PlanSizes(NamedTuple, Generic[Size]):
 
 
 def plan(state: Slots, pool: PagePool, token_budget: int, policy: Policy, mirror: HostMirror | None,
-         cost: StepCost, prompt_rows: int, lay_out: Callable[..., StepPlan] | None = None) -> StepPlan:
+         cost: StepCost, prompt_rows: int, lay_out: Callable[..., StepPlan] | None = None,
+         speculation: Speculation | None = None) -> StepPlan:
     """cost: the driver's step-time model; prompt_rows: the prompt logprobs one step may compute at most; lay_out:
-    `_lay_out` or a kernel of the same arguments and plan (blink.engine.kernels.lay_out, the device step's)."""
+    `_lay_out` or a kernel of the same arguments and plan (blink.engine.kernels.lay_out, the device step's);
+    speculation: drafts for the decoding slots that may speculate (engine/core/speculation.py; the host mode's)."""
     running, resident = _start_admitted(state)
     precedence = lexsort(policy.keep_keys(state), first=torch.zeros_like(resident))  # the policy's order alone
     live = _live(state, pool, policy, mirror, resident, precedence)
-    take, entries = _hand_out(state, policy, cost, token_budget, prompt_rows, live)
+    take, entries, order, cap = _hand_out(state, policy, cost, token_budget, prompt_rows, live)
+    if speculation is not None:  # drafts take what budget and pages the plan leaves, before pages are found
+        take = take + speculation.draft(state, pool, policy, cost, take, live, order, cap)
     take, moves, moved = _find_pages(state, pool, policy, mirror, token_budget, take, running, resident, precedence)
     state.wait_s += torch.where(running & ~state.paused & (take == 0), cost.since_last_plan, 0.0)
     if entries is not None:
         entries = torch.where(take > 0, entries, 0)  # a slot that lost its pages to a victim's need computes nothing
+    if speculation is not None:
+        state.draft_len.masked_fill_(take == 0, 0)  # a slot that lost its pages drafts nothing either
+        return _lay_out(state, take, entries, moves, moved, token_budget, speculation.rows(state.num_slots,
+                                                                                          token_budget))
     return (lay_out or _lay_out)(state, take, entries, moves, moved, token_budget)
 
 
@@ -101,6 +113,7 @@ def _start_admitted(state: Slots) -> tuple[torch.Tensor, torch.Tensor]:
     """ADMITTED slots start RUNNING. Returns the running slots and the resident ones (not rotated out)."""
     admitted = state.status_is(SlotStatus.ADMITTED)
     state.status.masked_fill_(admitted, SlotStatus.RUNNING)
+    state.spec_rate.masked_fill_(admitted, 1.0)  # a new request trusts its drafts until they fail
     running = state.status_is(SlotStatus.RUNNING)
     return running, running & ~state.rotated
 
@@ -115,9 +128,9 @@ def _live(state: Slots, pool: PagePool, policy: Policy, mirror: HostMirror | Non
     return resident & ~state.paused & ~state.cancel & ~held_back
 
 
-def _hand_out(state: Slots, policy: Policy, cost: StepCost, token_budget: int, prompt_rows: int,
-              live: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The token budget, in the policy's order up to its cap: (tokens per slot, prompt logprobs per slot or None)."""
+def _hand_out(state: Slots, policy: Policy, cost: StepCost, token_budget: int, prompt_rows: int, live: torch.Tensor):
+    """The token budget, in the policy's order up to its cap: (tokens per slot, prompt logprobs per slot or None,
+    that order, the cap)."""
     demand = torch.where(live, state.seq_len - state.num_computed, 0)
     if prompt_rows:  # else no resident request asked for its prompt's logprobs
         # A request that does publishes one per prompt token it computes (and then its first token): no more than
@@ -129,7 +142,8 @@ def _hand_out(state: Slots, policy: Policy, cost: StepCost, token_budget: int, p
     wanted = demand[order]
     before = wanted.cumsum(0) - wanted
     take = torch.empty_like(demand).scatter_(0, order, (cap - before).clamp(min=0).minimum(wanted))
-    return _score_prompts(state, take, order, prompt_rows) if prompt_rows else (take, None)
+    take, entries = _score_prompts(state, take, order, prompt_rows) if prompt_rows else (take, None)
+    return take, entries, order, cap
 
 
 def _find_pages(state: Slots, pool: PagePool, policy: Policy, mirror: HostMirror | None, token_budget: int,
@@ -180,8 +194,10 @@ def _give_back(state: Slots, pool: PagePool, mirror: HostMirror | None, evicted:
 
 
 def _lay_out(state: Slots, take: torch.Tensor, entries: torch.Tensor | None, moves: PageMoves | None,
-             moved: torch.Tensor, token_budget: int) -> StepPlan:
-    """The batch's tokens flat, slot after slot; the query rows, the sampling rows and the sizes the driver reads."""
+             moved: torch.Tensor, token_budget: int, draft_rows: int = 0) -> StepPlan:
+    """The batch's tokens flat, slot after slot; the query rows, the sampling rows and the sizes the driver reads.
+    draft_rows: with drafts, the sampling rows' count (a row per token from each sampling slot's last committed one
+    on); 0: a row per sampling slot."""
     S, device = state.num_slots, state.status.device
     ends = take.cumsum(0)
     starts = ends - take
@@ -195,9 +211,17 @@ def _lay_out(state: Slots, take: torch.Tensor, entries: torch.Tensor | None, mov
     decode_slot, num_decodes = pack(take == 1)
     decode_rows = QueryRows(starts[decode_slot], take[decode_slot], first_pos[decode_slot], decode_slot, num_decodes)
     chunk_rows = _chunk_rows(take, starts, first_pos, token_budget)
-    sample_slot, num_samples = pack((take > 0) & (state.num_computed + take == state.seq_len))
-    sample_valid = torch.arange(S, device=device) < num_samples
-    sample_token = torch.where(sample_valid, ends[sample_slot] - 1, 0)
+    samples = (take > 0) & (state.num_computed + take == state.seq_len + state.draft_len)
+    if draft_rows:
+        row_of = token_valid & samples[token_slot] & (token_pos >= state.seq_len[token_slot] - 1)
+        sample_token, num_samples = pack(row_of)
+        sample_token = sample_token[:draft_rows]
+        sample_slot = token_slot[sample_token]
+        sample_valid = torch.arange(draft_rows, device=device) < num_samples
+    else:
+        sample_slot, num_samples = pack(samples)
+        sample_valid = torch.arange(S, device=device) < num_samples
+        sample_token = torch.where(sample_valid, ends[sample_slot] - 1, 0)
 
     max_context = torch.where(token_valid, token_pos + 1, 0).amax()
     sizes = PlanSizes(tokens=ends[-1], max_context=max_context, decode_rows=num_decodes, chunk_rows=chunk_rows.count,

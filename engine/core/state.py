@@ -12,6 +12,7 @@ from enum import IntEnum
 import torch
 
 from blink.shared.request_schema import FIELDS, MAX_LOGIT_BIAS, MAX_STOP_IDS
+from blink.shared.speculative import MAX_SPECULATIVE_TOKENS
 
 
 def none_set(*masks: torch.Tensor) -> bool:
@@ -105,6 +106,15 @@ class Slots:
         self.prompt_mask = zeros(S, vocab_size, dtype=torch.bool)
         self.num_preemptions = zeros()  # rotations out and recomputes, as vLLM counts swaps and recomputes
         self.num_recomputes = zeros()
+        # Speculative decoding (engine/core/speculation.py): the drafts written after each sequence this step, each
+        # slot's decayed acceptance rate (a new request starts trusting its drafts), slots the host keeps from
+        # drafting (a grammar masks one row per slot), and vLLM's counters: drafts, draft tokens, accepted tokens,
+        # and accepted tokens per draft position (the last entry takes masked-off adds).
+        self.draft_len = zeros(S)
+        self.spec_rate = torch.ones(S, dtype=torch.float32, device=device)
+        self.draft_off = zeros(S, dtype=torch.bool)
+        self.spec_counts = zeros(3)
+        self.spec_accepted_per_pos = zeros(MAX_SPECULATIVE_TOKENS + 1)
 
     def status_is(self, status: SlotStatus) -> torch.Tensor:
         """[S] whether each slot is in `status`. torch.eq, not ==: torch.compile traces `tensor == IntEnum` as a

@@ -20,6 +20,7 @@ from blink.engine.core.policy import Policy, StepCost
 from blink.engine.core.rotation import HostMirror
 from blink.engine.core.sampler import SamplerFeatures, SamplingRows, hash32
 from blink.engine.core.scheduler import PlanSizes, StepPlan, pack, plan
+from blink.engine.core.speculation import Speculation
 from blink.engine.core.state import Slots
 from blink.engine.model.attention import AttentionBatch
 from blink.engine.model.model import Transformer
@@ -34,7 +35,7 @@ class StepShape:
     context: int  # cache rows each sequence may read (a bucket of the context limit)
     decode_rows: int  # sequences computing one token
     chunk_rows: int  # blocks of QUERY_BLOCK queries of the sequences computing several (prefill chunks)
-    rows: int  # logits rows: min(slots, tokens)
+    rows: int  # logits rows: min(slots, tokens); with drafts min(slots * (1 + K), tokens)
     prompt_rows: int = 0  # prompt logprobs the step may compute (plan caps them at this)
 
 
@@ -49,9 +50,12 @@ def ladder(top: int, start: int) -> list[int]:
 
 class Step:
     def __init__(self, model: Transformer, pool: PagePool, state: Slots, eos_ids: list[int],
-                 token_budget: int, policy: Policy, shard: Shard | None = None):
-        """shard: this rank's, with tensor parallelism: every rank plans with rank 0's step-cost inputs."""
+                 token_budget: int, policy: Policy, shard: Shard | None = None,
+                 speculation: Speculation | None = None):
+        """shard: this rank's, with tensor parallelism: every rank plans with rank 0's step-cost inputs;
+        speculation: drafts verified in the step (engine/core/speculation.py), the host mode's."""
         self.model, self.pool, self.state, self.shard = model, pool, state, shard
+        self.speculation = speculation
         self.token_budget, self.policy = token_budget, policy
         device = state.status.device
         self.cost = StepCost(device)  # the step-time model's fit (policy.StepCostModel) that the plan reads
@@ -94,6 +98,9 @@ class Step:
         prompt_rows = self.token_budget if features.prompt_logprobs else 0
         if self.shard is not None:  # the host-timed inputs: every rank must make rank 0's decisions
             self.shard.from_first(self.cost.values)
+        if self.speculation is not None:
+            return self.planner(self.state, self.pool, self.token_budget, self.policy, mirror, self.cost, prompt_rows,
+                                speculation=self.speculation)
         return self.planner(self.state, self.pool, self.token_budget, self.policy, mirror, self.cost, prompt_rows)
 
     def shape_for(self, sizes: PlanSizes) -> StepShape:
@@ -103,7 +110,8 @@ class Step:
             context=_bucket(self.context_buckets, sizes.max_context),
             decode_rows=sizes.decode_rows,
             chunk_rows=sizes.chunk_rows,
-            rows=min(self.state.num_slots, tokens),
+            rows=(self.speculation.rows(self.state.num_slots, tokens) if self.speculation
+                  else min(self.state.num_slots, tokens)),
             prompt_rows=_bucket(self.host_buckets, sizes.prompt_entries) if sizes.prompt_entries else 0,
         )
 
@@ -125,7 +133,9 @@ class Step:
             temperature=state.temperature[slot], top_p=state.top_p[slot], top_k=state.top_k[slot],
             min_p=state.min_p[slot], repetition_penalty=state.repetition_penalty[slot],
             presence_penalty=state.presence_penalty[slot], frequency_penalty=state.frequency_penalty[slot],
-            seed=state.seed[slot], step_index=state.seq_len[slot] - state.prompt_len[slot],
+            # The index of the token the row draws (its position's, for a run with drafts): the seeded noise of
+            # plain decoding for that token.
+            seed=state.seed[slot], step_index=plan.token_pos[rows_read[:R]] + 1 - state.prompt_len[slot],
         )
         if features.min_tokens:  # eos (unless ignored) and the stop ids, while fewer than min_tokens are out
             eos = self.eos_ids[None, :].expand(R, -1).masked_fill(state.ignore_eos[slot][:, None], -1)
@@ -138,8 +148,9 @@ class Step:
         penalties = _seen_tokens(state, slot) if features.penalties else (None, None)
         out = self.sampler.sample(logits, rows, features, self.vocab_hash, *penalties)
         scored = score_prompt(state, plan, prompt_tokens, prompt_logits, self.sampler) if shape.prompt_rows else None
+        settler = self.speculation.settle if self.speculation is not None else None
         return self.committer(state, pool, mirror, plan, R, out, logits, self.eos_ids,
-                              count_outputs=features.penalties, prompt=scored)
+                              count_outputs=features.penalties, prompt=scored, settler=settler)
 
     def _attention_batch(self, plan: StepPlan, shape: StepShape) -> AttentionBatch:
         B, page = shape.tokens, self.pool.page_size

@@ -34,21 +34,41 @@ from blink.shared.slot_table import FINISH_NAMES, Finish, RequestStats, SlotTabl
 
 
 @dataclass
-class SlotEvent:
-    """What one slot produced in a step: the prompt tokens it scored (if it asked), a token (or none: aborted, or
-    still in its prompt) and, last, its finish."""
+class Sampled:
+    """One generated token, with its logprob and the k most likely tokens where the request asked for them."""
 
-    token: int | None
+    token: int
     logprob: float | None = None
-    top: list[tuple[int, float]] = field(default_factory=list)  # the k most likely tokens the request asked for
-    finish_reason: str | None = None  # stop | length | abort
-    stats: RequestStats | None = None  # with the finish
-    prompt: list[TokenLogprob] = field(default_factory=list)  # the prompt tokens it scored, in order
+    top: list[tuple[int, float]] = field(default_factory=list)
 
     @property
     def top_logprobs(self) -> dict[int, float]:
         """The top tokens and the sampled one, as the offline API gives them."""
         return {**dict(self.top), self.token: self.logprob} if self.logprob is not None else {}
+
+
+@dataclass
+class SlotEvent:
+    """What one slot produced in a step: the prompt tokens it scored (if it asked), its tokens (none: aborted, or
+    still in its prompt; several: drafts accepted) and, last, its finish."""
+
+    tokens: list[Sampled] = field(default_factory=list)
+    finish_reason: str | None = None  # stop | length | abort
+    stats: RequestStats | None = None  # with the finish
+    prompt: list[TokenLogprob] = field(default_factory=list)  # the prompt tokens it scored, in order
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [s.token for s in self.tokens]
+
+    @property
+    def token(self) -> int | None:
+        """The slot's one token (None: none), for a caller stepping without drafts; never drops a token: with
+        several (drafts accepted) it raises, and `tokens` is what to read."""
+        if len(self.tokens) > 1:
+            raise ValueError(f"the slot emitted {len(self.tokens)} tokens this step (speculative decoding): read "
+                             "`tokens`")
+        return self.tokens[0].token if self.tokens else None
 
 
 @dataclass(frozen=True)
@@ -120,6 +140,9 @@ class HostRank:
         self._arrivals += len(admitted.slots)
         for slot in self.grammars.admit(records, admitted.slots):  # compiled already where HostDriver admits
             engine.state.cancel[slot] = True
+        if admitted.slots:  # the grammar masks one row per slot: a constrained slot decodes without drafts
+            engine.state.draft_off[admitted.slots] = torch.tensor([slot in self.grammars.matchers
+                                                                   for slot in admitted.slots])
         return admitted.invalid
 
     def step(self, windows: Windows | None) -> dict[int, SlotEvent]:
@@ -133,8 +156,8 @@ class HostRank:
             state.room[index] = torch.from_numpy(windows.room).to(state.room.device)
         events = self._run()
         for slot, event in events.items():
-            if event.token is not None:
-                self.grammars.advance(slot, event.token)
+            for token in event.token_ids:  # one: a constrained slot never drafts
+                self.grammars.advance(slot, token)
             if event.finish_reason:
                 self.grammars.release(slot)
                 state.release_slot(slot)
@@ -173,22 +196,22 @@ class HostRank:
 
 def _events(out: StepOutput, resident: Mapping[int, Asked], features: SamplerFeatures, state: Slots,
             page_bytes: int) -> dict[int, SlotEvent]:
-    tokens, reasons = out.token.tolist(), out.finish_reason.tolist()
-    if features.logprobs:
-        logprob, top_ids, top_lp = out.logprob.tolist(), out.top_ids.tolist(), out.top_logprobs.tolist()
+    runs = _runs(out, features)
+    reasons = out.finish_reason.tolist()
     if any(reasons):
         counts = torch.stack([state.preemptions, state.pages_out, state.pages_in, state.cached_tokens]).tolist()
         waited = state.wait_s.tolist()
     scored = _scored(out.prompt, resident) if out.prompt is not None else {}
     events = {}
     for slot, asked in resident.items():
-        token, reason = tokens[slot], reasons[slot]
-        if token < 0 and reason == Finish.NONE and slot not in scored:
+        tokens, reason = runs[slot], reasons[slot]
+        if not tokens and reason == Finish.NONE and slot not in scored:
             continue
-        event = SlotEvent(token if token >= 0 else None, prompt=scored.get(slot, []))
-        if asked.logprobs >= 0 and token >= 0:
-            k = asked.logprobs
-            event.logprob, event.top = logprob[slot], list(zip(top_ids[slot][:k], top_lp[slot][:k], strict=True))
+        event = SlotEvent(prompt=scored.get(slot, []))
+        k = asked.logprobs
+        for token, logprob, top_ids, top_lp in tokens:
+            event.tokens.append(Sampled(token) if k < 0 or logprob is None else
+                                Sampled(token, logprob, list(zip(top_ids[:k], top_lp[:k], strict=True))))
         if reason != Finish.NONE:
             event.finish_reason = FINISH_NAMES[Finish(reason)]
             out_pages, in_pages = counts[1][slot], counts[2][slot]
@@ -196,6 +219,25 @@ def _events(out: StepOutput, resident: Mapping[int, Asked], features: SamplerFea
                                        in_pages * page_bytes, counts[3][slot], waited[slot] * 1000)
         events[slot] = event
     return events
+
+
+def _runs(out: StepOutput, features: SamplerFeatures) -> list[list[tuple]]:
+    """Each slot's tokens this step, in order, as (token, logprob, top ids, top logprobs); the logprobs None where
+    the step computed none. One read of each tensor."""
+    runs = out.runs
+    if runs is None:  # a token per slot
+        tokens = [[t] if t >= 0 else [] for t in out.token.tolist()]
+        parts = (out.logprob, out.top_ids, out.top_logprobs)
+    else:
+        tokens = [row[:n] for row, n in zip(runs.token.tolist(), runs.count.tolist(), strict=True)]
+        parts = (runs.logprob, runs.top_ids, runs.top_logprobs)
+    if not features.logprobs or parts[0] is None:
+        return [[(t, None, None, None) for t in row] for row in tokens]
+    logprob, top_ids, top_lp = (p.tolist() for p in parts)
+    if runs is None:
+        logprob, top_ids, top_lp = ([[x] for x in p] for p in (logprob, top_ids, top_lp))
+    return [[(t, logprob[s][i], top_ids[s][i], top_lp[s][i]) for i, t in enumerate(row)]
+            for s, row in enumerate(tokens)]
 
 
 def _scored(prompt: PromptScores, resident: Mapping[int, Asked]) -> dict[int, list[TokenLogprob]]:
@@ -327,9 +369,8 @@ class HostDriver:
     def _publish(self, slot: int, event: SlotEvent) -> None:
         for p in event.prompt:  # ahead of the token: the reader counts prompt_len - 1 of them first
             self.table.emit(slot, p.token_id, p.logprob, [t for t, _ in p.top], [lp for _, lp in p.top])
-        if event.token is not None:
-            top = event.top
-            self.table.emit(slot, event.token, event.logprob or 0.0, [t for t, _ in top], [lp for _, lp in top])
+        for s in event.tokens:  # several with drafts accepted: the plan kept them within the window's room
+            self.table.emit(slot, s.token, s.logprob or 0.0, [t for t, _ in s.top], [lp for _, lp in s.top])
         if event.finish_reason:
             self.table.finish(slot, _FINISH[event.finish_reason], event.stats)
 

@@ -84,8 +84,7 @@ class OfflineDriver:
             if e.finish_reason:  # the rank let the slot go
                 del self._resident[slot]
                 self._free_slots.append(slot)
-            events.append(TokenEvent(e.token, e.logprob, e.top, e.finish_reason, e.stats, e.prompt,
-                                     request_id=request_id))
+            events.append(TokenEvent(e.tokens, e.finish_reason, e.stats, e.prompt, request_id=request_id))
         return events
 
     def _fill_slots(self) -> None:

@@ -1,0 +1,206 @@
+"""Speculative decoding inside the step (`--speculative-config`, method ngram): drafts proposed, verified and
+accepted as tensor work on the engine's device, with no host read.
+
+- `Speculation.draft` (in the plan, after the token budget is handed out): for each decoding slot allowed to
+  speculate, the latest earlier occurrence of its last n tokens (n from prompt_lookup_max down to prompt_lookup_min)
+  in its own prompt and output; up to K tokens that followed it are the draft, written after the sequence
+  (`state.tokens[s, seq_len:seq_len + k]`, uncommitted) with `state.draft_len[s] = k`. The slot then computes
+  1 + k tokens in the step, a multi-token run like a prefill chunk, and each of them is a sampling row.
+- `Speculation.settle` (the commit's settler): each row sampled as plain decoding would have for that position (its
+  step_index is the position's), so the accepted run is the longest prefix of drafts equal to the target's own
+  draws, and the tokens emitted are the rows' up to and including the first that differs (its correction, or the
+  bonus token after K accepted). Greedy rows give plain decoding's tokens; sampled rows keep plain decoding's
+  distribution and seeded draws (docs/design.md, Decisions). Stops, eos, max_tokens and the context limit end a run
+  at the token that meets them; `num_computed` is taken back to the KV that is valid.
+- Policy: a slot speculates while its decayed acceptance rate is above what a draft token costs by the step-cost
+  fit (its own TPOT for latency-sensitive slots, the batch's throughput for best-effort ones), with a slow climb
+  back so a slot that stopped retries; drafts take only the token budget and free pages left after the plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from blink.engine.core.commit import EmittedRuns, StepOutput, ends_request, per_slot
+from blink.engine.core.kv_cache import PagePool
+from blink.engine.core.policy import Policy, StepCost
+from blink.engine.core.sampler import SampleOutput
+from blink.engine.core.state import Slots, SlotStatus
+from blink.shared.slot_table import Finish
+from blink.shared.speculative import SpeculativeConfig
+
+DECAY = 0.5  # weight of the past in a slot's acceptance rate: two bad drafts halve it twice
+RETRY = 0.03  # what a slot not drafting regains of its rate each step, so it tries again after a while
+MIN_RATE = 0.15  # below this acceptance a draft is not tried whatever the fit says (the fit is noisy)
+
+
+@dataclass(frozen=True)
+class Speculation:
+    k: int  # num_speculative_tokens
+    lookup_min: int
+    lookup_max: int
+
+    @classmethod
+    def of(cls, config: SpeculativeConfig) -> Speculation:
+        return cls(config.num_speculative_tokens, config.lookup_min, config.lookup_max)
+
+    def rows(self, num_slots: int, tokens: int) -> int:
+        """Sampling rows a step of `tokens` batch tokens may have: 1 + k per slot at most, one per token."""
+        return min(num_slots * (1 + self.k), tokens)
+
+    def draft(self, state: Slots, pool: PagePool, policy: Policy, cost: StepCost, take: torch.Tensor,
+              live: torch.Tensor, order: torch.Tensor, cap: torch.Tensor) -> torch.Tensor:
+        """[S] draft tokens each slot computes on top of `take` (written into state.tokens); order: the budget's,
+        cap: the most tokens the step may run."""
+        seq = state.seq_len
+        decoding = live & (take == 1) & (seq - state.num_computed == 1) & (state.max_tokens > 0)
+        penalised = (state.repetition_penalty != 1) | (state.presence_penalty != 0) | (state.frequency_penalty != 0)
+        scoring = (state.prompt_logprobs >= 0) & (state.scored < state.prompt_len - 1)
+        able = decoding & ~penalised & ~scoring & ~state.draft_off
+        wants = able & (state.spec_rate >= self.threshold(state, policy, cost, take))
+        state.spec_rate.copy_(torch.where(able & ~wants, state.spec_rate + RETRY * (1 - state.spec_rate),
+                                          state.spec_rate))
+        start, found = self.propose(state)
+        generated = seq - state.prompt_len
+        k = torch.minimum(found, state.max_tokens - generated - 1).minimum(state.max_len - seq - 1)
+        k = torch.where(wants, k.minimum(state.room - 1), 0).clamp(min=0, max=self.k)
+        k = self._fit(state, pool, take, k, order, cap)
+        i = torch.arange(self.k, device=seq.device)
+        src = (start[:, None] + i).clamp(max=state.max_len)
+        dst = torch.where(i < k[:, None], seq[:, None] + i, state.max_len)  # the trash column past the drafts
+        state.tokens.scatter_(1, dst, state.tokens.gather(1, src))
+        state.draft_len.copy_(k)
+        return k
+
+    def threshold(self, state: Slots, policy: Policy, cost: StepCost, take: torch.Tensor) -> torch.Tensor:
+        """[S] the acceptance rate a slot's drafts must have to pay, by the step-cost fit (a + b * tokens): k drafts
+        cost b * k for the whole step and bring rate * k tokens. For a latency-sensitive slot's own TPOT that pays
+        while rate > b / (a + b * T); for best-effort slots, whose worth is the batch's tokens per second, while
+        rate > b * N / (a + b * T), N the slots sampling: a full batch keeps them from drafting."""
+        tokens = take.sum().double()
+        sampling = ((take > 0) & (state.num_computed + take == state.seq_len)).sum().clamp(min=1).double()
+        step = cost.per_step + cost.per_token * tokens
+        per_draft = torch.where(step > 0, cost.per_token / step.clamp(min=1e-12), 0.0)
+        need = torch.where(policy.latency_sensitive(state), per_draft, per_draft * sampling)
+        return need.float().clamp(min=MIN_RATE)
+
+    def propose(self, state: Slots) -> tuple[torch.Tensor, torch.Tensor]:
+        """([S] where each slot's draft starts in its tokens, [S] its length, 0 for none): after the latest earlier
+        occurrence of the sequence's last n tokens, the longest n in [lookup_min, lookup_max] that has one."""
+        tokens, seq = state.tokens, state.seq_len
+        L = tokens.shape[1] - 1  # the trash column is no history
+        j = torch.arange(L, device=seq.device)  # where a match ends (its last token)
+        matched = torch.ones(state.num_slots, L, dtype=torch.bool, device=seq.device)
+        start = torch.zeros_like(seq)
+        found = torch.zeros_like(seq)
+        for n in range(1, self.lookup_max + 1):  # matched: the last n tokens end at j too
+            d = n - 1
+            last = tokens.gather(1, (seq - 1 - d).clamp(min=0)[:, None])
+            back = torch.cat([tokens.new_full((state.num_slots, d), -1), tokens[:, : L - d]], 1)  # tokens[j - d]
+            matched &= back == last
+            if n < self.lookup_min:
+                continue
+            # An earlier occurrence ends before the last token, and whole: j - d >= 0, j + 1 < seq.
+            hit = matched & (j >= d) & (j[None, :] < (seq - 1)[:, None]) & (seq >= n)[:, None]
+            latest = torch.where(hit, j, -1).amax(1)
+            longer = latest >= 0  # n counts up: a longer match replaces a shorter one
+            start = torch.where(longer, latest + 1, start)
+            found = torch.where(longer, (seq - latest - 1).clamp(max=self.k), found)
+        return start, found
+
+    def _fit(self, state: Slots, pool: PagePool, take: torch.Tensor, k: torch.Tensor, order: torch.Tensor,
+             cap: torch.Tensor) -> torch.Tensor:
+        """The drafts cut to the budget the plan left (in its order) and to the free pages the plan leaves: a
+        draft never takes a token or a page another slot's tokens would have had."""
+        wanted = k[order]
+        before = wanted.cumsum(0) - wanted
+        left = cap - take.sum()
+        k = torch.empty_like(k).scatter_(0, order, (left - before).clamp(min=0).minimum(wanted))
+        page = pool.page_size
+        ends = state.num_computed + take
+        held = torch.maximum(state.pages_held, (ends + page - 1) // page)
+        base = torch.where(take > 0, held - state.pages_held, 0).sum()
+        extra = ((ends + k + page - 1) // page - held).clamp(min=0)
+        extra_o = extra[order]
+        fits_o = extra_o.cumsum(0) + base <= pool.num_free
+        fits = torch.empty_like(fits_o).scatter_(0, order, fits_o)
+        return torch.where(fits, k, 0)
+
+    def settle(self, state: Slots, plan, rows: int, out: SampleOutput, logits: torch.Tensor, eos_ids: torch.Tensor,
+               count_outputs: bool) -> StepOutput:
+        """commit.settle for steps with drafts: each slot's rows, in position order, accepted up to the first whose
+        token differs from the draft after it; emitted up to the first that ends the request."""
+        S, K = state.num_slots, self.k
+        slot, sampled = plan.sample_slot[:rows], plan.sample_valid[:rows]
+        seq = state.seq_len[slot]
+        i = torch.where(sampled, plan.token_pos[plan.sample_token[:rows]] - (seq - 1), 0)  # offset in the run
+        k = state.draft_len[slot]
+        tok = out.tokens
+        r = torch.arange(rows, device=tok.device)
+        first = (r - i).clamp(min=0)  # the slot's first row (runs are consecutive rows)
+
+        def earlier(flag: torch.Tensor) -> torch.Tensor:
+            """Whether a row before this one in its slot's run has `flag`."""
+            c = flag.long().cumsum(0) - flag.long()
+            return c > c[first]
+
+        draft_next = state.tokens[slot, (seq + i).clamp(max=state.max_len)].long()
+        breaks = sampled & ((i >= k) | (tok != draft_next))  # its token is the correction, or the bonus one
+        stopped, too_long = ends_request(state, slot, tok, eos_ids, seq + i + 1)
+        live = sampled & ~earlier(breaks) & ~earlier(too_long | stopped)
+        valid = live & (state.max_tokens[slot] > 0)
+        state.tokens[slot, torch.where(valid, seq + i, state.max_len)] = tok.int()
+        emitted = torch.zeros(S + 1, dtype=torch.int64, device=tok.device).index_add_(
+            0, torch.where(valid, slot, S), valid.long())[:S]
+        if count_outputs:
+            state.output_counts.index_put_((slot, tok), valid.int(), accumulate=True)
+        accepted_row = sampled & (i < k) & ~breaks & ~earlier(breaks)
+        self._count(state, slot, i, accepted_row, S)
+
+        row_reason = torch.where(stopped & valid, Finish.STOP, torch.where(too_long & live, Finish.LENGTH, 0))
+        reason = torch.zeros(S + 1, dtype=torch.int64, device=tok.device).scatter_reduce(
+            0, torch.where(live, slot, S), row_reason, "amax")[:S]
+        running = state.status_is(SlotStatus.RUNNING)
+        reason = torch.where(running & state.cancel & (reason == 0), Finish.ABORT, reason)
+        drafted = state.draft_len > 0
+        # Valid KV: the last committed token and the accepted drafts; the rest is overwritten when recomputed.
+        state.num_computed.sub_(torch.where(drafted, state.draft_len + 1 - emitted, 0).clamp(min=0))
+        state.seq_len.add_(emitted)
+        state.draft_len.zero_()
+        finished = reason.ne(Finish.NONE)
+        state.finish_reason.copy_(torch.where(finished, reason, state.finish_reason))
+        state.status.masked_fill_(finished, SlotStatus.FINISHED)
+
+        aborted = reason.eq(Finish.ABORT)
+        count = torch.where(aborted, 0, emitted)  # aborts emit nothing
+        at = torch.where(valid & (i <= K), slot * (K + 1) + i, S * (K + 1))  # [S * (K + 1)] flat, then trash
+
+        def runs(x: torch.Tensor | None, fill: float) -> torch.Tensor | None:
+            return None if x is None else per_slot(S * (K + 1), at, x, fill).view(S, K + 1, *x.shape[1:])
+
+        tokens = runs(tok, -1)
+        return StepOutput(
+            token=torch.where(count > 0, tokens[:, 0], -1),
+            finish_reason=reason,
+            logprob=None, top_ids=None, top_logprobs=None,
+            row_slot=torch.where(valid, slot, -1),
+            row_logits=logits,
+            runs=EmittedRuns(tokens, count, runs(out.logprob, 0.0), runs(out.top_ids, -1),
+                             runs(out.top_logprobs, 0.0)),
+        )
+
+    def _count(self, state: Slots, slot: torch.Tensor, i: torch.Tensor, accepted: torch.Tensor, S: int) -> None:
+        """vLLM's counters (drafts, draft tokens, accepted tokens, accepted per position) and each slot's rate."""
+        k = state.draft_len
+        drafted = k > 0
+        a = torch.zeros(S + 1, dtype=torch.int64, device=k.device).index_add_(
+            0, torch.where(accepted, slot, S), accepted.long())[:S]
+        state.spec_counts[0] += drafted.sum()
+        state.spec_counts[1] += k.sum()
+        state.spec_counts[2] += a.sum()
+        state.spec_accepted_per_pos.index_add_(0, torch.where(accepted, i, state.spec_accepted_per_pos.shape[0] - 1)
+                                               .clamp(max=state.spec_accepted_per_pos.shape[0] - 1), accepted.long())
+        rate = DECAY * state.spec_rate + (1 - DECAY) * a.float() / k.clamp(min=1).float()
+        state.spec_rate.copy_(torch.where(drafted, rate, state.spec_rate))

@@ -1,0 +1,248 @@
+"""Speculative decoding in the step (engine/core/speculation.py): the same tokens as plain decoding (greedy and seeded),
+stops and limits exact inside an accepted run, every page back, no host read in the step, the offline API and the
+host driver alike."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from blink.engine import LLM, SamplingParams
+from blink.engine.core.sampler import SamplerFeatures, SamplingRows, hash32, sample
+from blink.engine.core.speculation import Speculation
+from blink.engine.core.state import Slots, SlotStatus
+from blink.engine.drive.host import HostDriver, _events
+from blink.engine.engine import Engine, EngineConfig
+from blink.engine.model.tiny_model import ensure_tiny_model
+from blink.shared.slot_table import Finish, Request
+from blink.shared.speculative import speculative_config
+from tests.support.host_reads import host_reads_forbidden
+
+# Prompts whose continuation the tiny random model repeats, so drafts are found and accepted; and one with no repeat.
+PROMPTS = [[5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6, 7], [11, 12, 11, 12, 11, 12, 11], list(range(3, 40))]
+# float32: the verification's multi-token forward rounds as the single-token one does only to float32's noise,
+# far below the tiny model's logit gaps (in bfloat16, ties a few ulps apart can flip: docs/design.md).
+ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=64, page_size=8, max_model_len=128, dtype="float32")
+
+
+def _spec(k: int, lookup_min: int = 1, lookup_max: int = 3) -> dict:
+    return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": lookup_min,
+            "prompt_lookup_max": lookup_max}
+
+
+@pytest.fixture(scope="module")
+def plain() -> LLM:
+    return LLM(str(ensure_tiny_model()), **ENGINE)
+
+
+@pytest.fixture(scope="module")
+def speculating() -> dict[int, LLM]:
+    return {k: LLM(str(ensure_tiny_model()), **ENGINE, speculative_config=_spec(k)) for k in (1, 3, 5)}
+
+
+def _tokens(llm: LLM, prompts, params) -> list[list[int]]:
+    return [o.token_ids for o in llm.generate(prompts, params)]
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_greedy_text_is_plain_decoding_s_with_drafts_accepted(plain, speculating, k):
+    llm = speculating[k]
+    free = int(llm.engine.pool.num_free)
+    accepted_before = int(llm.engine.state.spec_counts[2])
+    # A penalised request decodes plainly beside the speculating ones; logprobs stay per token.
+    params = [SamplingParams(temperature=0, max_tokens=24, logprobs=2)] * 3 + [
+        SamplingParams(temperature=0, max_tokens=24, repetition_penalty=1.3)]
+    prompts = [*PROMPTS, PROMPTS[0]]
+    want, got = plain.generate(prompts, params), llm.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    for a, b in zip(want[:3], got[:3], strict=True):
+        assert len(b.logprobs) == len(b.token_ids)
+        for x, y in zip(a.logprobs, b.logprobs, strict=True):
+            assert x.keys() == y.keys() and all(abs(x[t] - y[t]) < 1e-4 for t in x)
+    assert int(llm.engine.state.spec_counts[2]) > accepted_before  # drafts were accepted, not only proposed
+    assert int(llm.engine.pool.num_free) == free
+
+
+def test_stop_ids_and_max_tokens_inside_an_accepted_run_end_it_there(plain, speculating):
+    llm = speculating[5]
+    reference = _tokens(plain, PROMPTS[:2], SamplingParams(temperature=0, max_tokens=30))
+    ended_inside = 0
+    for max_tokens in range(2, 14):
+        params = SamplingParams(temperature=0, max_tokens=max_tokens)
+        assert _tokens(llm, PROMPTS[:2], params) == [r[:max_tokens] for r in reference]
+    for i, ref in enumerate(reference):
+        for stop in set(ref[3:12]):
+            params = SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop])
+            out = llm.generate([PROMPTS[i]], params)[0]
+            cut = ref.index(stop) + 1
+            assert out.token_ids == ref[:cut] and out.finish_reason == "stop"
+    # Driven step by step: a run of several tokens that a limit ended.
+    driver = llm._driver
+    for max_tokens in range(3, 12):
+        driver.add_request(f"m{max_tokens}", PROMPTS[0], SamplingParams(temperature=0, max_tokens=max_tokens),
+                           max_tokens)
+    while driver.has_work():
+        for e in driver.step():
+            ended_inside += bool(e.finish_reason == "length" and len(e.tokens) > 1)
+    assert ended_inside > 0
+
+
+def test_eos_inside_an_accepted_run_ends_it(speculating):
+    """eos is one of the stop checks per emitted token: a run whose draft holds the model's end token stops there."""
+    llm = speculating[3]
+    eos = llm.engine.generation.eos_token_ids[0]
+    prompt = [eos, 7, 8, 9, eos, 7, 8, 9, eos, 7, 8]
+    # The model's own greedy choice decides; either way the tokens after an eos are never emitted.
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20))[0]
+    assert eos not in out.token_ids[:-1]
+    assert out.finish_reason == ("stop" if out.token_ids[-1] == eos else "length")
+
+
+def test_seeded_sampling_draws_the_same_tokens_with_and_without_drafts(plain, speculating):
+    llm = speculating[3]
+    for seed in range(12):
+        params = SamplingParams(temperature=0.3, top_k=5, max_tokens=16, seed=seed, logprobs=1)
+        assert _tokens(llm, PROMPTS[:2], params) == _tokens(plain, PROMPTS[:2], params), seed
+
+
+def test_a_draft_is_accepted_with_the_target_s_probability_and_the_output_distribution_kept():
+    """settle on crafted logits over a 4-token vocabulary: position 0 draws from p; the draft d is accepted exactly
+    when the draw is d (probability p(d), as rejection sampling of a point-mass draft), and the first token emitted
+    has the distribution p whatever the draft."""
+    V, n = 4, 4000
+    p = torch.tensor([0.1, 0.5, 0.3, 0.1])
+    state = Slots(n, max_len=8, max_pages=2, vocab_size=V, device=torch.device("cpu"))
+    state.status.fill_(SlotStatus.RUNNING)
+    state.prompt_len.fill_(3)
+    state.seq_len.fill_(3)
+    state.num_computed.fill_(4)  # after the step's advance: 2 + the last token + one draft
+    state.max_tokens.fill_(5)
+    state.draft_len.fill_(1)
+    draft = 2
+    state.tokens[:, 3] = draft
+    slot = torch.arange(n).repeat_interleave(2)
+    rows = SamplingRows(temperature=torch.ones(2 * n), top_p=torch.ones(2 * n), top_k=torch.zeros(2 * n).long(),
+                        min_p=torch.zeros(2 * n), repetition_penalty=torch.ones(2 * n),
+                        presence_penalty=torch.zeros(2 * n), frequency_penalty=torch.zeros(2 * n),
+                        seed=slot * 7919 + 1, step_index=torch.arange(2).repeat(n) + 1)
+    logits = p.log().repeat(2 * n, 1)
+    out = sample(logits, rows, SamplerFeatures(random=True), hash32(torch.arange(V)))
+
+    class Plan:
+        sample_slot, sample_valid = slot, torch.ones(2 * n, dtype=torch.bool)
+        sample_token = torch.arange(2 * n)
+        token_pos = torch.arange(2).repeat(n) + 2
+
+    settled = Speculation(1, 1, 1).settle(state, Plan, 2 * n, out, logits, torch.tensor([-1]), False)
+    first = settled.runs.token[:, 0]
+    accepted = settled.runs.count == 2
+    assert torch.equal(accepted, first == draft)
+    assert torch.equal(first, out.tokens[0::2])  # the draw itself: the distribution is p's
+    freq = torch.bincount(first, minlength=V).float() / n
+    assert (freq - p).abs().max() < 0.03, freq
+    assert torch.equal(state.seq_len, 3 + settled.runs.count)
+    assert torch.equal(state.num_computed, 4 - 2 + settled.runs.count)  # the valid KV only
+    assert state.spec_counts.tolist() == [n, n, int(accepted.sum())]
+
+
+def test_no_page_is_lost_to_rejections_cancels_or_finishes_inside_a_run(speculating):
+    llm = speculating[5]
+    driver, pool = llm._driver, llm.engine.pool
+    free = int(pool.num_free)
+    for i, prompt in enumerate(PROMPTS * 2):
+        driver.add_request(str(i), prompt, SamplingParams(temperature=0.8, seed=i, max_tokens=40), 40)
+    steps = 0
+    while driver.has_work():
+        driver.step()
+        steps += 1
+        if steps == 4:
+            driver.abort("1")
+            driver.abort("4")
+    assert int(pool.num_free) == free
+    assert int(llm.engine.state.draft_len.sum()) == 0
+
+
+def test_the_step_reads_nothing_on_the_host_while_speculating():
+    # Prefix caching's own reads are tests/engine/test_step.py's to check: off here, the drafts' alone are tested.
+    llm = LLM(str(ensure_tiny_model()), **ENGINE, speculative_config=_spec(3), enable_prefix_caching=False)
+    driver, step, state = llm._driver, llm.engine.step, llm.engine.state
+    params = SamplingParams(temperature=0.7, top_k=5, logprobs=2, max_tokens=12, seed=1)
+    for i, prompt in enumerate(PROMPTS):
+        driver.add_request(str(i), prompt, params, 12)
+    driver.add_request("p", PROMPTS[0], SamplingParams(temperature=0, max_tokens=12, presence_penalty=0.5), 12)
+    features = SamplerFeatures(penalties=True, filtering=True, random=True, logprobs=True)
+    drafted = 0
+    while driver.has_work():
+        driver._fill_slots()
+        resident = dict(driver.rank.asked)
+        with host_reads_forbidden():
+            plan = step.plan(features, None)
+        drafted += int(state.draft_len.sum())
+        shape = step.shape_for(plan.read_sizes())
+        with host_reads_forbidden():
+            out = step.run(plan, shape, features, None)
+        for slot, event in _events(out, resident, features, state, page_bytes=0).items():
+            if event.finish_reason:
+                del driver._resident[slot], driver.rank.asked[slot]
+                state.release_slot(slot)
+                driver._free_slots.append(slot)
+    assert drafted > 0
+
+
+def test_the_host_driver_publishes_every_accepted_token_within_the_window(small_table):
+    """A 3-token window: drafts are capped by the room the reader left, and the tokens are plain decoding's."""
+    def serve(spec: dict | None) -> dict[int, list[int]]:
+        engine = Engine(EngineConfig(model=str(ensure_tiny_model()), max_num_seqs=4, max_num_batched_tokens=32,
+                                     num_pages=64, page_size=8, max_model_len=96, dtype="float32",
+                                     speculative_config=spec))
+        driver = HostDriver(engine, small_table)
+        requests = {s: Request(prompt=PROMPTS[s % 2], max_tokens=20, temperature=0.0, ignore_eos=True)
+                    for s in range(3)}
+        for slot, request in requests.items():
+            small_table.publish(slot, request)
+        got = {slot: [] for slot in requests}
+        done: set[int] = set()
+        deadline = time.monotonic() + 60
+        while len(done) < len(requests) and time.monotonic() < deadline:
+            driver.step()
+            for slot in requests:
+                out = small_table.read(slot)
+                got[slot] += out.tokens
+                if out.finish:
+                    assert out.finish == Finish.LENGTH
+                    done.add(slot)
+        for slot in requests:
+            small_table.free(slot)
+        assert int(engine.pool.num_free) == engine.pool.usable_pages
+        return got, int(engine.state.spec_counts[2])
+
+    want, _ = serve(None)
+    got, accepted = serve(_spec(4))
+    assert got == want and accepted > 0
+
+
+def test_the_config_is_vllm_s_and_bad_ones_are_refused():
+    assert speculative_config('{"method": "ngram", "num_speculative_tokens": 3}').lookup_max == 5  # vLLM's default
+    assert speculative_config({"num_speculative_tokens": 2, "prompt_lookup_max": 3}).lookup_min == 3
+    assert speculative_config(None) is None and speculative_config("") is None
+    for bad, says in (({"method": "eagle", "num_speculative_tokens": 2}, "method"),
+                      ({"num_speculative_tokens": 2, "draft": 1}, "draft"),
+                      ({"method": "ngram"}, "num_speculative_tokens"),
+                      ({"num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "at least"),
+                      ("[1]", "JSON object"), ("{", "JSON object")):
+        with pytest.raises(ValueError, match=says):
+            speculative_config(bad)
+    with pytest.raises(ValueError, match="speculative_config"):
+        EngineConfig(speculative_config={"num_speculative_tokens": 0}).validate()
+
+
+def test_the_device_modes_refuse_drafts_with_the_reason():
+    from blink.engine.drive.modes import build
+
+    engine = Engine(EngineConfig(model=str(ensure_tiny_model()), max_num_seqs=2, max_num_batched_tokens=16,
+                                 num_pages=16, page_size=8, max_model_len=64, speculative_config=_spec(2)))
+    with pytest.raises(ValueError, match="host mode so far"):
+        build("graph", engine, None)
+
