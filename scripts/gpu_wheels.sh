@@ -7,7 +7,8 @@ cd "$(dirname "$0")/.."
 mkdir -p .git/info && { grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >>.git/info/exclude; }
 python=${PYTHON:-python3}
 platforms=()
-for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64; do
+for p in manylinux_2_31_x86_64 manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 \
+    manylinux1_x86_64; do  # 2_31: llguidance's
     platforms+=(--platform "$p")
 done
 # One version of each (two stop the install there); the pins are what CI's venv resolves today.
@@ -17,6 +18,8 @@ wheels=(
     structlog==26.1.0 pyzmq==27.3.0 opentelemetry-api==1.45.2  # fastapi imports it
     fastapi==0.165.0 starlette==1.10.0 annotated-doc==0.0.7 uvicorn==0.54.0 httptools==0.9.0
     openai==3.54.0 jiter==0.19.0 distro==1.9.0 sniffio==1.3.1
+    gguf==0.19.0  # blink.shared.checkpoints imports it
+    llguidance==1.9.1 outlines-core==0.2.14  # structured outputs: the host mode's masks, the device modes' walk
 )
 "$python" -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     "${platforms[@]}" -d .whl "${wheels[@]}"
