@@ -19,6 +19,7 @@ from pydantic import TypeAdapter
 from blink.engine.drive.driver import Driver
 from blink.engine.drive.modes import build, candidates
 from blink.engine.engine import Engine, EngineConfig
+from blink.engine.model.checkpoint import FP8_PROJECTION
 from blink.engine.model.dummy import tensor_shape
 from blink.engine.model.model import checkpoint_tensor_names
 from blink.engine.model.tiny_model import ensure_tiny_model
@@ -75,7 +76,7 @@ def engine_options(dry_run: bool) -> dict:
     # The variable `blink serve` reads too (shared.settings), read as its settings read it, so the phases that
     # start engines here and those that start servers agree.
     compiled = {"compile_bookkeeping": TypeAdapter(bool).validate_python(
-        os.environ.get("BLINK_COMPILE_BOOKKEEPING") or "false")}
+        os.environ.get("BLINK_COMPILE_BOOKKEEPING") or "false"), "quantization": os.environ.get("BLINK_QUANTIZATION")}
     if dry_run:
         return {"dtype": "float32", "max_num_seqs": 8, "max_num_batched_tokens": 64, "max_model_len": 256,
                 "swap_space": 0, **compiled}
@@ -99,7 +100,11 @@ def weight_bytes(engine: Engine, tokens: int | None = None) -> int:
             return min(tokens, shape[0]) * shape[1]
         return shape.numel() * (active if tokens is not None and ".experts." in name else 1.0)
 
-    return int(sum(elements(n) for n in checkpoint_tensor_names(cfg)) * cfg.dtype.itemsize)
+    def size(name: str) -> int:  # FP8 projections a byte a weight (their float32 scales: under 0.1% more)
+        fp8 = engine.config.quantization == "fp8" and FP8_PROJECTION.fullmatch(name)
+        return 1 if fp8 else cfg.dtype.itemsize
+
+    return int(sum(elements(n) * size(n) for n in checkpoint_tensor_names(cfg)))
 
 
 def _table(engine: Engine, window: int = 1024) -> SlotTable:

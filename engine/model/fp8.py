@@ -291,7 +291,7 @@ def reference_block_linear(xq: torch.Tensor, xs: torch.Tensor, codes: torch.Tens
     m, k = xq.shape
     bk = block[1]
     n = codes.shape[0]
-    out = torch.zeros(m, n)
+    out = torch.zeros(m, n, device=xq.device)
     w_scale = scale.repeat_interleave(block[0], 0)[:n]  # [N, K/bk]
     for g, start in enumerate(range(0, k, bk)):
         dots = xq[:, start:start + bk].float() @ codes[:, start:start + bk].float().t()

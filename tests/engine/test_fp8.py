@@ -22,6 +22,7 @@ from blink.engine.kernels.fp8_linear import block_linear
 from blink.engine.model import fp8
 from blink.engine.model.checkpoint import FP8_PROJECTION
 from blink.engine.model.config import ModelConfig
+from tests.support.kernel_inputs import DEVICE
 
 
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -195,15 +196,15 @@ def test_the_scaled_mm_product_is_the_float_product_of_its_fp8_values(static):
 
 @pytest.mark.parametrize(("n", "k", "block"), [(256, 384, (128, 128)), (200, 300, (128, 128)), (96, 80, (64, 32))])
 def test_the_block_kernel_computes_the_references_numbers(n, k, block):
-    """The Triton kernel (interpreted without a GPU) against its torch reference, ragged edges included; within
-    E4M3's rounding of the float product of the dequantized weight."""
+    """The Triton kernel (interpreted without a GPU, compiled with one) against its torch reference, ragged edges
+    included; within E4M3's rounding of the float product of the dequantized weight."""
     torch.manual_seed(0)
-    w = torch.randn(n, k) * 0.05
-    scale = torch.rand(-(-n // block[0]), -(-k // block[1])) * 1e-3 + 1e-4
+    w = torch.randn(n, k, device=DEVICE) * 0.05
+    scale = torch.rand(-(-n // block[0]), -(-k // block[1]), device=DEVICE) * 1e-3 + 1e-4
     codes = (w / fp8.expand_scale(scale, block, w.shape)).clamp(-fp8.E4M3_MAX, fp8.E4M3_MAX).to(fp8.E4M3)
     weight = fp8.Fp8Weight(codes, scale, block, None, torch.float32)
     for m in (1, 3, 17, 70):
-        x = torch.randn(m, k)
+        x = torch.randn(m, k, device=DEVICE)
         xq, xs = fp8.quantize_groups(x, block[1])
         got = block_linear(xq, xs, codes, scale, block, torch.float32)
         assert _relative(got, fp8.reference_block_linear(xq, xs, codes, scale, block, torch.float32)) < 1e-5
@@ -241,3 +242,28 @@ def test_a_scale_of_the_wrong_shape_is_refused(tmp_path):
     save_file(tensors, str(fp8_dir / "model.safetensors"))
     with pytest.raises(CheckpointError, match=r"down_proj.weight_scale_inv is \[3, 3\]; blocks of 128x128"):
         LLM(str(fp8_dir), num_pages=32)
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_fp8_weights_stay_fp8_and_score_text_as_their_floats_do(tmp_path):
+    """Where FP8 products run: torch._scaled_mm gives the emulation's numbers; a per-channel and a block-scaled
+    checkpoint keep their projections in FP8 and score each prompt token within 0.05 of their dequantized floats
+    in bfloat16; so does --quantization fp8 against the float model."""
+    if not fp8.products_run_on(torch.device("cuda", torch.cuda.current_device())):
+        pytest.skip("needs FP8 products (compute capability 8.9+)")
+    torch.manual_seed(0)
+    w = _per_channel(256, 512).to("cuda")
+    x = torch.randn(7, 512, device="cuda", dtype=torch.bfloat16)
+    assert _relative(fp8.linear(x, w), fp8.linear(x, w, scaled_mm=fp8.emulated_scaled_mm)) < 1e-2
+    prompt = list(range(5, 60, 3))
+    for form in ("ct-channel", "fp8-block"):
+        fp8_dir, float_dir = tmp_path / form / "fp8", tmp_path / form / "float"
+        write_fp8_checkpoint(Path(os.environ["BLINK_MODEL"]), fp8_dir, float_dir, form)
+        quantized = LLM(str(fp8_dir), num_pages=32, dtype="bfloat16", device="cuda")
+        assert isinstance(quantized.engine.model.layers[0].qkv, fp8.Fp8Weight)
+        floats = LLM(str(float_dir), num_pages=32, dtype="bfloat16", device="cuda")
+        assert (_prompt_logprobs(quantized, prompt) - _prompt_logprobs(floats, prompt)).abs().max() < 0.05
+    floats = _prompt_logprobs(LLM(os.environ["BLINK_MODEL"], num_pages=32, dtype="bfloat16", device="cuda"), prompt)
+    llm = LLM(os.environ["BLINK_MODEL"], num_pages=32, dtype="bfloat16", device="cuda", quantization="fp8")
+    assert isinstance(llm.engine.model.layers[0].gate_up, fp8.Fp8Weight)
+    assert (_prompt_logprobs(llm, prompt) - floats).abs().max() < 0.05
