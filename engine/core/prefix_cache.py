@@ -10,8 +10,25 @@ forgets the hash of a page it hands out.
 A request about to start maps the longest run of cached pages matching its prompt's hashes into its block table
 (taking references) and computes from there; it always computes its prompt's last token itself, whose logits it
 samples from. A request that asks for its prompt's logprobs computes everything (vLLM skips the cache for those
-too). All of it is fixed-shape tensor work (a sort of the pool's hashes, a binary search per page queried, masked
-scatters) with no host read, so the device modes capture it with the rest of the step.
+too).
+
+No sort and no pass over the pool a step (a captured step pays every kernel it holds, every step):
+
+- free pages that hold nothing are a stack (`stack`, `empties`);
+- free pages that hold a hash are a ring in the order they were released (`ring`, `head`, `tail`): its head is the
+  least recently released. A hit takes a page out of the middle by its reference count alone: an entry is live
+  while its page is free and `pos[page]` still names it, and allocation skips the others; it compacts the ring when
+  half of it is dead entries. A release that finds the ring full (never, while allocation runs every step) lets
+  its page forget its hash, onto the stack;
+- hash -> page is an open-addressing table (`slots`, 4 cells a page or more, linear probing over PROBES cells)
+  that holds page ids only: a cell matches hash h when its page holds h now (`hash[page] == h`), so a page evicted
+  or refilled needs no deletion; a cell is free when its page holds nothing or a hash whose window misses the cell.
+  A registration that finds no free cell in its window is dropped (a miss later, never a wrong page); inserts
+  claim cells in rounds, the lowest item winning a contested cell.
+
+The methods here are the torch reference: fixed-shape tensor work with no host read (so torch.compile takes them),
+and the semantics blink.engine.kernels.prefix_cache's Triton kernels (one launch each, which the device step sets
+as `kernels`) are held to, state for state, in Triton's interpreter, where programs run in order.
 """
 
 from __future__ import annotations
@@ -19,8 +36,14 @@ from __future__ import annotations
 import torch
 
 from blink.engine.core.kv_cache import NULL_PAGE
+from blink.engine.core.state import none_set
 
-_NEVER = torch.iinfo(torch.int64).max  # the allocation key of a page in use
+PROBES = 8  # cells of the hash table a hash may lie in, from its home cell
+NO_CLAIM = torch.iinfo(torch.int64).max  # a table cell no insert has claimed (the kernels' `claims`)
+
+
+def _power_of_two(n: int) -> int:
+    return 1 << max(n - 1, 1).bit_length()
 
 
 class PrefixCache:
@@ -36,43 +59,94 @@ class PrefixCache:
         self.refs = zeros(num_pages)  # block-table entries that map each page
         self.refs[NULL_PAGE] = 1  # never free; masked-off writes land on it
         self.hash = zeros(num_pages)  # the prefix hash a page holds; 0: nothing reusable
-        self.stamp = zeros(num_pages)  # when it was last released, and which page of its request (LRU order)
-        self.clock = zeros()
         self.num_free = torch.tensor(num_pages - 1, dtype=torch.int64, device=device)
-        # A kernel of release's arguments and effects (blink.engine.kernels.page_release), which the device step sets.
-        self.releaser = None
+        # Free pages holding nothing, [0, empties) (one cell more than ever holds one: it takes masked-off writes).
+        self.stack = zeros(num_pages)
+        self.stack[: num_pages - 1] = torch.arange(num_pages - 1, 0, -1, device=device)
+        self.empties = torch.tensor(num_pages - 1, dtype=torch.int64, device=device)
+        # Free pages holding a hash, by release: counters [head, tail), cell counter % R; the last cell is a trash cell.
+        self.ring_size = _power_of_two(4 * num_pages)
+        self.ring, self.head, self.tail = zeros(self.ring_size + 1), zeros(), zeros()
+        self.pos = torch.full((num_pages,), -1, dtype=torch.int64, device=device)  # a page's live ring counter
+        self.table_size = _power_of_two(4 * num_pages)
+        self.slots = zeros(self.table_size + 1)  # page ids (NULL_PAGE: empty); the last cell is a trash cell
+        # The kernels' scratch: the register's items (page, hash, pending, cell), the allocation's picked pages.
+        self.scratch = zeros(4, num_pages)
+        self.claims = torch.full((self.table_size + 1,), NO_CLAIM, dtype=torch.int64, device=device)
+        # The Triton kernels of these methods' arguments and effects (blink.engine.kernels.prefix_cache), which the
+        # device step sets.
+        self.kernels = None
+
+    @property
+    def releaser(self):
+        return self.kernels
+
+    @releaser.setter
+    def releaser(self, kernels) -> None:
+        """The device step's name for `kernels` (it set the release kernel alone before the others came)."""
+        self.kernels = kernels
 
     def allocate(self, need: torch.Tensor, table: torch.Tensor, held: torch.Tensor, max_new: int) -> None:
         """Gives slot s `need[s]` more pages (at most max_new) after its `held[s]`; the caller guarantees they
-        are free. The table's last column takes the masked-off writes."""
-        free = self.refs == 0
-        key = torch.where(free, torch.where(self.hash == 0, -1, self.stamp), _NEVER)
-        order = key.argsort(stable=True)
-        j = torch.arange(max_new, device=need.device)
-        grant = j[None, :] < need[:, None]
+        are free: empty pages first (off the stack), then the ring's oldest. The table's last column takes the
+        masked-off writes."""
+        if self.kernels is not None:
+            self.kernels.allocate(self, need, table, held, max_new)
+            return
+        self._compact()
+        grant = torch.arange(max_new, device=need.device)[None, :] < need[:, None]
         rank = grant.flatten().cumsum(0).view_as(grant) - 1
-        pages = torch.where(grant, order[rank.clamp(0, self.num_pages - 1)], NULL_PAGE)
+        k, empties = need.sum(), self.empties
+        counter, page, live, nth = self._ring_live()
+        picked = torch.zeros(self.ring_size + 1, dtype=torch.int64, device=need.device)
+        picked.scatter_(0, torch.where(live, nth, self.ring_size), page)  # the ring's live pages, oldest first
+        from_ring = rank - empties
+        pages = torch.where(rank < empties, self.stack[(empties - 1 - rank).clamp(min=0)],
+                            picked[from_ring.clamp(0, self.ring_size)])
+        pages = torch.where(grant, pages, NULL_PAGE)
+        taken = (k - empties).clamp(min=0)
+        self.head.copy_(torch.where(live & (nth == taken - 1), counter + 1, self.head).amax())
+        j = torch.arange(max_new, device=need.device)
         table.scatter_(1, torch.where(grant, held[:, None] + j[None, :], table.shape[1] - 1), pages)
-        self.refs.scatter_(0, pages.flatten(), 1)
-        self.hash.scatter_(0, pages.flatten(), 0)  # evicted: its old contents are about to be overwritten
+        pages = pages.flatten()
+        self.refs.scatter_(0, pages, 1)
+        self.hash.scatter_(0, pages, 0)  # evicted: its old contents are about to be overwritten
+        self.pos.scatter_(0, pages, -1)
+        self.empties -= k.minimum(empties)
         held += need
-        self.num_free -= need.sum()
+        self.num_free -= k
 
     def release(self, which: torch.Tensor, table: torch.Tensor, held: torch.Tensor) -> None:
-        """Drops the references of the slots in the mask `which` to every page they hold."""
-        if self.releaser is not None:
-            self.releaser(self, which, table, held)
+        """Drops the references of the slots in the mask `which` to every page they hold. Slot by slot, each one's
+        last page first, a page its last reference leaves goes onto the stack (holding nothing) or the ring."""
+        if self.kernels is not None:
+            self.kernels.release(self, which, table, held)
             return
-        width = table.shape[1]
+        S, width = table.shape
         j = torch.arange(width, device=which.device)
         give = which[:, None] & (j[None, :] < held[:, None])
-        pages = torch.where(give, table, NULL_PAGE).flatten()
-        self.refs.index_add_(0, pages, -give.flatten().long())
-        self.clock += 1
-        # Later pages of a request count as released earlier: evicted first, they leave its prefix cached longest.
-        stamp = self.clock * width + (width - 1 - j)
-        self.stamp.scatter_(0, pages, stamp.expand_as(give).flatten())
-        self._count_free()
+        pages = torch.where(give, table, NULL_PAGE)
+        self.refs.index_add_(0, pages.flatten(), -give.flatten().long())
+        # The page frees with its last reference: the last slot releasing it (the kernel's last program).
+        slot = torch.arange(S, device=which.device)[:, None].expand(S, width)
+        last = torch.full_like(self.refs, -1).scatter_reduce_(0, pages.flatten(), torch.where(give, slot, -1).flatten(),
+                                                              reduce="amax")
+        frees = (give & (self.refs[pages] == 0) & (last[pages] == slot)).flip(1).flatten()  # each slot's last first
+        pages = pages.flip(1).flatten()
+        cached = frees & (self.hash[pages] != 0)
+        counter = self.tail + cached.long().cumsum(0) - 1
+        kept = cached & (counter - self.head < self.ring_size)
+        self.hash.scatter_(0, torch.where(cached & ~kept, pages, NULL_PAGE), 0)  # no room in the ring
+        self.ring.scatter_(0, torch.where(kept, counter & (self.ring_size - 1), self.ring_size), pages)
+        # A page with no room keeps no live entry either (an older one of its own would look live).
+        self.pos.scatter_(0, torch.where(cached, pages, NULL_PAGE),
+                          torch.where(kept, counter, torch.where(cached, -1, self.pos[NULL_PAGE])))
+        onto_stack = frees & ~kept
+        at = self.empties + onto_stack.long().cumsum(0) - 1
+        self.stack.scatter_(0, torch.where(onto_stack, at, self.num_pages - 1), pages)
+        self.tail += cached.sum()
+        self.empties += onto_stack.sum()
+        self.num_free += frees.sum()
         table.masked_fill_(give, NULL_PAGE)
         held.masked_fill_(which, 0)
 
@@ -80,19 +154,23 @@ class PrefixCache:
               held: torch.Tensor, computed: torch.Tensor) -> torch.Tensor:
         """Maps, for each slot in `which` (holding no page, nothing computed), the longest run of cached pages
         its prompt's hashes ([S, H]) find into its block table, as computed. Returns the tokens found, per slot."""
+        if self.kernels is not None:
+            return self.kernels.reuse(self, hashes, prompt_len, which, table, held, computed)
         page = self.page_size
         H = hashes.shape[1]
         usable = ((prompt_len - 1) // page).clamp(min=0, max=H)  # its last prompt token is always computed
         queried = which[:, None] & (torch.arange(H, device=hashes.device)[None, :] < usable[:, None])
         query = torch.where(queried, hashes, 0)
-        cached, cached_page = self.hash.sort()
-        at = torch.searchsorted(cached, query).clamp(max=self.num_pages - 1)
-        found = (cached[at] == query) & queried
+        cells = self.slots[self._window(query)]  # [S, H, PROBES]
+        match = (self.hash[cells] == query[..., None]) & queried[..., None]
+        found = match.any(-1)
+        got = cells.gather(-1, match.long().argmax(-1, keepdim=True)).squeeze(-1)  # the first cell that matches
         run = found.long().cumprod(1)  # pages found without a gap from the first
-        pages = torch.where(run.bool(), cached_page[at], NULL_PAGE)
+        pages = torch.where(run.bool(), got, NULL_PAGE)
         table[:, :H] = torch.where(run.bool(), pages, table[:, :H])
+        was_free = self.refs == 0
         self.refs.index_add_(0, pages.flatten(), run.flatten())
-        self._count_free()
+        self.num_free -= (was_free & (self.refs > 0)).sum()  # a free cached page taken leaves the ring's live part
         found_tokens = run.sum(1) * page
         held += run.sum(1)
         computed += found_tokens
@@ -102,13 +180,61 @@ class PrefixCache:
                  table: torch.Tensor, max_new: int) -> None:
         """Gives the full prompt pages a step completed (tokens before..after of each slot computed) their hashes:
         from now on they can be found. max_new: the most pages one slot completes in a step."""
+        if self.kernels is not None:
+            self.kernels.register(self, hashes, prompt_len, before, after, table, max_new)
+            return
         page, H = self.page_size, hashes.shape[1]
         full = torch.minimum(after, prompt_len) // page
         j = before[:, None] // page + torch.arange(max_new, device=before.device)[None, :]
         new = j < full[:, None]
-        pages = torch.where(new, table.gather(1, j.clamp(max=table.shape[1] - 1)), NULL_PAGE)
-        values = torch.where(new, hashes.gather(1, j.clamp(max=H - 1)), 0)
-        self.hash.scatter_(0, pages.flatten(), values.flatten())
+        pages = torch.where(new, table.gather(1, j.clamp(max=table.shape[1] - 1)), NULL_PAGE).flatten()
+        values = torch.where(new, hashes.gather(1, j.clamp(max=H - 1)), 0).flatten()
+        self.hash.scatter_(0, pages, values)
+        self._insert(pages, values, new.flatten() & (values != 0))
 
-    def _count_free(self) -> None:
-        self.num_free.copy_((self.refs == 0).sum())
+    def _insert(self, pages: torch.Tensor, values: torch.Tensor, pending: torch.Tensor) -> None:
+        """Puts each pending page into the table under its hash, in rounds: an item whose hash a cell of its window
+        already finds is done; the others propose their window's first free cell, the lowest item taking a cell
+        proposed twice; those left propose again; after PROBES rounds, or with no free cell, an item is dropped."""
+        T = self.table_size
+        item = torch.arange(pages.shape[0], device=pages.device)
+        window = self._window(values)  # [M, PROBES]
+        for _ in range(PROBES):
+            cells = self.slots[window]
+            holds = self.hash[cells]
+            present = ((holds == values[:, None]) & (cells != NULL_PAGE)).any(1)
+            free = (cells == NULL_PAGE) | (holds == 0) | ((window - (holds & (T - 1))) & (T - 1) >= PROBES)
+            cell = window.gather(1, free.long().argmax(1, keepdim=True)).squeeze(1)
+            propose = pending & ~present & free.any(1)
+            target = torch.where(propose, cell, T)
+            claim = torch.full((T + 1,), pages.shape[0], dtype=torch.int64, device=pages.device)
+            claim.scatter_reduce_(0, target, item, reduce="amin")
+            won = propose & (claim[target] == item)
+            self.slots.scatter_(0, torch.where(won, cell, T), pages)
+            pending = propose & ~won
+            if none_set(pending):
+                break
+
+    def _window(self, values: torch.Tensor) -> torch.Tensor:
+        """[..., PROBES] the table cells a hash may lie in."""
+        mask = self.table_size - 1
+        return ((values & mask)[..., None] + torch.arange(PROBES, device=values.device)) & mask
+
+    def _ring_live(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The ring from its head: each cell's counter, its page, whether it is live, and its rank among the live."""
+        counter = self.head + torch.arange(self.ring_size, device=self.ring.device)
+        page = self.ring[counter & (self.ring_size - 1)]
+        live = (counter < self.tail) & (self.refs[page] == 0) & (self.pos[page] == counter)
+        return counter, page, live, live.long().cumsum(0) - 1
+
+    def _compact(self) -> None:
+        """Moves the ring's live entries together from its head, in order, when over half of it is taken."""
+        compact = self.tail - self.head > self.ring_size // 2
+        if none_set(compact):
+            return
+        _, page, live, nth = self._ring_live()
+        moved = live & compact
+        to = self.head + nth
+        self.ring.scatter_(0, torch.where(moved, to & (self.ring_size - 1), self.ring_size), page)
+        self.pos.scatter_(0, torch.where(moved, page, NULL_PAGE), torch.where(moved, to, self.pos[NULL_PAGE]))
+        self.tail.copy_(torch.where(compact, self.head + live.sum(), self.tail))
