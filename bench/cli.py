@@ -1,5 +1,5 @@
-"""`blink bench serve|plot|offline|overhead|step|gpu|grain|grammar|tp|cpu|quality|projections|prefix|startup`: each
-subcommand's module declares its flags and runs it.
+"""`blink bench serve|plot|offline|overhead|step|gpu|grain|grammar|tp|cpu|llama-server|quality|projections|prefix|
+startup`: each subcommand's module declares its flags and runs it.
 
 Only the module of the command asked for is imported: `offline` needs torch and transformers, `serve` does not.
 """
@@ -25,6 +25,8 @@ COMMANDS = {
     "prefix": ("blink.bench.serving.prefix",
                "prefix caching on against off: TTFT of a cached prefix, multi-turn, a load"),
     "cpu": ("blink.bench.cpu.cpu", "CPU decode at batch 1 and 16 against transformers and llama.cpp, fp32 and bf16"),
+    "llama-server": ("blink.bench.cpu.served",
+                     "Blink served against llama.cpp's llama-server on the same GGUF, by concurrency, on the CPU"),
     "quality": ("blink.bench.cpu.quality",
                 "perplexity and greedy agreement of each quantized format against the float model, and llama.cpp's"),
     "projections": ("blink.bench.engine.projections",
