@@ -1,7 +1,7 @@
 """llama.cpp as a CPU baseline, from the source pip downloads: `llama-cpp-python`'s source distribution carries
-llama.cpp whole (vendor/llama.cpp): its `llama-bench`, `llama-batched-bench`, `llama-quantize` and `llama-perplexity`,
-built here with cmake, and its `convert_hf_to_gguf.py`, which turns the benchmark's checkpoint into GGUF files of the
-same weights.
+llama.cpp whole (vendor/llama.cpp): its `llama-bench`, `llama-batched-bench`, `llama-quantize`, `llama-perplexity` and
+`llama-server` (without its web UI, curl or OpenSSL: nothing is downloaded at build time), built here with cmake, and
+its `convert_hf_to_gguf.py`, which turns the benchmark's checkpoint into GGUF files of the same weights.
 
 Built once into Blink's cache directory (`~/.cache/blink/llama.cpp-VERSION` by default); a machine without a compiler,
 cmake or the package index gets a `Missing` that says which, and the benchmark runs without this baseline.
@@ -21,7 +21,7 @@ from pathlib import Path
 
 from blink.shared.model_cache import cache_root
 
-TOOLS = ("llama-bench", "llama-batched-bench", "llama-quantize", "llama-perplexity")
+TOOLS = ("llama-bench", "llama-batched-bench", "llama-quantize", "llama-perplexity", "llama-server")
 
 
 class Missing(RuntimeError):
@@ -87,6 +87,11 @@ class LlamaCpp:
         row = next(json.loads(line) for line in out.splitlines() if line.startswith("{") and "speed_tg" in line)
         return float(row["speed_tg"])
 
+    def server_command(self, model: Path, port: int, slots: int, context: int, threads: int) -> list[str]:
+        """llama-server on `model` with `slots` parallel sequences (-np) of `context` tokens each, on 127.0.0.1."""
+        return [str(self.bin / "llama-server"), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
+                "-np", str(slots), "-c", str(slots * context), "-t", str(threads), "-tb", str(threads), "--no-webui"]
+
 
 def ensure(cache: Path | None = None) -> LlamaCpp:
     """llama.cpp's benchmarks built from the newest `llama-cpp-python` source distribution pip finds."""
@@ -113,7 +118,8 @@ def ensure(cache: Path | None = None) -> LlamaCpp:
     llama = LlamaCpp(source, version)
     if not all((llama.bin / tool).is_file() for tool in TOOLS):
         _run(["cmake", "-S", str(source), "-B", str(source / "build"), "-DCMAKE_BUILD_TYPE=Release",
-              "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_TESTS=OFF"],
+              "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_SERVER=ON",
+              "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_BUILD_TESTS=OFF"],
              "configuring llama.cpp")
         _run(["cmake", "--build", str(source / "build"), "-j", str(os.cpu_count() or 1), "--target", *TOOLS],
              "building llama.cpp (minutes)")

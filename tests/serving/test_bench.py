@@ -594,3 +594,34 @@ def test_bench_prefix_runs_both_servers_side_by_side(tmp_path, capsys):
     assert round_["on"]["multi_turn"]["turns"][1]["cached_tokens"] >= 32
     assert round_["on"]["load"]["completed"] == round_["off"]["load"]["completed"] == 4
     assert "probe_warm_ttft_ms" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_bench_llama_server_serves_both_in_turn(tmp_path, monkeypatch):
+    """`blink bench llama-server` with tiny settings: both servers on the default model's Q4_1 file, every request
+    answered with its tokens, Blink's ratio to llama-server per concurrency saved; skipped, saying why, where
+    llama.cpp cannot be built. llama.cpp is built once in the user's cache (minutes), not in each session's, and the
+    model's file is taken from there where it is."""
+    from blink.bench.cpu import llama_cpp
+    from blink.shared.checkpoints import default_model
+
+    user_cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "blink"
+    monkeypatch.setattr(llama_cpp, "cache_root", lambda: user_cache)
+    try:
+        llama_cpp.ensure()
+    except llama_cpp.Missing as e:
+        pytest.skip(f"llama.cpp's llama-server cannot be built here: {e}")
+    mine = user_cache / "downloads" / Path(default_model.MEMBER).name
+    model = mine if mine.is_file() else default_model.gguf_path()
+    assert bench_cli.main(["llama-server", "--model", str(model), "--types", "Q4_1", "--concurrency", "1,2",
+                           "--input-len", "16", "--output-len", "4", "--requests-per-stream", "1", "--rounds", "1",
+                           "--threads", "1", "--result-dir", str(tmp_path)]) == 0
+    result = json.loads(next(tmp_path.glob("llama_server-*.json")).read_text())
+    rows = result["rounds"]
+    assert sorted((r["system"], r["concurrency"]) for r in rows) == [("blink", 1), ("blink", 2),
+                                                                     ("llama-server", 1), ("llama-server", 2)]
+    assert all(r["failed"] == 0 and r["total_output_tokens"] == 4 * r["concurrency"] for r in rows)
+    for c in ("1", "2"):
+        by = result["medians"]["Q4_1"][c]
+        assert by["ratio"]["output_throughput"] == pytest.approx(
+            by["blink"]["output_throughput"] / by["llama-server"]["output_throughput"])
