@@ -137,7 +137,7 @@ def device_regex(spec: GrammarSpec) -> str:
     """The regex the device modes walk for `spec`; GrammarError saying why when it has none (a GBNF or Lark grammar,
     which is not regular; a schema keyword outlines-core cannot express). ImportError without outlines-core."""
     if spec.kind == GrammarKind.REGEX:
-        return spec.text
+        return ascii_classes(spec.text)
     if spec.kind == GrammarKind.EBNF:
         options = choice_options(spec.text)
         if options is None:
@@ -153,7 +153,7 @@ def device_regex(spec: GrammarSpec) -> str:
         raise GrammarError(f"the JSON schema keyword at {where[:200]} is not enforced by the device's grammar walk "
                            "(graph and persistent drive modes); the host drive mode serves it")
     try:
-        return build_regex_from_schema(json.dumps(schema), DEVICE_WHITESPACE)
+        return ascii_classes(build_regex_from_schema(json.dumps(schema), DEVICE_WHITESPACE))
     except (ValueError, TypeError) as e:
         raise GrammarError(f"the JSON schema cannot be walked on the device (graph and persistent drive modes): "
                            f"{first_line(e)}; the host drive mode serves it") from None
@@ -229,3 +229,37 @@ def _integer_range(schema: dict) -> dict:
     rest = {k: v for k, v in schema.items()
             if k not in ("type", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")}
     return {**rest, "enum": [v for v in range(low, high + 1) if v % step == 0]}
+
+
+# Perl classes as ASCII, as llguidance reads them: Rust's regex (outlines-core's) reads them as Unicode, so a date's
+# \d would take Arabic-Indic digits.
+ASCII_CLASSES = {"d": "0-9", "w": "0-9A-Za-z_", "s": " \\t\\n\\r\\f\\v"}
+
+
+def ascii_classes(regex: str) -> str:
+    """`regex` with each \\d, \\w and \\s (outside a class or in one) as its ASCII class; \\D, \\W, \\S as they are."""
+    out, i, in_class = [], 0, False
+    while i < len(regex):
+        c = regex[i]
+        if c == "\\" and i + 1 < len(regex):
+            nxt = regex[i + 1]
+            ascii_class = ASCII_CLASSES.get(nxt)
+            out.append(ascii_class if ascii_class and in_class else f"[{ascii_class}]" if ascii_class else c + nxt)
+            i += 2
+            continue
+        if c == "[" and not in_class:
+            in_class = True
+            out.append(c)
+            if regex[i + 1:i + 2] == "^":
+                out.append("^")
+                i += 1
+            if regex[i + 1:i + 2] == "]":  # a leading ] is a literal
+                out.append("]")
+                i += 1
+        elif c == "]" and in_class:
+            in_class = False
+            out.append(c)
+        else:
+            out.append(c)
+        i += 1
+    return "".join(out)

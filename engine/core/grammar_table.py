@@ -25,6 +25,9 @@ import torch
 from blink.shared.grammar import GrammarError, GrammarSpec
 from blink.shared.grammar_backends import check_stop_ids, device_regex
 
+# Where a regex's text ends, a character no answer needs, matched by a token past the model's vocabulary: the states
+# that move on it are where the grammar is complete (the model's tokens spelling it lead nowhere final, so are cut).
+END_MARK, END_MARK_BYTES = r"\x{10FFFF}", chr(0x10FFFF).encode()
 HEADER_WORDS = 1  # a block's first words: its transitions' count
 STATE_WORDS = 3  # a state's words in a block: mask offset, first transition, end of its transitions
 
@@ -71,6 +74,7 @@ class Lowering:
                     text = tok.decode_bytes([i])
                     if text:
                         tokens.setdefault(text, []).append(i)
+                tokens.setdefault(END_MARK_BYTES, []).append(self.vocab_size)  # a token past the model's
                 self._vocabulary = outlines_core.Vocabulary(self.eos_ids[0], tokens)
             return self._vocabulary
 
@@ -79,28 +83,49 @@ class Lowering:
         regex = device_regex(spec)
         import outlines_core
 
-        try:
-            index = outlines_core.Index(regex, self.vocabulary)
+        try:  # the end marked by the sentinel: outlines-core 0.2.14 drops a final state's moves to non-final ones
+            index = outlines_core.Index(f"(?:{regex}){END_MARK}", self.vocabulary)
         except (ValueError, TypeError) as e:
             raise GrammarError(f"the {'regex' if spec.kind == 2 else 'spec'} cannot be walked on the device (graph "
                                f"and persistent drive modes): {str(e).splitlines()[0][:200]}") from None
-        return self.layout(index.get_initial_state(), index.get_transitions(), index.get_final_states())
+        transitions = index.get_transitions()
+        finals = set(index.get_final_states())  # (the mark may also be text inside the regex: a JSON string's)
+        ends = {state for state, moves in transitions.items() if moves.get(self.vocab_size) in finals}
+        return self.layout(index.get_initial_state(), transitions, ends)
 
     def layout(self, start: Any, transitions: dict[Any, dict[int, Any]], finals: Any) -> GrammarTable:
         """The block of an automaton given as {state: {token: next state}}, with its start and final states (any
-        hashable names): states renumbered from 0, the end-of-sequence tokens allowed where it is final."""
-        names = {start: 0}
-        for state in sorted(set(transitions) | set(finals) - {start}, key=repr):
-            names.setdefault(state, len(names))
+        hashable names): the model's tokens' moves (not the end tokens') into states from which a final one can be
+        reached, the states renumbered from 0 as the start reaches them, the end-of-sequence tokens allowed where
+        it is final."""
+        finals = set(finals)
+        real = {state: {t: s for t, s in moves.items() if 0 <= t < self.vocab_size and t not in self.eos_ids}
+                for state, moves in transitions.items()}
+        before: dict[Any, set] = {}
+        for state, moves in real.items():
+            for s in moves.values():
+                before.setdefault(s, set()).add(state)
+        live, todo = set(finals), list(finals)  # the states a final one can be reached from
+        while todo:
+            for state in before.get(todo.pop(), ()):
+                if state not in live:
+                    live.add(state)
+                    todo.append(state)
+        if start not in live:
+            raise GrammarError("the grammar matches no text this model's tokens can spell")
+        names, todo = {start: 0}, [start]
+        while todo:  # numbered as the start reaches them
+            for s in real.get(todo.pop(), {}).values():
+                if s in live and s not in names:
+                    names[s] = len(names)
+                    todo.append(s)
         n, W = len(names), self.words_per_mask
         rows: list[tuple[np.ndarray, np.ndarray]] = [None] * n  # per state: sorted tokens, their next states
         for state, number in names.items():
-            moves = {t: names[s] for t, s in transitions.get(state, {}).items() if t not in self.eos_ids}
+            moves = {t: names[s] for t, s in real.get(state, {}).items() if s in live}
             if state in finals:
                 moves.update(dict.fromkeys(self.eos_ids, number))
             tokens = np.array(sorted(moves), dtype=np.int64)
-            if tokens.size and (tokens[0] < 0 or tokens[-1] >= self.vocab_size):
-                raise GrammarError("the grammar's automaton names a token outside the model's vocabulary")
             rows[number] = (tokens, np.array([moves[t] for t in tokens.tolist()], dtype=np.int64))
         masks: dict[bytes, int] = {}
         mask_rows: list[np.ndarray] = []
