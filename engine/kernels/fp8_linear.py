@@ -1,14 +1,64 @@
-"""The product of activations and a block-scaled FP8 weight (DeepSeek-V3's and Qwen3-FP8's 128x128 blocks) as one
-Triton kernel: activations in E4M3 with a scale per token and input block, the weight's codes with a scale per
-block; each program's tile of the output sums, block of inputs by block, the E4M3 tensor-core product times both
-scales in float32 (blink.engine.model.fp8.reference_block_linear is its numbers in torch). Tile sizes are first
-choices, not yet tuned on a GPU."""
+"""FP8 products' Triton kernels (blink.engine.model.fp8): activations quantized to E4M3 in one launch, and the
+product with a block-scaled weight (DeepSeek-V3's and Qwen3-FP8's 128x128 blocks).
+
+`quantize`: each row's groups of inputs (the whole row: per token; 128: per token and block) scaled by amax / 448,
+or by a static scale, in one launch where torch takes six (blink.engine.model.fp8.quantize_rows and
+quantize_groups are its numbers in torch; Triton's interpreter may round an E4M3 code the other way).
+`block_linear`: each program's tile of the output sums, block of inputs by block, the E4M3 tensor-core product
+times both scales in float32 (fp8.reference_block_linear is its numbers in torch). Tile sizes are first choices,
+not yet tuned on a GPU."""
 
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+
+E4M3_MAX = tl.constexpr(448.0)
+MIN_AMAX = tl.constexpr(1e-12)  # fp8.MIN_AMAX: an all-zero group's scale
+
+
+@triton.jit
+def _quantize_kernel(x_ptr, q_ptr, s_ptr, static_ptr, stride_x, stride_q, stride_s, K: tl.constexpr,
+                     GROUP: tl.constexpr, BLOCK: tl.constexpr, STATIC: tl.constexpr):
+    row, g = tl.program_id(0), tl.program_id(1)
+    x_row, q_row = x_ptr + row * stride_x, q_ptr + row * stride_q
+    first = g * GROUP
+    offs = tl.arange(0, BLOCK)
+    if STATIC:
+        scale = tl.load(static_ptr)
+    else:
+        amax = tl.zeros((BLOCK,), dtype=tl.float32)
+        for start in range(0, GROUP, BLOCK):
+            k = first + start + offs
+            x = tl.load(x_row + k, mask=(k < K) & (start + offs < GROUP), other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        scale = tl.maximum(tl.max(amax, axis=0), MIN_AMAX) / E4M3_MAX
+    tl.store(s_ptr + row * stride_s + g, scale)
+    for start in range(0, GROUP, BLOCK):
+        k = first + start + offs
+        mask = (k < K) & (start + offs < GROUP)
+        x = tl.load(x_row + k, mask=mask, other=0.0).to(tl.float32)
+        q = tl.minimum(tl.maximum(x / scale, -E4M3_MAX), E4M3_MAX)
+        tl.store(q_row + k, q.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+def quantize(x: torch.Tensor, group: int | None = None,
+             static_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (rows contiguous) in E4M3, and its float32 scales [M, groups]: one per row (group None) or per row
+    and `group` inputs; static_scale: a float32 [] that every row uses instead of its own."""
+    m, k = x.shape
+    assert x.stride(1) == 1
+    group = group or k
+    groups = triton.cdiv(k, group)
+    q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty((m, groups), dtype=torch.float32, device=x.device)
+    if m:
+        block = min(triton.next_power_of_2(group), 4096)
+        _quantize_kernel[(m, groups)](x, q, scale, scale if static_scale is None else static_scale, x.stride(0),
+                                      q.stride(0), scale.stride(0), K=k, GROUP=group, BLOCK=block,
+                                      STATIC=static_scale is not None, num_warps=4 if block <= 1024 else 8)
+    return q, scale
 
 
 @triton.jit

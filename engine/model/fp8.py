@@ -12,7 +12,8 @@ spread over the channels, so fused q/k/v with their own scales stay exact) or pe
 tensor, a channel's own scale is never coarser, and the product below takes row-wise scales at the same cost.
 
 The product (`linear`), on a GPU with FP8 tensor cores (compute capability 8.9+): activations quantized per token
-(amax / 448, on the device; a checkpoint's static `input_scale` instead where it has one), then
+(amax / 448, in one Triton launch: blink.engine.kernels.fp8_linear.quantize; a checkpoint's static `input_scale`
+instead where it has one), then
 `torch._scaled_mm` with row-wise float32 scales (the token's, the channel's); block-scaled weights through a Triton
 kernel (blink.engine.kernels.fp8_linear) over activations quantized per token and 128 inputs, as DeepSeek-V3's
 recipe. No host reads, no syncs: a captured step holds it. Elsewhere (the CPU; older GPUs) there is no FP8 product
@@ -272,14 +273,18 @@ def linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = None,
            block_product=None) -> torch.Tensor:
     """x [M, K] @ weight.T in FP8: a per-channel weight through `scaled_mm` (torch._scaled_mm), a block-scaled one
     through `block_product` (the Triton kernel). Returns x's dtype. The tests hand the emulations in."""
+    if x.is_cuda:  # one launch for the activations' codes and scales
+        from blink.engine.kernels.fp8_linear import quantize
     if weight.block is None:
-        xq, xs = quantize_rows(x, weight.input_scale)
+        xq, xs = (quantize(x.contiguous(), None, weight.input_scale) if x.is_cuda
+                  else quantize_rows(x, weight.input_scale))
         # row-wise _scaled_mm writes bfloat16 (cuBLAS's row-wise FP8 kernels have no other output)
         out = scaled_mm(xq, weight.codes.t(), xs, weight.scale.view(1, -1), torch.bfloat16)
     else:
         if block_product is None:
             from blink.engine.kernels.fp8_linear import block_linear as block_product
-        xq, xs = quantize_groups(x, weight.block[1])
+        group = weight.block[1]
+        xq, xs = quantize(x.contiguous(), group) if x.is_cuda else quantize_groups(x, group)
         out = block_product(xq, xs, weight.codes, weight.scale, weight.block, x.dtype)
     out = out.to(x.dtype)
     return out if bias is None else out + bias

@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from blink.engine import LLM, SamplingParams
 from blink.engine.errors import CheckpointError
-from blink.engine.kernels.fp8_linear import block_linear
+from blink.engine.kernels.fp8_linear import block_linear, quantize
 from blink.engine.model import fp8
 from blink.engine.model.checkpoint import FP8_PROJECTION
 from blink.engine.model.config import ModelConfig
@@ -192,6 +192,36 @@ def test_the_scaled_mm_product_is_the_float_product_of_its_fp8_values(static):
         torch_mm = torch._scaled_mm(xq, w.codes.t(), scale_a=xs, scale_b=w.scale.view(1, -1), out_dtype=torch.float32)
         assert _relative(fp8.emulated_scaled_mm(xq, w.codes.t(), xs, w.scale.view(1, -1), torch.float32),
                          torch_mm) < 1e-5
+
+
+def _e4m3_ulp(v: torch.Tensor) -> torch.Tensor:
+    """The step between E4M3 values around v: 3 mantissa bits, subnormals below 2^-6 in steps of 2^-9."""
+    return torch.exp2(torch.floor(torch.log2(v.abs().clamp(min=2**-6))) - 3)
+
+
+@pytest.mark.parametrize(("m", "k", "group", "static"), [(3, 300, None, False), (4, 300, 128, False),
+                                                         (2, 5000, None, False), (5, 256, 128, False),
+                                                         (3, 300, None, True)])
+def test_the_quantize_kernel_computes_the_references_numbers(m, k, group, static):
+    """Activations in one launch (interpreted without a GPU, compiled with one): the scales exactly torch's, per
+    row or per row and 128 inputs, an all-zero row's included; the codes torch's on a GPU. Triton 3.6's interpreter
+    narrows to E4M3 by its own rule: a code within one step of x / scale, except that a value rounding up to a
+    power of two loses the carry into the exponent (-126.2 becomes -64, not -128); the GPU's conversion does not."""
+    torch.manual_seed(0)
+    x = (torch.randn(m, k, device=DEVICE) * 3).to(torch.bfloat16)
+    x[0] = 0
+    static_scale = torch.tensor(0.01, device=DEVICE) if static else None
+    q, scale = quantize(x, group, static_scale)
+    want_q, want_scale = (fp8.quantize_rows(x, static_scale) if group is None else fp8.quantize_groups(x, group))
+    assert q.dtype == fp8.E4M3 and torch.equal(scale, want_scale)
+    if DEVICE.type == "cuda":
+        assert torch.equal(q.float(), want_q.float())
+        return
+    exact = (x.float() / fp8.expand_scale(scale, None if group is None else (1, group), x.shape)).clamp(-448, 448)
+    got, want = q.float(), want_q.float()
+    lost_carry = (got * 2 == want) & (torch.log2(want.abs()) % 1 == 0)
+    assert ((got - exact).abs() < _e4m3_ulp(exact))[~lost_carry].all()
+    assert lost_carry.float().mean() < 0.05
 
 
 @pytest.mark.parametrize(("n", "k", "block"), [(256, 384, (128, 128)), (200, 300, (128, 128)), (96, 80, (64, 32))])

@@ -80,6 +80,10 @@ results = [
             dict(K=4096, GROUP_N=128, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128),
             pointers("fp8e4nv", "x_ptr", "w_ptr") | pointers("fp32", "xs_ptr", "ws_ptr") | pointers("bf16", "out_ptr"))
       for bm, bn in ((16, 64), (64, 128))),
+    *(build(fp8_linear._quantize_kernel, f"fp8 activations, groups of {group}{', static' * static}",
+            dict(K=14336, GROUP=group, BLOCK=min(group, 4096), STATIC=static),
+            pointers("bf16", "x_ptr") | pointers("fp8e4nv", "q_ptr") | pointers("fp32", "s_ptr", "static_ptr"))
+      for group, static in ((14336, False), (128, False), (14336, True))),
     build(rotation._copy_pages_kernel, "KV rotation: page copies",
           dict(LAYERS=16, PAGE_ELEMENTS=16 * 8 * 64, PROGRAMS=rotation.PROGRAMS, BLOCK=rotation.BLOCK),
           pointers("bf16", "src_ptr", "dst_ptr") | pointers("i64", "src_ids_ptr", "dst_ids_ptr", "count_ptr")),
