@@ -4,8 +4,10 @@ A weight is `Quantized`: codes (unsigned, one per byte) and w = scale * code + o
 inputs (`GROUPED`: float16 scales, as GGUF's blocks; blink.shared.checkpoints.gguf_blocks repacks them) or per output
 (float32). `--quantization` says where they come from: `int8` quantizes each float weight on load, symmetric, a scale
 per output channel; `int4` in groups of 32, symmetric (llama.cpp's Q4_0 rule), the output projection in int8 (`OUTPUT`);
-`gguf` runs a GGUF file's own Q8_0, Q4_0, Q4_1 and Q4_K blocks, repacked once when the file was converted, and its
-matrices in other types (Q6_K, Q5_x, float) in int8, quantized from their dequantized values.
+`gguf` runs a GGUF file's own Q8_0, Q4_0, Q4_1, Q4_K and Q6_K blocks, repacked once when the file was converted, and
+its matrices in other types (Q5_x, float) in int8, quantized from their dequantized values. Q6_K keeps its own form
+(`bits` 6): codes 0..63, `scale` its int8 scales per 16 inputs, `offset` its float16 d per 256, w = d * s * (code -
+32), exactly as gguf dequantizes it (blink.shared.checkpoints.gguf_blocks says why no 32-input form holds it).
 
 Products: `lay_out` puts a weight in the AVX-512 VNNI kernel's form (engine/kernels/quant_linear.cpp: blocks of 64
 outputs, activations quantized per row to int8 by groups of 32 on the fly). Where that kernel cannot run (no VNNI, or
@@ -26,12 +28,14 @@ from blink.shared.settings import QUANTIZATIONS as METHODS  # --quantization's v
 # The output projection in more bits than the layers, as llama.cpp's quantizer keeps it (Q6_K under 4-bit types).
 OUTPUT = {"int4": "int8"}
 GROUP = 32  # inputs sharing an activation scale (and a weight scale, grouped)
+SUB, SUPER = 16, 256  # 6 bits (Q6_K): inputs of an int8 sub-block scale, of a float16 super-block scale
 BLOCK = 64  # outputs of a block of the kernel's layout
 
 
 @dataclass
 class Quantized:
-    """codes: uint8 [N, K]; scale, offset: float16 [N, K / 32] (grouped) or float32 [N, 1] (per output)."""
+    """codes: uint8 [N, K]; scale, offset: float16 [N, K / 32] (grouped) or float32 [N, 1] (per output); 6 bits:
+    scale int8 [N, K / 16], offset float16 [N, K / 256] (Q6_K's s and d)."""
 
     codes: torch.Tensor
     scale: torch.Tensor
@@ -51,9 +55,17 @@ class Quantized:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         n, k = self.codes.shape
+        if self.bits == 6:
+            codes = self.codes.view(n, k // SUB, SUB).float() - 32
+            return (codes * self.sub_scales()[..., None]).view(n, k).to(dtype)
         groups = self.scale.shape[1]
         codes = self.codes.view(n, groups, k // groups).float()
         return (codes * self.scale.float()[..., None] + self.offset.float()[..., None]).view(n, k).to(dtype)
+
+
+    def sub_scales(self) -> torch.Tensor:
+        """6 bits: d * s per 16 inputs, float32 [N, K / 16] (exact: an 11-bit d times an 8-bit s)."""
+        return self.offset.float().repeat_interleave(SUPER // SUB, dim=1) * self.scale.float()
 
 
 def cat(parts: list[torch.Tensor] | list[Quantized]) -> torch.Tensor | Quantized:
@@ -132,15 +144,18 @@ class LaidOut:
 def lay_out(q: Quantized) -> LaidOut | Quantized:
     """The kernel's form where it runs here, else the weight as it is (the torch reference runs it)."""
     n, k = q.shape
-    if kernel_ops() is None or q.codes.device.type != "cpu" or n % BLOCK or k % GROUP:
+    if kernel_ops() is None or q.codes.device.type != "cpu" or n % BLOCK or k % (SUPER if q.bits == 6 else GROUP):
         return q
-    step = 4 if q.bits == 8 else 8  # inputs a byte row of 4 codes covers
+    step = 8 if q.bits == 4 else 4  # inputs a byte row of 4 codes covers (6-bit codes: a byte each)
     codes = q.codes.view(n // BLOCK, BLOCK, k // step, step)
     if q.bits == 4:  # the low nibble the even step of 4 inputs, the high nibble the odd one
         codes = codes[..., :4] | (codes[..., 4:] << 4)
     codes = codes.transpose(1, 2)
     laid = huge_pages.empty(codes.shape, torch.uint8).copy_(codes)
-    if q.grouped:
+    if q.bits == 6:  # s [N/64, K/16, 64] int8, d [N/64, K/256, 64] float32
+        d = q.scale.view(n // BLOCK, BLOCK, k // SUB).transpose(1, 2).contiguous()
+        b = q.offset.float().view(n // BLOCK, BLOCK, k // SUPER).transpose(1, 2).contiguous()
+    elif q.grouped:
         d, b = (t.view(n // BLOCK, BLOCK, k // GROUP).transpose(1, 2).contiguous() for t in (q.scale, q.offset))
     else:
         d, b = q.scale.reshape(n).contiguous(), q.offset.reshape(n).contiguous()
@@ -169,6 +184,11 @@ def reference_linear(x: torch.Tensor, q: Quantized, bias: torch.Tensor | None = 
     """The kernel's numbers in torch: sum over groups of dx * (d * I + b * S), I the integer dot products."""
     xq, dx, xs = quantize_activations(x)
     n, k = q.shape
+    if q.bits == 6:  # per 16 inputs: integer dots of (code - 32), times d * s and the group's dx
+        m = x.shape[0]
+        dots = torch.einsum("msi,nsi->mns", xq.view(m, k // SUB, SUB), q.codes.view(n, k // SUB, SUB).float() - 32)
+        out = (dots * q.sub_scales()[None] * dx.repeat_interleave(2, dim=1)[:, None, :]).sum(dim=2)
+        return (out if bias is None else out + bias.float()).to(x.dtype)
     codes = q.codes.view(n, k // GROUP, GROUP).float()
     dots = torch.einsum("mgi,ngi->mng", xq, codes)  # integers, exact in float32 (|I| < 2^24)
     if q.grouped:

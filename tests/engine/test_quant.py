@@ -32,6 +32,20 @@ def _from_gguf(kind: Q, shape: tuple[int, int], seed: int = 0) -> quant.Quantize
     return quant.Quantized(*(torch.from_numpy(a) for a in (codes, scale, offset)), bits)
 
 
+def _q6_k_blocks(rows: int, k: int, seed: int = 0) -> np.ndarray:
+    """Random Q6_K rows (gguf cannot quantize to Q6_K): any bytes are valid codes and int8 scales; d kept small."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(rows * k // 256, 210), dtype=np.uint8)
+    blocks[:, 208:] = np.frombuffer(rng.uniform(1e-4, 1e-3, size=len(blocks)).astype(np.float16).tobytes(),
+                                    dtype=np.uint8).reshape(-1, 2)
+    return blocks.reshape(rows, -1)
+
+
+def _q6_k(n: int, k: int) -> quant.Quantized:
+    codes, scale, offset, bits = gguf_blocks.repack(Q.Q6_K, _q6_k_blocks(n, k))
+    return quant.Quantized(*(torch.from_numpy(a) for a in (codes, scale, offset)), bits)
+
+
 WEIGHTS = {
     "int8": lambda n, k: quant.quantize(torch.randn(n, k), "int8"),
     "int4": lambda n, k: quant.quantize(torch.randn(n, k), "int4"),
@@ -58,6 +72,30 @@ def test_the_kernel_computes_the_references_numbers(form, dtype):
             assert _relative(got, quant.reference_linear(x, q, bias)) < (1e-5 if dtype == torch.float32 else 1e-2)
             # activations quantized to int8 per 32 inputs: within a percent of the dequantized weight's float product
             assert _relative(got, F.linear(x.float(), q.dequantize(), bias)) < 2e-2
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernel_runs_q6_k_as_stored(dtype):
+    """Q6_K's 6-bit codes with their int8 scales per 16 inputs: the kernel against the reference (float32 to summation
+    order), and the reference against gguf's own dequantization times the int8 activations, exactly as a float sum."""
+    torch.manual_seed(0)
+    for n, k in ((64, 256), (192, 1280), (128, 2304)):  # 1280, 2304: a chunk of 1024 inputs and a part of one
+        q = _q6_k(n, k)
+        laid = quant.lay_out(q)
+        assert isinstance(laid, quant.LaidOut) and laid.bits == 6
+        weight = torch.from_numpy(gguf.quants.dequantize(_q6_k_blocks(n, k), Q.Q6_K))
+        for m in (1, 2, 3, 4, 7, 16):
+            x, bias = torch.randn(m, k).to(dtype), torch.randn(n)
+            got = quant.linear(x, laid, bias)
+            reference = quant.reference_linear(x, q, bias)
+            assert got.dtype == dtype and got.shape == (m, n)
+            assert _relative(got, reference) < (1e-5 if dtype == torch.float32 else 1e-2)
+            xq, dx, _ = quant.quantize_activations(x)
+            exact = F.linear((xq * dx[..., None]).view(m, k).double(), weight.double(), bias.double())
+            assert _relative(reference.float() if dtype == torch.float32 else got, exact) < (
+                1e-5 if dtype == torch.float32 else 1e-2)
+            assert _relative(got, F.linear(x.float(), weight, bias)) < 2e-2
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
@@ -92,8 +130,17 @@ def test_q4_k_blocks_repack_to_their_dequantized_values_up_to_float16_scales():
     np.testing.assert_allclose(got, expected, atol=np.abs(expected).max() * 2e-3)
 
 
+def test_q6_k_blocks_repack_to_exactly_what_they_dequantize_to():
+    data = _q6_k_blocks(32, 1024, seed=2)
+    codes, scale, offset, bits = gguf_blocks.repack(Q.Q6_K, data)
+    assert bits == 6 and codes.max() <= 63 and scale.dtype == np.int8 and offset.shape == (32, 4)
+    np.testing.assert_array_equal(gguf_blocks.dequantized(codes, scale, offset), gguf.quants.dequantize(data, Q.Q6_K))
+    q = quant.Quantized(*(torch.from_numpy(a) for a in (codes, scale, offset)), bits)
+    assert torch.equal(q.dequantize(), torch.from_numpy(gguf.quants.dequantize(data, Q.Q6_K)))
+
+
 def test_other_gguf_types_have_no_repacking():
-    assert gguf_blocks.repack(Q.Q6_K, np.zeros((1, 210), np.uint8)) is None
+    assert gguf_blocks.repack(Q.Q5_K, np.zeros((1, 176), np.uint8)) is None
 
 
 def _prompt_logprobs(llm: LLM, prompt: list[int]) -> torch.Tensor:
