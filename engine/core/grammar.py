@@ -4,7 +4,7 @@ As vLLM does it: the engine compiles each request's grammar (blink.shared.gramma
 keeps a matcher per constrained slot, fills the bitmask of the constrained rows before sampling (`mask`, which
 `Step.run` calls) and advances each matcher with the token its slot committed (`advance`, from the host's events).
 Rows without a grammar pay nothing, and a step with no constrained slot resident does no mask work at all. The device
-modes do not call this: the ingress refuses them constrained requests (docs/design.md has the device table walk).
+modes do not call this: they walk a token automaton on the device (blink.engine.drive.device_grammars).
 """
 
 from __future__ import annotations
