@@ -148,3 +148,22 @@ def test_perl_classes_are_ascii_as_llguidance_reads_them():
 def test_a_bounded_integer_range_becomes_its_values():
     regex = device_regex(GrammarSpec.json_schema({"type": "integer", "minimum": 2, "maximum": 9, "multipleOf": 3}))
     assert {v for v in map(str, range(-5, 40)) if re.fullmatch(regex, v)} == {"3", "6", "9"}
+
+
+def test_the_ingress_lets_the_device_modes_take_what_lowers():
+    """graph and persistent take a regex, a choice and a bounded schema (the engine walks them), and refuse, naming
+    why, what does not lower; the host mode masks a GBNF grammar."""
+    from types import SimpleNamespace
+
+    from blink.ingress.errors import APIError
+    from blink.ingress.structured import _check_serving
+
+    regular = [GrammarSpec(GrammarKind.REGEX, REGEX), GrammarSpec.choice(CHOICES), GrammarSpec.json_schema(SCHEMAS[1])]
+    gbnf = GrammarSpec(GrammarKind.EBNF, 'root ::= "a" root | "b"')
+    for drive in ("graph", "persistent"):
+        state = SimpleNamespace(info=SimpleNamespace(drive=drive, max_grammar_bytes=4096))
+        for spec in regular:
+            _check_serving(state, spec, "structured_outputs")
+        with pytest.raises(APIError, match="host drive mode serves grammars"):
+            _check_serving(state, gbnf, "structured_outputs")
+    _check_serving(SimpleNamespace(info=SimpleNamespace(drive="host", max_grammar_bytes=4096)), gbnf, "x")
