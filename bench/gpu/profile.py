@@ -11,6 +11,8 @@ from contextlib import contextmanager
 
 import torch
 
+from blink.engine.core.sampler import Sampler
+from blink.engine.core.step import Step
 from blink.engine.drive.device_step import DeviceStep
 from blink.engine.engine import Engine
 from blink.shared.slot_table import Request, SlotTable
@@ -49,7 +51,7 @@ def eager_step_checks(engine: Engine) -> dict:
             run()
         torch.cuda.synchronize()
         out["eager_step_ms"] = 1e3 * (time.perf_counter() - started) / STEPS
-        out["profile_ms"] = _profile(run)
+        out["profile_ms"] = _profile(run, engine.step)
         for slot in range(8):
             table.cancel(slot)
         run()
@@ -61,11 +63,11 @@ def eager_step_checks(engine: Engine) -> dict:
     return out
 
 
-def _profile(run) -> dict[str, float]:
+def _profile(run, core_step: Step) -> dict[str, float]:
     """GPU milliseconds per eager step in each stage (the kernels its functions launched)."""
     from torch.profiler import ProfilerActivity, profile
 
-    with _stages(), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with _stages(core_step), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(STEPS):
             run()
         torch.cuda.synchronize()
@@ -80,7 +82,9 @@ def _device_us(event, name: str) -> float:
 
 
 @contextmanager
-def _stages():
+def _stages(core_step: Step):
+    """Each stage's functions wrapped in a named range while the block runs; the sampler is the step's own (the
+    kernel set's: torch's or the fused one), so it is wrapped on the step."""
     from blink.engine.core import step as step_module
     from blink.engine.drive import device_step
     from blink.engine.model.model import Transformer
@@ -88,14 +92,16 @@ def _stages():
     targets = [(device_step, "take_requests", "exchange"), (device_step, "emit", "exchange"),
                (device_step, "report_demand", "exchange"), (device_step, "admit", "admit"),
                (device_step, "plan", "plan"), (Transformer, "forward", "forward"), (Transformer, "logits", "logits"),
-               (step_module, "sample", "sample"), (step_module, "score_prompt", "sample"),
-               (step_module, "commit", "commit")]
+               (step_module, "score_prompt", "sample"), (step_module, "commit", "commit")]
     saved = [(owner, name, getattr(owner, name)) for owner, name, _ in targets]
     for (owner, name, stage), (_, _, original) in zip(targets, saved, strict=True):
         setattr(owner, name, _ranged(original, f"blink.{stage}"))
+    sampler = core_step.sampler
+    core_step.sampler = Sampler(_ranged(sampler.sample, "blink.sample"), _ranged(sampler.logprobs, "blink.sample"))
     try:
         yield
     finally:
+        core_step.sampler = sampler
         for owner, name, original in saved:
             setattr(owner, name, original)
 
