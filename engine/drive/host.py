@@ -141,8 +141,9 @@ class HostRank:
         for slot in self.grammars.admit(records, admitted.slots):  # compiled already where HostDriver admits
             engine.state.cancel[slot] = True
         if admitted.slots:  # the grammar masks one row per slot: a constrained slot decodes without drafts
-            engine.state.draft_off[admitted.slots] = torch.tensor([slot in self.grammars.matchers
-                                                                   for slot in admitted.slots])
+            draft_off = engine.state.draft_off
+            draft_off[admitted.slots] = torch.tensor([slot in self.grammars.matchers for slot in admitted.slots],
+                                                     device=draft_off.device)
         return admitted.invalid
 
     def step(self, windows: Windows | None) -> dict[int, SlotEvent]:
