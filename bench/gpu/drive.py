@@ -287,7 +287,7 @@ def _wait(driver: Driver, condition, timeout_s: float) -> None:
 
 def _alive(driver: Driver, deadline: float) -> None:
     if driver.failure is not None:
-        raise RuntimeError(f"the driver stopped: {driver.failure!r}")
+        raise RuntimeError(f"the driver stopped: {driver.failure!r}") from driver.failure
     if time.monotonic() > deadline:
         raise TimeoutError(f"requests did not progress in time (resident {driver.resident})")
 

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 import uuid
 from importlib import metadata
 from pathlib import Path
@@ -122,7 +123,7 @@ def model(out: dict, dry_run: bool, shape: str) -> None:
         try:
             out["steps"][mode] = step_times(directory, dry_run, mode, batches)
         except Exception as e:  # the next mode still runs
-            out["steps"][mode] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+            out["steps"][mode] = {"error": failure(e)}
         _save(out)
         _free()
     env_found = _env_result()
@@ -150,6 +151,13 @@ def fp8_model(out: dict, dry_run: bool, shape: str) -> None:
     model(out, dry_run, shape)
 
 
+def failure(e: BaseException, limit: int = 4000) -> str:
+    """What failed, for a phase's JSON: the exception and the end of its traceback, its cause's included (a lent
+    GPU's run is read afterwards, so the frame that failed must be in it)."""
+    text = "".join(traceback.format_exception(e))
+    return f"{type(e).__name__}: {e}"[:500] + "\n" + text[-(limit - 500):]
+
+
 def parity(out: dict, dry_run: bool) -> None:
     """Greedy tokens of every drive mode against the host's: one short prompt (exact), then a mixed batch (the
     first divergence per request: random bf16 weights give near-flat logits, so another bucket's rounding may
@@ -163,7 +171,7 @@ def parity(out: dict, dry_run: bool) -> None:
             tokens[mode] = {"short": greedy(directory, dry_run, mode, short, 16),
                             "mixed": greedy(directory, dry_run, mode, mixed, 24)}
         except Exception as e:  # the next mode still runs
-            tokens[mode] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+            tokens[mode] = {"error": failure(e)}
         _free()
     out["tokens"] = tokens
     host = tokens.get("host", {})
@@ -338,7 +346,7 @@ def main(argv: list[str]) -> int:
     try:
         PHASES[args.phase](out, args.dry_run)
     except Exception as e:
-        out["error"] = f"{type(e).__name__}: {e}"[:4000]
+        out["error"] = failure(e)
         raise
     finally:
         out["seconds"] = time.monotonic() - started
