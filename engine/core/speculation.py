@@ -27,7 +27,7 @@ from blink.engine.core.commit import EmittedRuns, StepOutput, ends_request, per_
 from blink.engine.core.kv_cache import PagePool
 from blink.engine.core.policy import Policy, StepCost
 from blink.engine.core.sampler import SampleOutput
-from blink.engine.core.state import Slots, SlotStatus
+from blink.engine.core.state import Slots, SlotStatus, host_bound, none_set
 from blink.shared.slot_table import Finish
 from blink.shared.speculative import SpeculativeConfig
 
@@ -55,6 +55,7 @@ class Speculation:
         """[S] draft tokens each slot computes on top of `take` (written into state.tokens); order: the budget's,
         cap: the most tokens the step may run."""
         seq = state.seq_len
+        state.draft_len.zero_()
         decoding = live & (take == 1) & (seq - state.num_computed == 1) & (state.max_tokens > 0)
         penalised = (state.repetition_penalty != 1) | (state.presence_penalty != 0) | (state.frequency_penalty != 0)
         scoring = (state.prompt_logprobs >= 0) & (state.scored < state.prompt_len - 1)
@@ -62,7 +63,9 @@ class Speculation:
         wants = able & (state.spec_rate >= self.threshold(state, policy, cost, take))
         state.spec_rate.copy_(torch.where(able & ~wants, state.spec_rate + RETRY * (1 - state.spec_rate),
                                           state.spec_rate))
-        start, found = self.propose(state)
+        if none_set(wants):
+            return torch.zeros_like(take)
+        start, found = self.propose(state, wants)
         generated = seq - state.prompt_len
         k = torch.minimum(found, state.max_tokens - generated - 1).minimum(state.max_len - seq - 1)
         k = torch.where(wants, k.minimum(state.room - 1), 0).clamp(min=0, max=self.k)
@@ -86,26 +89,26 @@ class Speculation:
         need = torch.where(policy.latency_sensitive(state), per_draft, per_draft * sampling)
         return need.float().clamp(min=MIN_RATE)
 
-    def propose(self, state: Slots) -> tuple[torch.Tensor, torch.Tensor]:
+    def propose(self, state: Slots, wants: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """([S] where each slot's draft starts in its tokens, [S] its length, 0 for none): after the latest earlier
-        occurrence of the sequence's last n tokens, the longest n in [lookup_min, lookup_max] that has one."""
+        occurrence of the sequence's last n tokens, the longest n in [lookup_min, lookup_max] that has one. Only
+        the history the slots that want drafts have is searched, where the host knows its length for free."""
         tokens, seq = state.tokens, state.seq_len
-        L = tokens.shape[1] - 1  # the trash column is no history
-        j = torch.arange(L, device=seq.device)  # where a match ends (its last token)
-        matched = torch.ones(state.num_slots, L, dtype=torch.bool, device=seq.device)
+        W = host_bound(torch.where(wants, seq, 0).amax(), tokens.shape[1] - 1)  # the trash column is no history
+        history = tokens[:, :W]
+        j = torch.arange(W, device=seq.device)  # where a match ends (its last token)
+        matched = j[None, :] < (seq - 1)[:, None]  # an earlier occurrence ends before the last token
         start = torch.zeros_like(seq)
         found = torch.zeros_like(seq)
         for n in range(1, self.lookup_max + 1):  # matched: the last n tokens end at j too
             d = n - 1
             last = tokens.gather(1, (seq - 1 - d).clamp(min=0)[:, None])
-            back = torch.cat([tokens.new_full((state.num_slots, d), -1), tokens[:, : L - d]], 1)  # tokens[j - d]
-            matched &= back == last
+            matched[:, d:] &= history[:, : W - d] == last
+            matched[:, :d] = False  # no whole occurrence ends there
             if n < self.lookup_min:
                 continue
-            # An earlier occurrence ends before the last token, and whole: j - d >= 0, j + 1 < seq.
-            hit = matched & (j >= d) & (j[None, :] < (seq - 1)[:, None]) & (seq >= n)[:, None]
-            latest = torch.where(hit, j, -1).amax(1)
-            longer = latest >= 0  # n counts up: a longer match replaces a shorter one
+            latest = torch.where(matched, j, -1).amax(1)
+            longer = (latest >= 0) & (seq >= n)  # n counts up: a longer match replaces a shorter one
             start = torch.where(longer, latest + 1, start)
             found = torch.where(longer, (seq - latest - 1).clamp(max=self.k), found)
         return start, found

@@ -25,6 +25,14 @@ def none_set(*masks: torch.Tensor) -> bool:
     return not any(bool(m.any()) for m in masks)
 
 
+def host_bound(x: torch.Tensor, top: int) -> int:
+    """A 0-d tensor's value, at most `top`, where reading it is free (eager on the CPU), to cut a search to what is
+    live; `top` elsewhere (under torch.compile, and on a GPU: none_set's rule), where the work runs whole."""
+    if x.device.type != "cpu" or torch.compiler.is_compiling():
+        return top
+    return min(int(x), top)
+
+
 class SlotStatus(IntEnum):
     """A slot as the engine sees it; the slot table's words for the same moments (blink.shared.slot_table.SlotState:
     FREE, SUBMITTED, ADMITTED, FINISHED), with RUNNING once a step has planned it."""

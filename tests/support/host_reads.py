@@ -7,7 +7,7 @@ import contextlib
 
 import torch
 
-from blink.engine.core import commit, scheduler
+from blink.engine.core import commit, scheduler, speculation
 
 
 @contextlib.contextmanager
@@ -19,11 +19,13 @@ def host_reads_forbidden():
 
     names = ["item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__", "__index__"]
     saved = {n: getattr(torch.Tensor, n) for n in names}
-    skips = {module: module.none_set for module in (scheduler, commit)}
+    skips = {module: module.none_set for module in (scheduler, commit, speculation)}
+    bound = speculation.host_bound
     for n in names:
         setattr(torch.Tensor, n, refuse)
     for module in skips:
         module.none_set = lambda *masks: False
+    speculation.host_bound = lambda x, top: top  # the drafts' search runs whole, as on a GPU
     try:
         yield
     finally:
@@ -31,3 +33,4 @@ def host_reads_forbidden():
             setattr(torch.Tensor, n, f)
         for module, f in skips.items():
             module.none_set = f
+        speculation.host_bound = bound
