@@ -76,6 +76,12 @@ class Metrics:
                                    list(labels), registry=r)
         self.preemptions = Gauge("blink:num_preemptions_total", "Preemptions by the engine", list(labels),
                                  registry=r)
+        # Speculative decoding (--speculative-config), vLLM's counters, totals the engine keeps.
+        self.spec = {name: Gauge(f"blink:spec_decode_{name}", doc, list(labels), registry=r) for name, doc in (
+            ("num_drafts", "Steps in which a request drafted tokens"), ("num_draft_tokens", "Draft tokens proposed"),
+            ("num_accepted_tokens", "Draft tokens accepted"))}
+        self.spec_per_pos = Gauge("blink:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted at each "
+                                  "draft position", [*labels, "position"], registry=r)
         self._histograms = {
             "ttft": histogram("blink:time_to_first_token_seconds", "Time to first token"),
             "itl": histogram("blink:inter_token_latency_seconds", "Time between output tokens"),
@@ -184,4 +190,9 @@ class Metrics:
             host_usage = engine.kv_host_pages_used / max(1, engine.kv_host_pages_total)
             self.host_kv_usage.labels(**self._labels).set(host_usage)
             self.preemptions.labels(**self._labels).set(engine.preemptions)
+            if engine.spec_decode_num_accepted_tokens_per_pos:  # the engine speculates
+                for name, gauge in self.spec.items():
+                    gauge.labels(**self._labels).set(getattr(engine, f"spec_decode_{name}"))
+                for position, count in enumerate(engine.spec_decode_num_accepted_tokens_per_pos):
+                    self.spec_per_pos.labels(**self._labels, position=str(position)).set(count)
         return generate_latest(self.registry)

@@ -226,6 +226,7 @@ class EngineService:
                 preemptions=int(state.num_preemptions),
                 kv_host_pages_used=host_total - int(mirror.free.num_free) if mirror else 0,
                 kv_host_pages_total=host_total,
+                **_speculation_counts(self.engine),
             )
         if isinstance(message, control.RdmaConnect):
             return self._accept_rdma(message.peer)
@@ -267,3 +268,14 @@ def run_engine(settings: Settings) -> None:
         with contextlib.suppress(OSError):
             if pid_file.read_text() == str(os.getpid()):
                 pid_file.unlink()
+
+
+def _speculation_counts(engine: Engine) -> dict:
+    """vLLM's speculative decoding counters from the engine's state (none when it does not speculate)."""
+    spec = engine.step.speculation
+    if spec is None:
+        return {}
+    drafts, draft_tokens, accepted = engine.state.spec_counts.tolist()
+    return {"spec_decode_num_drafts": drafts, "spec_decode_num_draft_tokens": draft_tokens,
+            "spec_decode_num_accepted_tokens": accepted,
+            "spec_decode_num_accepted_tokens_per_pos": engine.state.spec_accepted_per_pos[:spec.k].tolist()}

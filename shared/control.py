@@ -158,6 +158,11 @@ class EngineStatus(BaseModel):
     preemptions: int
     kv_host_pages_used: int = 0  # the host mirror KV pages rotate to
     kv_host_pages_total: int = 0
+    # Speculative decoding's counters since the start, as vLLM names them (engine/core/speculation.py).
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = Field(default_factory=list)  # per draft position
 
 
 class Ack(BaseModel):
