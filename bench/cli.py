@@ -1,5 +1,5 @@
-"""`blink bench serve|plot|offline|overhead|step|gpu|grain|grammar|tp|cpu|llama-server|quality|projections|prefix|
-startup`: each subcommand's module declares its flags and runs it.
+"""`blink bench serve|plot|offline|overhead|step|gpu|grain|grammar|speculation|tp|cpu|llama-server|quality|projections|
+prefix|startup`: each subcommand's module declares its flags and runs it.
 
 Only the module of the command asked for is imported: `offline` needs torch and transformers, `serve` does not.
 """
@@ -21,6 +21,8 @@ COMMANDS = {
     "grain": ("blink.bench.engine.grain", "what a best-effort prompt chunk in a step costs the decodes beside it"),
     "grammar": ("blink.bench.engine.grammar",
                 "structured outputs in the host mode: constrained rows' cost a step, compile time cold and cached"),
+    "speculation": ("blink.bench.engine.speculation",
+                    "n-gram speculative decoding on against off: grounded and open-ended prompts, batch 1 and 8"),
     "tp": ("blink.bench.engine.tensor_parallel", "decode with the model split over N ranks against one rank"),
     "prefix": ("blink.bench.serving.prefix",
                "prefix caching on against off: TTFT of a cached prefix, multi-turn, a load"),
