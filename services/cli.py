@@ -112,6 +112,7 @@ def _add_generate_command(commands: argparse._SubParsersAction) -> None:
     gen.add_argument("--seed", type=int)
     gen.add_argument("--device", default="auto")
     gen.add_argument("--dtype", default="auto")
+    gen.add_argument("--speculative-config", help="n-gram speculative decoding, vLLM's JSON (as blink serve's flag)")
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -303,7 +304,7 @@ def _generate(args: argparse.Namespace) -> int:
     from blink.engine import LLM, SamplingParams
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    llm = LLM(args.model, device=args.device, dtype=args.dtype)
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, speculative_config=args.speculative_config)
     prompts = args.prompt or ["The quick brown fox", "Once upon a time", "Question: What is two plus two?"]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)
