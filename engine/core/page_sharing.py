@@ -25,8 +25,10 @@ def frees_a_page(state: Slots, pool: PagePool, held: torch.Tensor | None, kept: 
         return state.pages_held > 0
     table = state.block_table
     kept_page = torch.zeros(pool.num_pages, dtype=torch.bool, device=table.device)
-    kept_page[torch.where(held & kept[:, None], table, NULL_PAGE)] = True
-    kept_page[NULL_PAGE] = False
+    # index_fill_ and fill_, not item assignment: a Python scalar assigned is copied from the host, which no captured
+    # step may do (the H200's graph capture failed on it).
+    kept_page.index_fill_(0, torch.where(held & kept[:, None], table, NULL_PAGE).flatten(), True)
+    kept_page.narrow(0, NULL_PAGE, 1).fill_(False)
     return (held & ~kept_page[table]).any(1)
 
 
@@ -48,5 +50,5 @@ def pages_by_position(state: Slots, pool: PagePool, held: torch.Tensor | None, p
     by_page = torch.full((pool.num_pages,), start, dtype=torch.int64, device=table.device)
     by_page.scatter_reduce_(0, pages, torch.where(held, position[:, None], start).flatten(), reduce=reduce)
     by_page = torch.where(by_page < 0, S, by_page)  # mapped by no slot
-    by_page[NULL_PAGE] = S
+    by_page.narrow(0, NULL_PAGE, 1).fill_(S)  # not item assignment: a host copy (frees_a_page says why)
     return counts.scatter_add_(0, by_page, torch.ones_like(by_page))[:S]
