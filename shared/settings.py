@@ -57,6 +57,9 @@ class Settings(BaseSettings):
                                    "record holds this many bytes for it; 0 refuses structured outputs")
     structured_outputs_backend: Literal[grammar_backends.BACKENDS] = Field(grammar_backends.DEFAULT_BACKEND,
                                                                            description=grammar_backends.HELP)
+    grammar_arena_bytes: int = Field(grammar_backends.GRAMMAR_ARENA_BYTES, ge=1 << 16, le=1 << 40, description=""
+                                     "device memory the graph and persistent modes keep for structured outputs' "
+                                     "grammar tables, every resident one together; a larger table is refused")
     max_waiting: int = Field(256, ge=0, description="requests that may wait for a slot before 429")
     api_key: str | None = Field(None, description="the key every client entry point asks for (HTTP `Authorization: "
                                 "Bearer KEY`, the ZeroMQ API's `api_key`); /health, /ready and /metrics stay open")
