@@ -25,7 +25,7 @@ from blink.engine.model.model import LOAD_FORMATS, Transformer
 from blink.engine.model.parallel import Shard
 from blink.engine.ranks import meet
 from blink.shared.checkpoints.source import resolve
-from blink.shared.grammar_backends import BACKENDS, DEFAULT_BACKEND
+from blink.shared.grammar_backends import BACKENDS, DEFAULT_BACKEND, GRAMMAR_ARENA_BYTES
 from blink.shared.prefix_hash import prefix_seed
 from blink.shared.request_schema import MAX_GRAMMAR_BYTES
 from blink.shared.slot_table import Geometry
@@ -58,6 +58,7 @@ class EngineConfig:
     tensor_parallel_rank: int = 0  # this engine's (the LLM API starts the others)
     distributed_init_method: str | None = None  # where the ranks meet: tcp://HOST:PORT
     structured_outputs_backend: str = DEFAULT_BACKEND  # the grammar library (blink.shared.grammar_backends)
+    grammar_arena_bytes: int = GRAMMAR_ARENA_BYTES  # the device modes' grammar tables (engine/drive/device_grammars.py)
     # vLLM's --speculative-config: a dict or its JSON ({"method": "ngram", "num_speculative_tokens": K, ...});
     # None: off (blink.shared.speculative, engine/core/speculation.py; the host drive mode)
     speculative_config: dict | str | None = None
