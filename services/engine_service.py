@@ -63,6 +63,7 @@ class EngineService:
             enable_prefix_caching=settings.enable_prefix_caching, compile_bookkeeping=settings.compile_bookkeeping,
             tensor_parallel_size=settings.tensor_parallel_size,
             structured_outputs_backend=settings.structured_outputs_backend,
+            grammar_arena_bytes=settings.grammar_arena_bytes,
             speculative_config=settings.speculative_config.model_dump() if settings.speculative_config else None,
         )
         # Which drive modes can run here is known before the model loads (minutes for a large one): a mode asked
