@@ -131,6 +131,7 @@ def _llg_message(error: str) -> str:
 # regex, a choice, a JSON schema through outlines-core's regex of it (whitespace: one optional space where JSON
 # allows any, a subset of what llguidance allows, so every answer the walk makes is one the ingress's check accepts).
 DEVICE_WHITESPACE = r"[ ]?"
+GRAMMAR_ARENA_BYTES = 64 << 20  # --grammar-arena-bytes: device memory for every resident grammar's table together
 
 
 def device_regex(spec: GrammarSpec) -> str:

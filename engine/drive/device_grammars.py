@@ -26,11 +26,11 @@ from blink.engine.core.grammar_table import GrammarTable, Lowering
 from blink.engine.drive.table_memory import device_alias
 from blink.engine.kernels import grammar as kernels
 from blink.shared.grammar import GrammarCompiler, GrammarError, GrammarSpec
+from blink.shared.grammar_backends import GRAMMAR_ARENA_BYTES
 from blink.shared.slot_table import Finish, SlotState, SlotTable, grammar_of
 
 log = logging.getLogger(__name__)
 
-ARENA_BYTES = 64 << 20  # the arena's default size: every resident grammar's block together
 READY, TAKEN = 1, 2  # a slot's ready word: its block is in the arena; the device admitted its request with it
 POLL_S = (100e-6, 1e-3)  # the gate's poll: while a grammar is pending, and while none is
 
@@ -66,11 +66,10 @@ class Arena:
 
 
 class DeviceGrammars:
-    """The grammar walk's state for one device step. `arena_bytes`: every resident block together (a grammar larger
-    than the whole arena is refused; one that does not fit beside the others waits for room)."""
+    """The grammar walk's state for one device step. `arena_bytes` (--grammar-arena-bytes): every resident block
+    together (a grammar larger than the whole arena is refused; one that does not fit beside the others waits)."""
 
-    def __init__(self, engine: Any, table: SlotTable, arena_bytes: int | None = None):
-        arena_bytes = ARENA_BYTES if arena_bytes is None else arena_bytes
+    def __init__(self, engine: Any, table: SlotTable, arena_bytes: int = GRAMMAR_ARENA_BYTES):
         device, S = engine.device, engine.state.num_slots
         pinned = device.type == "cuda"
         self.table, self.device = table, device

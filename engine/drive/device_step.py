@@ -65,7 +65,7 @@ class DeviceStep:
         self.inbox = Inbox.create(self.table, int(table.header["epoch"]), device_alias(self.clock, device),
                                   device_alias(self.limit, device))
         # Structured outputs: the grammar walk (its gate admits a constrained record once its table is in place).
-        self.grammars = DeviceGrammars(engine, table)
+        self.grammars = DeviceGrammars(engine, table, engine.config.grammar_arena_bytes)
         self.inbox.grammar_ready = self.grammars.device_ready
         self.step.grammar = self.grammars  # Step.run masks the rows through it
         self._record = slot_dtype(table.geometry)

@@ -45,14 +45,14 @@ def table():
 
 
 @pytest.fixture
-def device(table, monkeypatch):
+def device(table):
     """A device step on the tiny model (it has an end-of-sequence token), with a 1 MiB arena; closed afterwards."""
-    monkeypatch.setattr(device_grammars, "ARENA_BYTES", 1 << 20)
     opened = []
 
     def make() -> DeviceStep:
         engine = Engine(EngineConfig(model=str(ensure_tiny_model()), max_num_seqs=4, max_num_batched_tokens=32,
-                                     num_pages=64, page_size=8, max_model_len=96, enable_prefix_caching=False))
+                                     num_pages=64, page_size=8, max_model_len=96, enable_prefix_caching=False,
+                                     grammar_arena_bytes=1 << 20))
         opened.append(DeviceStep(engine, table))
         return opened[-1]
 
@@ -119,7 +119,7 @@ def test_more_schemas_parse_greedy_and_seeded(table, device):
         jsonschema.validate(json.loads(step.engine.tokenizer.decode(tokens)), schemas[slot // 2])
 
 
-def test_grammars_that_cannot_be_walked_end_their_records_and_the_rest_is_served(table, device, monkeypatch):
+def test_grammars_that_cannot_be_walked_end_their_records_and_the_rest_is_served(table, device):
     step = device()
     step.grammars.space = device_grammars.Arena(400)  # smaller than the schema's table, larger than the regex's
     got = _serve(table, step, {
