@@ -246,3 +246,64 @@ def test_the_device_modes_refuse_drafts_with_the_reason():
     with pytest.raises(ValueError, match="host mode so far"):
         build("graph", engine, None)
 
+
+
+def test_sampling_features_beside_drafts_give_plain_decoding_s_tokens(plain, speculating):
+    """min_tokens holds stops back per row (each row's own token index), prompt logprobs are scored by slots that
+    do not draft yet, logit biases apply to every row: all as without drafts."""
+    llm = speculating[5]
+    stops = [r[2] for r in _tokens(plain, PROMPTS[:2], SamplingParams(temperature=0, max_tokens=8))]
+    for params in (SamplingParams(temperature=0, max_tokens=20, min_tokens=10, stop_token_ids=stops),
+                   SamplingParams(temperature=0.5, max_tokens=20, min_tokens=6, stop_token_ids=stops, seed=4),
+                   SamplingParams(temperature=0, max_tokens=20, logit_bias={602: 0.01})):
+        assert _tokens(llm, PROMPTS[:2], params) == _tokens(plain, PROMPTS[:2], params)
+    params = SamplingParams(temperature=0, max_tokens=16, prompt_logprobs=2)
+    want, got = plain.generate(PROMPTS[:2], params), llm.generate(PROMPTS[:2], params)
+    for a, b in zip(want, got, strict=True):
+        assert b.token_ids == a.token_ids and len(b.prompt_logprobs) == len(a.prompt_logprobs)
+        for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:], strict=True):
+            assert x.keys() == y.keys() and all(abs(x[t] - y[t]) < 1e-4 for t in x)
+
+
+def test_drafts_pay_by_the_step_cost_fit_and_a_slot_whose_drafts_fail_stops_then_retries():
+    """Latency-sensitive slots draft while their acceptance beats b / (a + bT), best-effort ones while it beats N
+    times that; a slot below stops drafting and climbs back to a retry."""
+    from blink.engine.core.policy import StepCost, policy_named
+
+    state = Slots(4, max_len=64, max_pages=8, vocab_size=8, device=torch.device("cpu"))
+    state.service_class.copy_(torch.tensor([0, 1, 1, 1]))  # one latency-sensitive, three best-effort
+    state.seq_len.fill_(10)
+    state.num_computed.fill_(9)
+    cost = StepCost(torch.device("cpu"))
+    cost.fit.copy_(torch.tensor([0.010, 0.002], dtype=torch.float64))  # 10 ms a step + 2 ms a token
+    take = torch.ones(4, dtype=torch.int64)
+    spec = Speculation(4, 1, 2)
+    need = spec.threshold(state, policy_named("slo"), cost, take)
+    per_draft = 0.002 / (0.010 + 0.002 * 4)
+    assert need[0] == pytest.approx(max(per_draft, 0.15)) and need[1] == pytest.approx(4 * per_draft)
+    assert spec.threshold(state, policy_named("fcfs"), cost, take)[0] == pytest.approx(4 * per_draft)  # no classes
+
+    llm = LLM(str(ensure_tiny_model()), **ENGINE, speculative_config=_spec(4))
+    driver, state = llm._driver, llm.engine.state
+    driver.add_request("0", PROMPTS[0], SamplingParams(temperature=0, max_tokens=60), 60)
+    driver.step()
+    state.spec_rate[0] = 0.0  # as after drafts that all failed
+    drafting = []
+    while driver.has_work():
+        driver.step()
+        drafting.append(bool(state.spec_counts[0] > sum(drafting)))
+    assert drafting[0] is False and any(drafting)  # it stopped, then retried once its rate climbed back
+
+
+@pytest.mark.slow
+def test_the_default_model_accepts_drafts_on_a_grounded_answer_with_plain_decoding_s_text():
+    """The real default checkpoint (SmolLM2-135M-Instruct), float32: an answer that copies its input accepts drafts
+    and is plain decoding's, token for token."""
+    prompt = ("<|im_start|>user\nRepeat this sentence exactly: The quick brown fox jumps over the lazy dog near the "
+              "river bank.<|im_end|>\n<|im_start|>assistant\n")
+    kw = dict(dtype="float32", max_num_seqs=2, max_model_len=256, num_pages=40)
+    params = SamplingParams(temperature=0, max_tokens=24)
+    want = LLM(**kw).generate([prompt], params)[0].token_ids
+    llm = LLM(**kw, speculative_config=_spec(4, 2, 4))
+    assert llm.generate([prompt], params)[0].token_ids == want
+    assert int(llm.engine.state.spec_counts[2]) > 0
