@@ -103,7 +103,7 @@ class Speculation:
         for n in range(1, self.lookup_max + 1):  # matched: the last n tokens end at j too
             d = n - 1
             last = tokens.gather(1, (seq - 1 - d).clamp(min=0)[:, None])
-            matched[:, d:] &= history[:, : W - d] == last
+            matched[:, d:] &= history[:, : max(W - d, 0)] == last
             matched[:, :d] = False  # no whole occurrence ends there
             if n < self.lookup_min:
                 continue
