@@ -23,7 +23,7 @@ from blink.engine.core.policy import StepCostModel
 from blink.engine.core.sampler import SamplerFeatures
 from blink.engine.core.scheduler import max_chunk_rows, plan
 from blink.engine.core.step import StepShape
-from blink.engine.drive.device_grammars import DeviceGrammars
+from blink.engine.drive.device_grammars import READY, DeviceGrammars
 from blink.engine.drive.table_memory import TableMemory, device_alias
 from blink.engine.engine import Engine
 from blink.engine.kernels import admission, page_release, step_cost
@@ -225,7 +225,8 @@ class DeviceDriver:
 
     def idle(self) -> bool:
         """Nothing to step for (a read of host memory): the device wants no tokens, and no slot of this epoch
-        `wants_a_step`. The persistent loop's `pick` makes the same check on the device, but for the limit."""
+        `wants_a_step` (a constrained one once the grammar gate readied it). The persistent loop's `pick` makes the
+        same check on the device, but for the limit and the gate."""
         wanted, resident = self.step.demand.tolist()
         if wanted:
             return False
@@ -233,7 +234,10 @@ class DeviceDriver:
         ours = slots["epoch"] == np.uint32(epoch)  # an older epoch's slots are the ingress's to reclaim
         room = window_room(slots["produced"].astype(np.int64), slots["consumed"].astype(np.int64),
                            self.table.geometry.window)
-        due = wants_a_step(slots["state"], room, slots["cancel"], admissible=resident < int(self.step.limit[0]))
+        # A record whose grammar's table is not in the arena yet waits for the gate, not for a step.
+        gated = (slots["grammar_kind"] != 0) & (self.step.grammars.ready.numpy() != READY)
+        due = wants_a_step(slots["state"], room, slots["cancel"],
+                           admissible=(resident < int(self.step.limit[0])) & ~gated)
         return not np.any(ours & due)
 
     def set_admission_limit(self, limit: int | None) -> None:

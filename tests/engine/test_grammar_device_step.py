@@ -132,3 +132,18 @@ def test_grammars_that_cannot_be_walked_end_their_records_and_the_rest_is_served
     assert len(got[1][0]) == 8 and got[1][1] == Finish.LENGTH
     assert got[3][1] == Finish.STOP and re.fullmatch("ab+c", step.engine.tokenizer.decode(got[3][0]))
     assert step.grammars.refused == 2
+
+
+def test_a_record_waiting_at_the_gate_gives_the_graph_driver_no_step(table, device):
+    """The graph mode's host thread backs off while the only record waits for its grammar's table, and steps once
+    the gate readied it."""
+    from blink.engine.drive.device_step import DeviceDriver
+
+    driver = DeviceDriver()
+    driver.step, driver.table = device(), table
+    table.publish(0, _constrained(GrammarSpec(GrammarKind.REGEX, REGEX)))
+    assert driver.idle()
+    deadline = time.monotonic() + 60
+    while driver.step.grammars.poll() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not driver.idle()
