@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 
 READY, TAKEN = 1, 2  # a slot's ready word: its block is in the arena; the device admitted its request with it
 POLL_S = (100e-6, 1e-3)  # the gate's poll: while a grammar is pending, and while none is
+CACHED_TABLES = 32  # lowered specs kept (by spec) beside the arena
 
 
 class Arena:
@@ -111,7 +112,9 @@ class DeviceGrammars:
     @property
     def compiler(self) -> GrammarCompiler:
         if self._compiler is None:
-            self._compiler = GrammarCompiler(_Lowerer(Lowering(self._tokenizer, self._vocab, self._eos)))
+            # Fewer tables cached than the host's matchers: a generic JSON object's is 27 MB on a 49k vocabulary.
+            self._compiler = GrammarCompiler(_Lowerer(Lowering(self._tokenizer, self._vocab, self._eos)),
+                                             cached=CACHED_TABLES)
         return self._compiler
 
     def poll(self) -> bool:
