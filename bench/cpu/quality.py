@@ -4,7 +4,8 @@ GGUF files.
 
 The model is a GGUF file (`default`: SmolLM2-135M-Instruct, stored in Q4_1). The float reference is that file
 dequantized (what `blink serve --model FILE.gguf` runs). Blink's formats: `int8` and `int4` (quantized on load from
-the float weights), and `gguf:TYPE`, the file's own blocks run as stored (`--quantization gguf`), for the file itself
+the float weights), `fp8` (E4M3 per output channel, on the CPU run dequantized: the weights' rounding, not the GPU's
+FP8 activations), and `gguf:TYPE`, the file's own blocks run as stored (`--quantization gguf`), for the file itself
 and for copies llama.cpp's own llama-quantize makes of it (Q8_0, Q4_0 by default: from a 4-bit file these hold its
 values again, so they differ from the reference by their own rounding only). llama.cpp's `llama-perplexity` scores
 the same files on the same text.
@@ -101,7 +102,7 @@ def run(args: argparse.Namespace) -> None:
     add_bos = bool(meta["tokenizer.ggml.add_bos_token"].contents()) if "tokenizer.ggml.add_bos_token" in meta else False
     bos = meta["tokenizer.ggml.bos_token_id"].contents() if add_bos else None
 
-    formats = {"float32": (native, None), "int8": (native, "int8"), "int4": (native, "int4")}
+    formats = {"float32": (native, None), "int8": (native, "int8"), "int4": (native, "int4"), "fp8": (native, "fp8")}
     formats |= {name: (path, "gguf") for name, path in files.items()}
     options = dict(device="cpu", dtype="float32", max_model_len=args.context + args.new_tokens + 64,
                    max_num_seqs=max(args.prompts, 4), num_pages=(args.context // 16 + 8) * max(args.prompts, 4))

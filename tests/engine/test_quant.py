@@ -188,7 +188,7 @@ def test_what_quantization_cannot_run_is_refused_by_name():
 
 def test_bench_quality_scores_every_format_against_the_float_model(checkpoint, tmp_path):
     """A small `blink bench quality` on a Q8_0 file of a test checkpoint, Blink only: each format's perplexity and
-    greedy agreement saved; int8 and the file's own blocks within a few percent of the float perplexity."""
+    greedy agreement saved; int8, fp8 and the file's own blocks within a few percent of the float perplexity."""
     import json
 
     from blink.bench.cli import main
@@ -200,8 +200,8 @@ def test_bench_quality_scores_every_format_against_the_float_model(checkpoint, t
                  "--context", "64", "--chunks", "3", "--prompts", "2", "--new-tokens", "4",
                  "--result-dir", str(tmp_path)]) == 0
     formats = json.loads(next(tmp_path.glob("quality-*.json")).read_text())["formats"]
-    assert set(formats) == {"float32", "int8", "int4", "gguf:Q8_0"}
+    assert set(formats) == {"float32", "int8", "int4", "fp8", "gguf:Q8_0"}
     base = formats["float32"]["blink_perplexity"]
     assert formats["float32"]["greedy"]["prefix_share"] == 1.0
-    for name in ("int8", "gguf:Q8_0"):
+    for name in ("int8", "fp8", "gguf:Q8_0"):
         assert abs(formats[name]["blink_perplexity"] / base - 1) < 0.05
