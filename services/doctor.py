@@ -120,8 +120,9 @@ def _models() -> list[Capability]:
     pre_tokenizers = ", ".join(sorted(gguf_tokenizer.PRE_TOKENIZERS))
     return [
         Capability("model", "checkpoint", True, f"a Hugging Face checkpoint directory (safetensors in "
-                   f"{', '.join(sorted(FLOAT_TYPES))}): {', '.join(sorted(SUPPORTED_ARCHITECTURES))}; quantized "
-                   "ones (quantization_config, float8 or integer weights) are refused"),
+                   f"{', '.join(sorted(FLOAT_TYPES))}): {', '.join(sorted(SUPPORTED_ARCHITECTURES))}; FP8 ones "
+                   "(quant_method fp8, compressed-tensors float8: FP8 products on CUDA 8.9+, else dequantized at "
+                   "load); other quantized ones (AWQ, GPTQ, int4 compressed-tensors, bitsandbytes...) are refused"),
         Capability("model", "gguf", True, f"a .gguf file, dequantized once into the cache: architectures "
                    f"{', '.join(gguf_config.ARCHITECTURES)}; SentencePiece tokenizers and byte-level BPE ones "
                    f"({pre_tokenizers})"),
