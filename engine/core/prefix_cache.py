@@ -97,15 +97,15 @@ class PrefixCache:
         grant = torch.arange(max_new, device=need.device)[None, :] < need[:, None]
         rank = grant.flatten().cumsum(0).view_as(grant) - 1
         k, empties = need.sum(), self.empties
-        counter, page, live, nth = self._ring_live()
-        picked = torch.zeros(self.ring_size + 1, dtype=torch.int64, device=need.device)
-        picked.scatter_(0, torch.where(live, nth, self.ring_size), page)  # the ring's live pages, oldest first
-        from_ring = rank - empties
-        pages = torch.where(rank < empties, self.stack[(empties - 1 - rank).clamp(min=0)],
-                            picked[from_ring.clamp(0, self.ring_size)])
+        pages = self.stack[(empties - 1 - rank).clamp(min=0)]
+        if not none_set(k > empties):  # the stack does not cover them: the ring's oldest too
+            counter, page, live, nth = self._ring_live()
+            picked = torch.zeros(self.ring_size + 1, dtype=torch.int64, device=need.device)
+            picked.scatter_(0, torch.where(live, nth, self.ring_size), page)  # the ring's live pages, oldest first
+            pages = torch.where(rank < empties, pages, picked[(rank - empties).clamp(0, self.ring_size)])
+            taken = (k - empties).clamp(min=0)
+            self.head.copy_(torch.where(live & (nth == taken - 1), counter + 1, self.head).amax())
         pages = torch.where(grant, pages, NULL_PAGE)
-        taken = (k - empties).clamp(min=0)
-        self.head.copy_(torch.where(live & (nth == taken - 1), counter + 1, self.head).amax())
         j = torch.arange(max_new, device=need.device)
         table.scatter_(1, torch.where(grant, held[:, None] + j[None, :], table.shape[1] - 1), pages)
         pages = pages.flatten()
