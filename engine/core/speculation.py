@@ -13,8 +13,8 @@ accepted as tensor work on the engine's device, with no host read.
   distribution and seeded draws (docs/design.md, Decisions). Stops, eos, max_tokens and the context limit end a run
   at the token that meets them; `num_computed` is taken back to the KV that is valid.
 - Policy: a slot speculates while its decayed acceptance rate is above what a draft token costs by the step-cost
-  fit (its own TPOT for latency-sensitive slots, the batch's throughput for best-effort ones), with a slow climb
-  back so a slot that stopped retries; drafts take only the token budget and free pages left after the plan.
+  fit, its kind's drafts counted (the latency-sensitive slots' TPOT, the batch's throughput for best-effort ones),
+  with a slow climb back so a slot that stopped retries; drafts take only the token budget and free pages left.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ class Speculation:
         penalised = (state.repetition_penalty != 1) | (state.presence_penalty != 0) | (state.frequency_penalty != 0)
         scoring = (state.prompt_logprobs >= 0) & (state.scored < state.prompt_len - 1)
         able = decoding & ~penalised & ~scoring & ~state.draft_off
-        wants = able & (state.spec_rate >= self.threshold(state, policy, cost, take))
+        wants = able & (state.spec_rate >= self.threshold(state, policy, cost, take, able))
         state.spec_rate.copy_(torch.where(able & ~wants, state.spec_rate + RETRY * (1 - state.spec_rate),
                                           state.spec_rate))
         if none_set(wants):
@@ -77,16 +77,19 @@ class Speculation:
         state.draft_len.copy_(k)
         return k
 
-    def threshold(self, state: Slots, policy: Policy, cost: StepCost, take: torch.Tensor) -> torch.Tensor:
-        """[S] the acceptance rate a slot's drafts must have to pay, by the step-cost fit (a + b * tokens): k drafts
-        cost b * k for the whole step and bring rate * k tokens. For a latency-sensitive slot's own TPOT that pays
-        while rate > b / (a + b * T); for best-effort slots, whose worth is the batch's tokens per second, while
-        rate > b * N / (a + b * T), N the slots sampling: a full batch keeps them from drafting."""
+    def threshold(self, state: Slots, policy: Policy, cost: StepCost, take: torch.Tensor,
+                  able: torch.Tensor) -> torch.Tensor:
+        """[S] the acceptance rate a slot's drafts must have to pay, by the step-cost fit (a + b * tokens): k draft
+        tokens cost b * k for the whole step and bring rate * k tokens. When the N slots of a kind all draft, each one's
+        TPOT gains while rate > b * N / (a + b * T). Latency-sensitive slots count only their own kind (their drafts
+        come first in the budget); best-effort ones every slot sampling, whose worth is the batch's tokens per
+        second: a full batch keeps them from drafting, and a large latency-sensitive one too."""
         tokens = take.sum().double()
-        sampling = ((take > 0) & (state.num_computed + take == state.seq_len)).sum().clamp(min=1).double()
+        sampling = ((take > 0) & (state.num_computed + take == state.seq_len)).sum().double()
+        sensitive = policy.latency_sensitive(state)
         step = cost.per_step + cost.per_token * tokens
         per_draft = torch.where(step > 0, cost.per_token / step.clamp(min=1e-12), 0.0)
-        need = torch.where(policy.latency_sensitive(state), per_draft, per_draft * sampling)
+        need = per_draft * torch.where(sensitive, (able & sensitive).sum().double(), sampling).clamp(min=1)
         return need.float().clamp(min=MIN_RATE)
 
     def propose(self, state: Slots, wants: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -266,8 +266,9 @@ def test_sampling_features_beside_drafts_give_plain_decoding_s_tokens(plain, spe
 
 
 def test_drafts_pay_by_the_step_cost_fit_and_a_slot_whose_drafts_fail_stops_then_retries():
-    """Latency-sensitive slots draft while their acceptance beats b / (a + bT), best-effort ones while it beats N
-    times that; a slot below stops drafting and climbs back to a retry."""
+    """Latency-sensitive slots draft while their acceptance beats b * N / (a + bT), N the latency-sensitive slots
+    that may draft, best-effort ones with N every slot sampling; a slot below stops drafting and climbs back to a
+    retry."""
     from blink.engine.core.policy import StepCost, policy_named
 
     state = Slots(4, max_len=64, max_pages=8, vocab_size=8, device=torch.device("cpu"))
@@ -278,10 +279,13 @@ def test_drafts_pay_by_the_step_cost_fit_and_a_slot_whose_drafts_fail_stops_then
     cost.fit.copy_(torch.tensor([0.010, 0.002], dtype=torch.float64))  # 10 ms a step + 2 ms a token
     take = torch.ones(4, dtype=torch.int64)
     spec = Speculation(4, 1, 2)
-    need = spec.threshold(state, policy_named("slo"), cost, take)
+    able = torch.ones(4, dtype=torch.bool)
+    need = spec.threshold(state, policy_named("slo"), cost, take, able)
     per_draft = 0.002 / (0.010 + 0.002 * 4)
     assert need[0] == pytest.approx(max(per_draft, 0.15)) and need[1] == pytest.approx(4 * per_draft)
-    assert spec.threshold(state, policy_named("fcfs"), cost, take)[0] == pytest.approx(4 * per_draft)  # no classes
+    assert spec.threshold(state, policy_named("fcfs"), cost, take, able)[0] == pytest.approx(4 * per_draft)  # classless
+    state.service_class[1] = 0  # two latency-sensitive slots drafting: each pays for the other's drafts too
+    assert spec.threshold(state, policy_named("slo"), cost, take, able)[0] == pytest.approx(2 * per_draft)
 
     llm = LLM(str(ensure_tiny_model()), **ENGINE, speculative_config=_spec(4))
     driver, state = llm._driver, llm.engine.state
