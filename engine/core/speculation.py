@@ -107,7 +107,7 @@ class Speculation:
             d = n - 1
             last = tokens.gather(1, (seq - 1 - d).clamp(min=0)[:, None])
             matched[:, d:] &= history[:, : max(W - d, 0)] == last
-            matched[:, :d] = False  # no whole occurrence ends there
+            matched[:, :d].fill_(False)  # no whole occurrence ends there
             if n < self.lookup_min:
                 continue
             latest = torch.where(matched, j, -1).amax(1)
