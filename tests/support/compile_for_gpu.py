@@ -16,6 +16,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+import blink.engine.kernels.page_sharing as page_sharing  # noqa: E402
 from blink.engine.kernels import activation, attention, fp8_linear, moe, rms_norm, rope_kv, rotation, sampler  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -87,6 +88,14 @@ results = [
     build(rotation._copy_pages_kernel, "KV rotation: page copies",
           dict(LAYERS=16, PAGE_ELEMENTS=16 * 8 * 64, PROGRAMS=rotation.PROGRAMS, BLOCK=rotation.BLOCK),
           pointers("bf16", "src_ptr", "dst_ptr") | pointers("i64", "src_ids_ptr", "dst_ids_ptr", "count_ptr")),
+    # Who maps which page: launched only when the pool runs short (the recorded step never does).
+    *(build(kernel, f"page sharing: {kernel.__name__}", constexprs | dict(WIDTH=257, BLOCK=512),
+            pointers("i64", "held", "table", "mark", "epoch", "position", "extremes", "counts")
+            | {"kept": "*i1", "out": "*i1"})
+      for kernel, constexprs in ((page_sharing._mark, {}), (page_sharing._frees, {}),
+                                 (page_sharing._extreme, dict(LAST=True)), (page_sharing._extreme, dict(LAST=False)),
+                                 (page_sharing._count, dict(REST=-1)),
+                                 (page_sharing._count, dict(REST=page_sharing.AT_REST["amin"])))),
 ]
 
 
