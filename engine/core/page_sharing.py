@@ -1,6 +1,8 @@
 """Who maps which KV page, for the scheduler's `_make_room`. With prefix caching slots share pages, and a page frees
 only when every slot mapping it gives it back: what giving back frees is counted per page, not per slot. Like the
-scheduler, tensor work only: no read back to the host."""
+scheduler, tensor work only: no read back to the host. Where the cache has its kernels (the device step's), each
+function is a launch or two of blink.engine.kernels.page_sharing, with no pass over the pool, and `held_pages` builds
+no mask."""
 
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ def held_pages(state: Slots, pool: PagePool) -> torch.Tensor | None:
     """[S, P] each slot's block-table entries in use, with prefix caching; None without (no page is shared)."""
     if pool.prefix_cache is None:
         return None
+    if pool.prefix_cache.kernels is not None:
+        return state.pages_held  # the kernels read each slot's count
     table = state.block_table
     return torch.arange(table.shape[1], device=table.device)[None, :] < state.pages_held[:, None]
 
@@ -23,6 +27,8 @@ def frees_a_page(state: Slots, pool: PagePool, held: torch.Tensor | None, kept: 
     `held_pages`'s."""
     if held is None:  # no page is shared
         return state.pages_held > 0
+    if pool.prefix_cache.kernels is not None:
+        return pool.prefix_cache.kernels.frees_a_page(pool.prefix_cache, state.block_table, state.pages_held, kept)
     table = state.block_table
     kept_page = torch.zeros(pool.num_pages, dtype=torch.bool, device=table.device)
     # index_fill_ and fill_, not item assignment: a Python scalar assigned is copied from the host, which no captured
@@ -42,6 +48,9 @@ def pages_by_position(state: Slots, pool: PagePool, held: torch.Tensor | None, p
     """[S] how many pages have their first ('amin') or last ('amax') mapping slot at each position (slot s at
     `position[s]`, in [0, S]; S counts nowhere). held: `held_pages`'s."""
     S, table = state.num_slots, state.block_table
+    cache = pool.prefix_cache
+    if held is not None and cache.kernels is not None:
+        return cache.kernels.pages_by_position(cache, table, state.pages_held, position, reduce)
     counts = torch.zeros(S + 1, dtype=torch.int64, device=table.device)
     if held is None:  # no page is shared: a page's only holder is the slot whose pages_held counts it
         return counts.scatter_add_(0, position, state.pages_held)[:S]

@@ -73,6 +73,11 @@ class PrefixCache:
         # The kernels' scratch: the register's items (page, hash, pending, cell), the allocation's picked pages.
         self.scratch = zeros(4, num_pages)
         self.claims = torch.full((self.table_size + 1,), NO_CLAIM, dtype=torch.int64, device=device)
+        # blink.engine.kernels.page_sharing's: each page's first and last holder (at rest: no holder), the pages kept
+        # slots map (marked with the epoch).
+        self.extremes = torch.stack([torch.full((num_pages,), NO_CLAIM, dtype=torch.int64, device=device),
+                                     torch.full((num_pages,), -1, dtype=torch.int64, device=device)])
+        self.mark, self.epoch = zeros(num_pages), zeros()
         # The Triton kernels of these methods' arguments and effects (blink.engine.kernels.prefix_cache), which the
         # device step sets.
         self.kernels = None

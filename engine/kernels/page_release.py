@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from blink.engine.core import kv_cache
-from blink.engine.kernels import prefix_cache
+from blink.engine.kernels import page_sharing, prefix_cache
 
 NULL_PAGE = tl.constexpr(kv_cache.NULL_PAGE)  # a kernel reads only constexpr globals
 
@@ -147,11 +147,13 @@ def launch_allocate(cache, need: torch.Tensor, table: torch.Tensor, held: torch.
 
 
 class _Kernels:
-    """PrefixCache's four methods as launches; called with the release's arguments it is the release kernel (the
-    device step set `releaser` to that kernel before the others came)."""
+    """PrefixCache's four methods as launches, and blink.engine.core.page_sharing's two; called with the release's
+    arguments it is the release kernel (the device step set `releaser` to that kernel before the others came)."""
 
     allocate, release = staticmethod(launch_allocate), staticmethod(launch_release)
     reuse, register = staticmethod(prefix_cache.launch_reuse), staticmethod(prefix_cache.launch_register)
+    frees_a_page = staticmethod(page_sharing.frees_a_page)
+    pages_by_position = staticmethod(page_sharing.pages_by_position)
 
     def __call__(self, cache, which: torch.Tensor, table: torch.Tensor, held: torch.Tensor) -> None:
         launch_release(cache, which, table, held)
