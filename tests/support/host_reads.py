@@ -7,22 +7,32 @@ import contextlib
 
 import torch
 
-from blink.engine.core import commit, scheduler, speculation
+from blink.engine.core import commit, prefix_cache, scheduler, speculation
 
 
 @contextlib.contextmanager
 def host_reads_forbidden():
     """Makes every way of reading a tensor's value on the host raise, with the step as a device runs it: the host
-    mode's skips (state.none_set), which read, turned off as they are on a GPU and under torch.compile."""
+    mode's skips (state.none_set), which read, turned off as they are on a GPU and under torch.compile. A Python
+    number assigned into a tensor (`t[i] = 0`) raises too: torch copies it from the host, which a CUDA graph's
+    capture refuses (fill_, index_fill_ or torch.where take a number without a copy)."""
     def refuse(*args, **kwargs):
         raise AssertionError("host read inside the step")
 
+    setitem = torch.Tensor.__setitem__
+
+    def assign(self, index, value):
+        if isinstance(value, (bool, int, float)):
+            raise AssertionError(f"a host number assigned into a tensor inside the step ({value!r}): a host copy")
+        return setitem(self, index, value)
+
     names = ["item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__", "__index__"]
     saved = {n: getattr(torch.Tensor, n) for n in names}
-    skips = {module: module.none_set for module in (scheduler, commit, speculation)}
+    skips = {module: module.none_set for module in (scheduler, commit, speculation, prefix_cache)}
     bound = speculation.host_bound
     for n in names:
         setattr(torch.Tensor, n, refuse)
+    torch.Tensor.__setitem__ = assign
     for module in skips:
         module.none_set = lambda *masks: False
     speculation.host_bound = lambda x, top: top  # the drafts' search runs whole, as on a GPU
@@ -31,6 +41,7 @@ def host_reads_forbidden():
     finally:
         for n, f in saved.items():
             setattr(torch.Tensor, n, f)
+        torch.Tensor.__setitem__ = setitem
         for module, f in skips.items():
             module.none_set = f
         speculation.host_bound = bound
