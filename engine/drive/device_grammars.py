@@ -5,9 +5,10 @@ Host work per request, none per token. A constrained record waits, SUBMITTED, un
 it lies into words the device reads; only then does the device's admission (blink.engine.kernels.exchange._select)
 take it. `poll` does that, from a thread of its own in the graph and persistent modes (the persistent loop has no
 host thread of its own), and ends a record whose grammar does not lower, or is larger than the whole arena, with an
-abort and a logged reason. A block is freed once its request has left the table. On the device, each step lands the
-admitted slots' first states, masks the constrained rows (`mask`, the Step.grammar hook) and advances each state by
-the committed token, in three small kernels (blink.engine.kernels.grammar) that leave unconstrained rows alone.
+abort and a logged reason. A block is shared by the requests of one spec and freed once the last of them has left
+the table. On the device, each step lands the admitted slots' first states, masks the constrained rows (`mask`, the
+Step.grammar hook) and advances each state by the committed token, in three small kernels
+(blink.engine.kernels.grammar) that leave unconstrained rows alone.
 """
 
 from __future__ import annotations
@@ -88,7 +89,10 @@ class DeviceGrammars:
         self._tokenizer, self._vocab = engine.tokenizer.raw, engine.model_config.vocab_size
         self._eos = list(engine.generation.eos_token_ids)
         self._compiler: GrammarCompiler | None = None
-        self.blocks: dict[int, tuple[int, int]] = {}  # slot -> its block's (first word, words)
+        # Blocks in the arena, one per spec whatever the requests that walk it (the same schema sent by many clients,
+        # or a JSON object's 27 MB table, lands once): spec -> (first word, words, the slots holding it).
+        self.blocks: dict[GrammarSpec, tuple[int, int, set[int]]] = {}
+        self.held: dict[int, GrammarSpec] = {}  # slot -> the spec of the block it holds
         self.pending: dict[int, tuple[GrammarSpec, Future, float]] = {}  # slot -> its spec's compile, since when
         self.refused = 0  # records ended because their grammar could not be walked
         self._copies = torch.cuda.Stream(device) if pinned else None
@@ -124,11 +128,10 @@ class DeviceGrammars:
         states, ready = slots["state"], self.ready.numpy()
         ours = slots["epoch"] == np.uint32(self.table.header["epoch"])
         submitted = ours & (states == int(SlotState.SUBMITTED))
-        for s, (start, size) in list(self.blocks.items()):
+        for s in list(self.held):
             gone = not ours[s] or states[s] not in (int(SlotState.SUBMITTED), int(SlotState.ADMITTED))
             if gone or (submitted[s] and ready[s] == TAKEN):  # (then a new request, submitted after it ended)
-                self.space.give(start, size)
-                del self.blocks[s]
+                self._let_go(s)
         for s in np.flatnonzero(submitted & (slots["grammar_kind"] != 0) & (ready != READY)).tolist():
             self._ready(s, slots[s])
         for s in list(self.pending):
@@ -158,19 +161,32 @@ class DeviceGrammars:
             self._refuse(s, str(future.exception()))
             return
         block: GrammarTable = future.result()
-        size = block.words.size
-        if size > self.space.words:
-            self._refuse(s, f"its grammar's table takes {block.nbytes} bytes; the device's grammar arena holds "
-                            f"{4 * self.space.words}")
-            return
-        start = self.space.take(size)
-        if start is None:
-            return  # waits, submitted, for the blocks ahead of it to leave
-        self._copy(start, block.words)
-        self.blocks[s] = (start, size)
+        if spec not in self.blocks:
+            size = block.words.size
+            if size > self.space.words:
+                self._refuse(s, f"its grammar's table takes {block.nbytes} bytes; the device's grammar arena holds "
+                                f"{4 * self.space.words}")
+                return
+            start = self.space.take(size)
+            if start is None:
+                return  # waits, submitted, for the blocks ahead of it to leave
+            self._copy(start, block.words)
+            self.blocks[spec] = (start, size, set())
+        start, _, holders = self.blocks[spec]
+        holders.add(s)
+        self.held[s] = spec
         self.ready_base[s], self.ready_start[s] = start, block.start
         self.ready[s] = READY  # after its place: the device reads this first
         del self.pending[s]
+
+    def _let_go(self, s: int) -> None:
+        """The slot's request left: its block leaves the arena with the last slot holding it."""
+        spec = self.held.pop(s)
+        start, size, holders = self.blocks[spec]
+        holders.discard(s)
+        if not holders:
+            self.space.give(start, size)
+            del self.blocks[spec]
 
     def _copy(self, start: int, words: np.ndarray) -> None:
         source = torch.from_numpy(words)

@@ -61,9 +61,11 @@ def device(table):
         step.close()
 
 
-def _serve(table: SlotTable, device: DeviceStep, requests: dict[int, Request], seconds: float = 600) -> dict:
-    """Publishes `requests`, polls the gate and steps until every one finished; each slot's tokens and finish."""
-    for slot, request in requests.items():
+def _serve(table: SlotTable, device: DeviceStep, requests: dict[int, Request], seconds: float = 600,
+           publish: bool = True) -> dict:
+    """Publishes `requests` (unless they were), polls the gate and steps until every one finished; each slot's
+    tokens and finish."""
+    for slot, request in requests.items() if publish else ():
         table.publish(slot, request)
     got = {slot: ([], Finish.NONE) for slot in requests}
     deadline = time.monotonic() + seconds
@@ -99,6 +101,27 @@ def test_constrained_rows_follow_their_grammar_beside_an_unchanged_one(table, de
     assert (step.grammars.state == -1).all()  # each finished slot let go of its state
     step.grammars.poll()
     assert step.grammars.blocks == {} and step.grammars.space.free_words == step.grammars.space.words
+
+
+def test_requests_of_one_spec_share_its_block(table, device):
+    step, spec = device(), GrammarSpec.json_schema(SCHEMA)
+    requests = {0: _constrained(spec, temperature=0.0), 2: _constrained(spec, temperature=1.0, seed=7)}
+    for slot, request in requests.items():
+        table.publish(slot, request)
+    deadline = time.monotonic() + 300
+    while len(step.grammars.held) < 2 and time.monotonic() < deadline:
+        step.grammars.poll()
+        time.sleep(0.01)
+    _, size, holders = step.grammars.blocks[spec]
+    assert list(step.grammars.blocks) == [spec] and holders == {0, 2}
+    assert step.grammars.space.free_words == step.grammars.space.words - size  # one copy in the arena
+    got = _serve(table, step, requests, publish=False)
+    for tokens, finish in got.values():
+        assert finish == Finish.STOP
+        jsonschema.validate(json.loads(step.engine.tokenizer.decode(tokens)), SCHEMA)
+    step.grammars.poll()
+    assert step.grammars.blocks == {} and step.grammars.held == {}
+    assert step.grammars.space.free_words == step.grammars.space.words
 
 
 def test_more_schemas_parse_greedy_and_seeded(table, device):
