@@ -26,7 +26,7 @@ import torch
 from blink.engine.core.grammar_table import GrammarTable, Lowering
 from blink.engine.drive.table_memory import device_alias
 from blink.engine.kernels import grammar as kernels
-from blink.shared.grammar import GrammarCompiler, GrammarError, GrammarSpec
+from blink.shared.grammar import ANY_OBJECT, GrammarCompiler, GrammarError, GrammarSpec
 from blink.shared.grammar_backends import GRAMMAR_ARENA_BYTES
 from blink.shared.slot_table import Finish, SlotState, SlotTable, grammar_of
 
@@ -207,6 +207,9 @@ class DeviceGrammars:
     def start(self) -> None:
         """The gate's thread (no thread while the table carries no grammar)."""
         if self.table.geometry.max_grammar_bytes and self._thread is None:
+            # json_object's table, a generic JSON object over the whole vocabulary, takes seconds to lower (12 s on a
+            # loaded 2-core VM): lowered once now, so its first request does not wait past the compile limit.
+            self.compiler.submit(GrammarSpec.json_schema(ANY_OBJECT))
             self._stop.clear()
             self._thread = threading.Thread(target=self._loop, name="grammar-gate", daemon=True)
             self._thread.start()

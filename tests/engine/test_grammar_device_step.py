@@ -17,7 +17,7 @@ from blink.engine.drive import device_grammars
 from blink.engine.drive.device_step import DeviceStep
 from blink.engine.engine import Engine, EngineConfig
 from blink.engine.model.tiny_model import ensure_tiny_model
-from blink.shared.grammar import GrammarKind, GrammarSpec
+from blink.shared.grammar import ANY_OBJECT, GrammarKind, GrammarSpec
 from blink.shared.slot_table import Finish, Geometry, Request, SlotTable
 
 PROMPT = [5, 6, 7, 8]
@@ -170,3 +170,12 @@ def test_a_record_waiting_at_the_gate_gives_the_graph_driver_no_step(table, devi
     while driver.step.grammars.poll() and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not driver.idle()
+
+
+def test_the_gate_starts_lowering_json_object_when_it_starts(table, device):
+    step = device()
+    step.grammars.start()
+    try:  # the cache's future: a json_object request finds it lowered or lowering
+        assert GrammarSpec.json_schema(ANY_OBJECT) in step.grammars.compiler._futures
+    finally:
+        step.grammars.stop()
