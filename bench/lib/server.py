@@ -68,6 +68,17 @@ def _settings(flags: list[str]) -> Settings:
     return settings_from_args(parser.parse_args(flags))
 
 
+def stop(proc: subprocess.Popen, timeout_s: float = 30) -> None:
+    """SIGTERM, and SIGKILL past `timeout_s`: a server gets its chance to shut down cleanly."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -97,10 +108,5 @@ def running_server(tmp_path, *flags: str, timeout_s: float = 300):  # a loaded C
             time.sleep(0.2)
         yield Server(url, proc, _settings(cmd[4:]))
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop(proc)
         log.close()
