@@ -104,8 +104,8 @@ def plan(state: Slots, pool: PagePool, token_budget: int, policy: Policy, mirror
         entries = torch.where(take > 0, entries, 0)  # a slot that lost its pages to a victim's need computes nothing
     if speculation is not None:
         state.draft_len.masked_fill_(take == 0, 0)  # a slot that lost its pages drafts nothing either
-        return _lay_out(state, take, entries, moves, moved, token_budget, speculation.rows(state.num_slots,
-                                                                                          token_budget))
+        return _lay_out(state, take, entries, moves, moved, token_budget,
+                        speculation.rows(state.num_slots, token_budget), speculation.decode_runs)
     return (lay_out or _lay_out)(state, take, entries, moves, moved, token_budget)
 
 
@@ -194,10 +194,11 @@ def _give_back(state: Slots, pool: PagePool, mirror: HostMirror | None, evicted:
 
 
 def _lay_out(state: Slots, take: torch.Tensor, entries: torch.Tensor | None, moves: PageMoves | None,
-             moved: torch.Tensor, token_budget: int, draft_rows: int = 0) -> StepPlan:
+             moved: torch.Tensor, token_budget: int, draft_rows: int = 0, decode_runs: bool = False) -> StepPlan:
     """The batch's tokens flat, slot after slot; the query rows, the sampling rows and the sizes the driver reads.
     draft_rows: with drafts, the sampling rows' count (a row per token from each sampling slot's last committed one
-    on); 0: a row per sampling slot."""
+    on); 0: a row per sampling slot. decode_runs: a slot's run with drafts is laid out as decode rows, one a token,
+    for attention kernels that write every token's K/V before any row attends (the CPU's)."""
     S, device = state.num_slots, state.status.device
     ends = take.cumsum(0)
     starts = ends - take
@@ -208,9 +209,18 @@ def _lay_out(state: Slots, take: torch.Tensor, entries: torch.Tensor | None, mov
     input_ids = state.tokens[token_slot, token_pos].long()
 
     first_pos = state.num_computed
-    decode_slot, num_decodes = pack(take == 1)
-    decode_rows = QueryRows(starts[decode_slot], take[decode_slot], first_pos[decode_slot], decode_slot, num_decodes)
-    chunk_rows = _chunk_rows(take, starts, first_pos, token_budget)
+    if draft_rows and decode_runs:  # a run with drafts attends as decodes, a query a row (causal: each to its own)
+        runs = (take > 0) & (take == 1 + state.draft_len)
+        decode_token, num_decodes = pack(token_valid & runs[token_slot])
+        decode_token = decode_token[:draft_rows]
+        decode_rows = QueryRows(decode_token, torch.ones_like(decode_token), token_pos[decode_token],
+                                token_slot[decode_token], num_decodes)
+        chunk_rows = _chunk_rows(torch.where(runs, 0, take), starts, first_pos, token_budget)
+    else:
+        decode_slot, num_decodes = pack(take == 1)
+        decode_rows = QueryRows(starts[decode_slot], take[decode_slot], first_pos[decode_slot], decode_slot,
+                                num_decodes)
+        chunk_rows = _chunk_rows(take, starts, first_pos, token_budget)
     samples = (take > 0) & (state.num_computed + take == state.seq_len + state.draft_len)
     if draft_rows:
         row_of = token_valid & samples[token_slot] & (token_pos >= state.seq_len[token_slot] - 1)

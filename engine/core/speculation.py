@@ -41,10 +41,14 @@ class Speculation:
     k: int  # num_speculative_tokens
     lookup_min: int
     lookup_max: int
+    # Runs with drafts attend as decode rows, one a query: where the attention kernel writes every token's K/V
+    # before any row reads (the CPU's decode kernel, 10x cheaper a layer than its prefill path for a short run,
+    # and the one plain decoding's tokens come from); else as a prefill chunk.
+    decode_runs: bool = False
 
     @classmethod
-    def of(cls, config: SpeculativeConfig) -> Speculation:
-        return cls(config.num_speculative_tokens, config.lookup_min, config.lookup_max)
+    def of(cls, config: SpeculativeConfig, decode_runs: bool = False) -> Speculation:
+        return cls(config.num_speculative_tokens, config.lookup_min, config.lookup_max, decode_runs)
 
     def rows(self, num_slots: int, tokens: int) -> int:
         """Sampling rows a step of `tokens` batch tokens may have: 1 + k per slot at most, one per token."""

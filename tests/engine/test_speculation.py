@@ -311,3 +311,15 @@ def test_the_default_model_accepts_drafts_on_a_grounded_answer_with_plain_decodi
     llm = LLM(**kw, speculative_config=_spec(4, 2, 4))
     assert llm.generate([prompt], params)[0].token_ids == want
     assert int(llm.engine.state.spec_counts[2]) > 0
+
+
+def test_on_the_cpu_runs_attend_as_decodes_so_bfloat16_greedy_text_is_plain_decoding_s_too():
+    """The CPU's kernels take a run with drafts as decode rows (one query a row), the path plain decoding's tokens
+    come from: bfloat16's rounding is the same, so near-ties break the same way."""
+    options = {**ENGINE, "dtype": "bfloat16"}
+    params = SamplingParams(temperature=0, max_tokens=24)
+    want = _tokens(LLM(str(ensure_tiny_model()), **options), PROMPTS, params)
+    llm = LLM(str(ensure_tiny_model()), **options, speculative_config=_spec(3))
+    assert llm.engine.step.speculation.decode_runs
+    assert _tokens(llm, PROMPTS, params) == want
+    assert int(llm.engine.state.spec_counts[2]) > 0
