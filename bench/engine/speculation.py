@@ -65,8 +65,7 @@ SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="a checkpoint (default: the default model)")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32", help="float32 by default: bfloat16's multi-token forward rounds "
-                   "otherwise than the single-token one, so near-ties can flip the greedy text (docs/design.md)")
+    p.add_argument("--dtype", default="auto", help="auto: the engine's choice (bfloat16 on a CPU that has it)")
     p.add_argument("--speculative-config", default=None, help=f"the drafts' config (default: {SPEC})")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     p.add_argument("--max-tokens", type=int, default=160)
