@@ -155,7 +155,7 @@ class Engine:
         spec = config.speculation
         self.step = Step(self.model, self.pool, self.state, list(self.generation.eos_token_ids), budget,
                          policy_named(config.scheduling_policy), self.shard,
-                         Speculation.of(spec, self.model.kernels.name == "cpu") if spec else None)
+                         Speculation.of(spec, cfg, self.model.kernels.name == "cpu") if spec else None)
         if config.compile_bookkeeping:
             self.step.compile_bookkeeping()
         log.info("engine ready: %s on %s in %s (dtype %s), %d slots, %d-token budget, %d KV pages of %d, context %d, "

@@ -28,11 +28,13 @@ from blink.engine.core.kv_cache import PagePool
 from blink.engine.core.policy import Policy, StepCost
 from blink.engine.core.sampler import SampleOutput
 from blink.engine.core.state import Slots, SlotStatus, host_bound, none_set
+from blink.engine.model.config import ModelConfig
 from blink.shared.slot_table import Finish
 from blink.shared.speculative import SpeculativeConfig
 
 DECAY = 0.5  # weight of the past in a slot's acceptance rate: two bad drafts halve it twice
-RETRY = 0.03  # what a slot not drafting regains of its rate each step, so it tries again after a while
+RETRY = 0.01  # what a slot not drafting regains of its rate each step, so it tries again after a while
+TRUSTED = 0.6  # a slot's drafts run to K tokens at this rate and above, shorter below (one at the least)
 MIN_RATE = 0.15  # below this acceptance a draft is not tried whatever the fit says (the fit is noisy)
 
 
@@ -45,10 +47,20 @@ class Speculation:
     # before any row reads (the CPU's decode kernel, 10x cheaper a layer than its prefill path for a short run,
     # and the one plain decoding's tokens come from); else as a prefill chunk.
     decode_runs: bool = False
+    # What a draft's logits row costs besides its token's forward, as a share of that forward (the step-cost fit's
+    # per-token cost is the layers' alone: prefill tokens compute no logits): the output embedding over the layers.
+    row_share: float = 0.0
 
     @classmethod
-    def of(cls, config: SpeculativeConfig, decode_runs: bool = False) -> Speculation:
-        return cls(config.num_speculative_tokens, config.lookup_min, config.lookup_max, decode_runs)
+    def of(cls, config: SpeculativeConfig, model: ModelConfig | None = None, decode_runs: bool = False) -> Speculation:
+        share = 0.0
+        if model is not None:
+            attention = model.hidden_size * (2 * model.q_size + 2 * model.kv_size)
+            mlp = 3 * model.hidden_size * model.intermediate_size  # a dense layer's, or the experts' a token runs
+            if model.moe is not None:
+                mlp = 3 * model.hidden_size * model.moe.intermediate_size * model.moe.top_k
+            share = model.vocab_size * model.hidden_size / (model.num_layers * (attention + mlp))
+        return cls(config.num_speculative_tokens, config.lookup_min, config.lookup_max, decode_runs, share)
 
     def rows(self, num_slots: int, tokens: int) -> int:
         """Sampling rows a step of `tokens` batch tokens may have: 1 + k per slot at most, one per token."""
@@ -72,7 +84,9 @@ class Speculation:
         start, found = self.propose(state, wants)
         generated = seq - state.prompt_len
         k = torch.minimum(found, state.max_tokens - generated - 1).minimum(state.max_len - seq - 1)
-        k = torch.where(wants, k.minimum(state.room - 1), 0).clamp(min=0, max=self.k)
+        # As long as the slot's acceptance earns: a retrying slot risks one or two tokens, not K.
+        earned = (state.spec_rate * (self.k / TRUSTED)).ceil().long().clamp(min=1, max=self.k)
+        k = torch.where(wants, k.minimum(state.room - 1).minimum(earned), 0).clamp(min=0, max=self.k)
         k = self._fit(state, pool, take, k, order, cap)
         i = torch.arange(self.k, device=seq.device)
         src = (start[:, None] + i).clamp(max=state.max_len)
@@ -92,7 +106,7 @@ class Speculation:
         sampling = ((take > 0) & (state.num_computed + take == state.seq_len)).sum().double()
         sensitive = policy.latency_sensitive(state)
         step = cost.per_step + cost.per_token * tokens
-        per_draft = torch.where(step > 0, cost.per_token / step.clamp(min=1e-12), 0.0)
+        per_draft = torch.where(step > 0, cost.per_token * (1 + self.row_share) / step.clamp(min=1e-12), 0.0)
         need = per_draft * torch.where(sensitive, (able & sensitive).sum().double(), sampling).clamp(min=1)
         return need.float().clamp(min=MIN_RATE)
 
