@@ -536,13 +536,17 @@ def test_gpu_steps_traced_by_a_marker_kernel_and_a_decode_reads_one_embedding_ro
     from blink.bench.gpu.drive import SHAPES, steps_traced, weight_bytes
     from blink.engine.model.config import ModelConfig
 
-    def engine(shape):
-        return SimpleNamespace(model_config=ModelConfig.from_dict(SHAPES[shape]))
+    def engine(shape, quantization=None):
+        return SimpleNamespace(model_config=ModelConfig.from_dict(SHAPES[shape]),
+                               config=SimpleNamespace(quantization=quantization))
 
     # The 8B's untied input embedding: one row of 4096 bf16 per token, not 128256 of them (the issue's 5.39 -> 5.04).
     whole, decode = weight_bytes(engine("llama3-8b")), weight_bytes(engine("llama3-8b"), tokens=1)
     assert whole - decode == (128256 - 1) * 4096 * 2
     assert weight_bytes(engine("llama3-1b")) == weight_bytes(engine("llama3-1b"), tokens=1)  # tied: read whole
+    # In FP8 the 32 layers' projections (q, k, v, o; gate, up, down) are a byte a weight, not two.
+    projections = 32 * (2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336)
+    assert decode - weight_bytes(engine("llama3-8b", "fp8"), tokens=1) == projections
 
     assert steps_traced({"_demand": 55, "gemm": 9000, "_paged_attention_kernel": 880}, 16) == (55, "_demand x1 a step")
     assert steps_traced({"_paged_attention_kernel": 416}, 32) == (13, "_paged_attention_kernel x32 a step")

@@ -166,11 +166,14 @@ def test_the_device_modes_step_only_when_a_step_has_work(small_table):
 
     import torch
 
+    from blink.engine.drive.device_grammars import READY
     from blink.engine.drive.device_step import DeviceDriver
+    from blink.shared.grammar import GrammarKind
 
     driver = object.__new__(DeviceDriver)
     driver.table = small_table
-    driver.step = SimpleNamespace(demand=torch.zeros(2, dtype=torch.int64), limit=torch.full((1,), 4))
+    driver.step = SimpleNamespace(demand=torch.zeros(2, dtype=torch.int64), limit=torch.full((1,), 4),
+                                  grammars=SimpleNamespace(ready=torch.zeros(4, dtype=torch.int32)))
 
     def due() -> bool:
         return not driver.idle()
@@ -197,3 +200,7 @@ def test_the_device_modes_step_only_when_a_step_has_work(small_table):
     assert due()  # the step ends it
     small_table.slots[0]["epoch"] = int(small_table.header["epoch"]) - 1
     assert not due()  # an older epoch's slot is the ingress's to reclaim, not work
+    small_table.publish(1, Request([1, 2], 8, grammar_kind=int(GrammarKind.REGEX), grammar="[a-z]+"))
+    assert not due()  # a structured output waits for the grammar gate to put its table on the device
+    driver.step.grammars.ready[1] = READY
+    assert due()
