@@ -82,15 +82,6 @@ class PrefixCache:
         # device step sets.
         self.kernels = None
 
-    @property
-    def releaser(self):
-        return self.kernels
-
-    @releaser.setter
-    def releaser(self, kernels) -> None:
-        """The device step's name for `kernels` (it set the release kernel alone before the others came)."""
-        self.kernels = kernels
-
     def allocate(self, need: torch.Tensor, table: torch.Tensor, held: torch.Tensor, max_new: int) -> None:
         """Gives slot s `need[s]` more pages (at most max_new) after its `held[s]`; the caller guarantees they
         are free: empty pages first (off the stack), then the ring's oldest. The table's last column takes the

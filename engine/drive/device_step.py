@@ -98,7 +98,7 @@ class DeviceStep:
         compiled = self.step.planner is not plan
         kernels = {} if compiled else {"lay_out": lay_out}  # unless compiled, its kernels
         if engine.pool.prefix_cache is not None:
-            engine.pool.prefix_cache.releaser = None if compiled else page_release.release
+            engine.pool.prefix_cache.kernels = None if compiled else page_release.KERNELS
         planned = self.step.planner(state, engine.pool, bucket, self.step.policy, self.mirror, self.step.cost,
                                     self.prompt_rows(bucket), **kernels)
         sizes = planned.sizes

@@ -2,9 +2,9 @@
 references dropped by atomics, each page its last reference leaves pushed onto the empty stack or the ring of cached
 pages, a range reserved per block by one atomic) and PrefixCache.allocate (one program: the ring compacted when half
 dead, its oldest live pages found by a scan from its head, the grants written slot by slot). With the hash table's
-kernels (blink.engine.kernels.prefix_cache) they are `KERNELS`, which the device step sets on the cache as its
-`releaser` (the name it gave the release kernel alone). tests/engine/test_prefix_cache_kernels.py holds them to the
-torch reference (blink.engine.core.prefix_cache), state for state, in Triton's interpreter."""
+kernels (blink.engine.kernels.prefix_cache) they are `KERNELS`, which the device step sets as the cache's `kernels`.
+tests/engine/test_prefix_cache_kernels.py holds them to the torch reference (blink.engine.core.prefix_cache), state
+for state, in Triton's interpreter."""
 
 from __future__ import annotations
 
@@ -147,17 +147,12 @@ def launch_allocate(cache, need: torch.Tensor, table: torch.Tensor, held: torch.
 
 
 class _Kernels:
-    """PrefixCache's four methods as launches, and blink.engine.core.page_sharing's two; called with the release's
-    arguments it is the release kernel (the device step set `releaser` to that kernel before the others came)."""
+    """PrefixCache's four methods as launches, and blink.engine.core.page_sharing's two."""
 
     allocate, release = staticmethod(launch_allocate), staticmethod(launch_release)
     reuse, register = staticmethod(prefix_cache.launch_reuse), staticmethod(prefix_cache.launch_register)
     frees_a_page = staticmethod(page_sharing.frees_a_page)
     pages_by_position = staticmethod(page_sharing.pages_by_position)
 
-    def __call__(self, cache, which: torch.Tensor, table: torch.Tensor, held: torch.Tensor) -> None:
-        launch_release(cache, which, table, held)
-
 
 KERNELS = _Kernels()
-release = KERNELS  # what the device step sets as the cache's `releaser`
