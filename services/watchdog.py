@@ -32,7 +32,7 @@ from blink.shared import control, sockets, transports
 from blink.shared.cpus import parse_cpus
 from blink.shared.settings import Settings
 from blink.shared.slot_table import EngineState, SlotTable
-from blink.shared.stopping import StopFlag, die_with_parent
+from blink.shared.stopping import StopFlag, die_with_parent, terminate
 
 log = structlog.get_logger()
 
@@ -100,14 +100,8 @@ class ProcessSupervisor:
     def stop(self, service: str, grace_s: float) -> None:
         """SIGTERM (which drains), then SIGKILL after the grace period."""
         proc = self.procs.get(service)
-        if proc is None or proc.poll() is not None:
-            return
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        if proc is not None:
+            terminate(proc, grace_s)
 
 
 class PidSupervisor:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import signal
+import subprocess
 import sys
 import time
 
@@ -50,3 +51,15 @@ def die_with_parent(sig: signal.Signals = signal.SIGTERM) -> None:
     """In a child: `sig` when its parent dies, even by SIGKILL (Linux only; elsewhere a no-op)."""
     if sys.platform == "linux":
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, sig)
+
+
+def terminate(proc: subprocess.Popen, grace_s: float) -> None:
+    """SIGTERM (a service drains on it), then SIGKILL once `grace_s` passed; returns when the process is gone."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

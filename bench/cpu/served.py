@@ -36,7 +36,8 @@ from blink.bench.lib.dataset import SampleRequest, load_tokenizer, random_tokens
 from blink.bench.lib.figures import compute
 from blink.bench.lib.loadgen import run_load
 from blink.bench.lib.machine import blink_source, environment, machine, save
-from blink.bench.lib.server import free_port, running_server, stop
+from blink.bench.lib.server import free_port, running_server
+from blink.shared.stopping import terminate
 
 SYSTEMS = ("blink", "llama-server")
 FIGURES = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms")
@@ -155,7 +156,7 @@ def serve_llama(args: argparse.Namespace, llama: llama_cpp.LlamaCpp, model: Path
             _warm(url)
             yield url
         finally:
-            stop(process)
+            terminate(process, 30)
 
 
 def _ready(url: str, path: str) -> bool:

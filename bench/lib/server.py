@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -17,6 +16,7 @@ from pathlib import Path
 import httpx
 
 from blink.shared.settings import Settings
+from blink.shared.stopping import terminate
 
 
 @dataclass
@@ -68,17 +68,6 @@ def _settings(flags: list[str]) -> Settings:
     return settings_from_args(parser.parse_args(flags))
 
 
-def stop(proc: subprocess.Popen, timeout_s: float = 30) -> None:
-    """SIGTERM, and SIGKILL past `timeout_s`: a server gets its chance to shut down cleanly."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -108,5 +97,5 @@ def running_server(tmp_path, *flags: str, timeout_s: float = 300):  # a loaded C
             time.sleep(0.2)
         yield Server(url, proc, _settings(cmd[4:]))
     finally:
-        stop(proc)
+        terminate(proc, 30)
         log.close()
