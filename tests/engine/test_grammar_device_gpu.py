@@ -18,22 +18,13 @@ from blink.engine.engine import Engine, EngineConfig
 from blink.engine.model.tiny_model import ensure_tiny_model
 from blink.shared.grammar import GrammarKind, GrammarSpec
 from blink.shared.slot_table import Finish, Geometry, Request, SlotTable
+from tests.support.grammar_requests import CHOICES, PLAIN, REGEX, constrained, serve
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="the device drive modes need a CUDA GPU")
 
-PROMPT = [5, 6, 7, 8]
-REGEX = r"[a-c]{3,6}"
-CHOICES = ["cat", "dog", "a bird"]
 SCHEMA = {"type": "object", "properties": {"kind": {"enum": ["cat", "dog"]},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 20}},
           "required": ["kind", "age"]}
-PLAIN = Request(prompt=PROMPT, max_tokens=8, temperature=0.0, ignore_eos=True)
-
-
-def _constrained(spec: GrammarSpec, **sampling) -> Request:
-    return Request(prompt=PROMPT, max_tokens=60, grammar_kind=int(spec.kind), grammar=spec.text, **sampling)
-
-
 def _driver(mode: str, table: SlotTable):
     engine = Engine(EngineConfig(model=str(ensure_tiny_model()), max_num_seqs=4, max_num_batched_tokens=32,
                                  num_pages=64, page_size=8, max_model_len=96, enable_prefix_caching=False))
@@ -52,20 +43,8 @@ def _driver(mode: str, table: SlotTable):
 
 
 def _serve(table: SlotTable, requests: dict[int, Request], seconds: float = 60.0) -> dict:
-    for slot, request in requests.items():
-        table.publish(slot, request)
-    got = {slot: ([], Finish.NONE) for slot in requests}
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        for slot in requests:
-            out = table.read(slot)
-            got[slot] = (got[slot][0] + out.tokens, out.finish or got[slot][1])
-        if all(finish for _, finish in got.values()):
-            for slot in requests:
-                table.free(slot)
-            return got
-        time.sleep(1e-3)
-    raise AssertionError(f"not finished after {seconds} s: {got}")
+    """Serves `requests` while the driver runs (its own threads step the device and poll the gate)."""
+    return serve(table, requests, lambda: time.sleep(1e-3), seconds)
 
 
 @pytest.mark.parametrize("mode", ["graph", "persistent"])
@@ -77,10 +56,10 @@ def test_the_device_modes_walk_grammars(mode):
         alone = _serve(table, {1: PLAIN})[1]
         for round_ in range(2):  # the second round reuses the slots, and the arena the first freed
             got = _serve(table, {
-                0: _constrained(GrammarSpec(GrammarKind.REGEX, REGEX), temperature=1.0, seed=3 + round_),
+                0: constrained(GrammarSpec(GrammarKind.REGEX, REGEX), temperature=1.0, seed=3 + round_),
                 1: PLAIN,
-                2: _constrained(GrammarSpec.choice(CHOICES), temperature=1.0, seed=round_),
-                3: _constrained(GrammarSpec.json_schema(SCHEMA), temperature=1.0, seed=11 + round_),
+                2: constrained(GrammarSpec.choice(CHOICES), temperature=1.0, seed=round_),
+                3: constrained(GrammarSpec.json_schema(SCHEMA), temperature=1.0, seed=11 + round_),
             })
             decode = driver.step.engine.tokenizer.decode
             assert got[1] == alone, round_

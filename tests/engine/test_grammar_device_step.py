@@ -19,21 +19,12 @@ from blink.engine.engine import Engine, EngineConfig
 from blink.engine.model.tiny_model import ensure_tiny_model
 from blink.shared.grammar import ANY_OBJECT, GrammarKind, GrammarSpec
 from blink.shared.slot_table import Finish, Geometry, Request, SlotTable
+from tests.support.grammar_requests import CHOICES, PLAIN, REGEX, constrained, serve
 
-PROMPT = [5, 6, 7, 8]
-REGEX = r"[a-c]{3,6}"
-CHOICES = ["cat", "dog", "a bird"]
 SCHEMA = {"type": "object", "properties": {"kind": {"enum": ["cat", "dog"]},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 20},
                                            "name": {"type": "string", "maxLength": 4}},
           "required": ["kind", "age"]}
-
-
-def _constrained(spec: GrammarSpec, **sampling) -> Request:
-    return Request(prompt=PROMPT, max_tokens=60, grammar_kind=int(spec.kind), grammar=spec.text, **sampling)
-
-
-PLAIN = Request(prompt=PROMPT, max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture
@@ -63,34 +54,23 @@ def device(table):
 
 def _serve(table: SlotTable, device: DeviceStep, requests: dict[int, Request], seconds: float = 600,
            publish: bool = True) -> dict:
-    """Publishes `requests` (unless they were), polls the gate and steps until every one finished; each slot's
-    tokens and finish."""
-    for slot, request in requests.items() if publish else ():
-        table.publish(slot, request)
-    got = {slot: ([], Finish.NONE) for slot in requests}
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
+    """Serves `requests`, polling the gate and stepping the device between reads, as the modes' threads do."""
+    def step() -> None:
         device.grammars.poll()
         device.clock[0] = time.monotonic()
         device.run(device.bucket_for(int(device.demand[0])))
-        for slot in requests:
-            out = table.read(slot)
-            got[slot] = (got[slot][0] + out.tokens, out.finish or got[slot][1])
-        if all(finish for _, finish in got.values()):
-            for slot in requests:
-                table.free(slot)
-            return got
-    raise AssertionError(f"not finished after {seconds} s: {got}")
+
+    return serve(table, requests, step, seconds, publish)
 
 
 def test_constrained_rows_follow_their_grammar_beside_an_unchanged_one(table, device):
     step = device()
     alone = _serve(table, step, {1: PLAIN})[1]
     got = _serve(table, step, {
-        0: _constrained(GrammarSpec(GrammarKind.REGEX, REGEX), temperature=1.0, seed=3),
+        0: constrained(GrammarSpec(GrammarKind.REGEX, REGEX), temperature=1.0, seed=3),
         1: PLAIN,
-        2: _constrained(GrammarSpec.choice(CHOICES), temperature=0.0),
-        3: _constrained(GrammarSpec.json_schema(SCHEMA), temperature=1.0, seed=11),
+        2: constrained(GrammarSpec.choice(CHOICES), temperature=0.0),
+        3: constrained(GrammarSpec.json_schema(SCHEMA), temperature=1.0, seed=11),
     })
     decode = step.engine.tokenizer.decode
     assert got[1] == alone  # the unconstrained row's greedy tokens, as without its neighbours
@@ -105,7 +85,7 @@ def test_constrained_rows_follow_their_grammar_beside_an_unchanged_one(table, de
 
 def test_requests_of_one_spec_share_its_block(table, device):
     step, spec = device(), GrammarSpec.json_schema(SCHEMA)
-    requests = {0: _constrained(spec, temperature=0.0), 2: _constrained(spec, temperature=1.0, seed=7)}
+    requests = {0: constrained(spec, temperature=0.0), 2: constrained(spec, temperature=1.0, seed=7)}
     for slot, request in requests.items():
         table.publish(slot, request)
     deadline = time.monotonic() + 300
@@ -133,7 +113,7 @@ def test_more_schemas_parse_greedy_and_seeded(table, device):
                                           "day": {"type": "string", "format": "date"}}, "required": ["id", "day"]},
     ]
     step = device()
-    requests = {2 * i + seeded: _constrained(GrammarSpec.json_schema(schema), temperature=1.0 if seeded else 0.0,
+    requests = {2 * i + seeded: constrained(GrammarSpec.json_schema(schema), temperature=1.0 if seeded else 0.0,
                                              seed=5)
                 for i, schema in enumerate(schemas) for seeded in (0, 1)}
     got = _serve(table, step, requests)
@@ -146,10 +126,10 @@ def test_grammars_that_cannot_be_walked_end_their_records_and_the_rest_is_served
     step = device()
     step.grammars.space = device_grammars.Arena(400)  # smaller than the schema's table, larger than the regex's
     got = _serve(table, step, {
-        0: _constrained(GrammarSpec(GrammarKind.EBNF, 'root ::= "a" root | "b"')),  # not regular
+        0: constrained(GrammarSpec(GrammarKind.EBNF, 'root ::= "a" root | "b"')),  # not regular
         1: PLAIN,
-        2: _constrained(GrammarSpec.json_schema(SCHEMA), temperature=0.0),  # too large for the arena
-        3: _constrained(GrammarSpec(GrammarKind.REGEX, "ab+c"), temperature=0.0),
+        2: constrained(GrammarSpec.json_schema(SCHEMA), temperature=0.0),  # too large for the arena
+        3: constrained(GrammarSpec(GrammarKind.REGEX, "ab+c"), temperature=0.0),
     })
     assert got[0] == ([], Finish.ABORT) and got[2] == ([], Finish.ABORT)
     assert len(got[1][0]) == 8 and got[1][1] == Finish.LENGTH
@@ -164,7 +144,7 @@ def test_a_record_waiting_at_the_gate_gives_the_graph_driver_no_step(table, devi
 
     driver = DeviceDriver()
     driver.step, driver.table = device(), table
-    table.publish(0, _constrained(GrammarSpec(GrammarKind.REGEX, REGEX)))
+    table.publish(0, constrained(GrammarSpec(GrammarKind.REGEX, REGEX)))
     assert driver.idle()
     deadline = time.monotonic() + 60
     while driver.step.grammars.poll() and time.monotonic() < deadline:
