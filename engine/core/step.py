@@ -98,10 +98,8 @@ class Step:
         prompt_rows = self.token_budget if features.prompt_logprobs else 0
         if self.shard is not None:  # the host-timed inputs: every rank must make rank 0's decisions
             self.shard.from_first(self.cost.values)
-        if self.speculation is not None:
-            return self.planner(self.state, self.pool, self.token_budget, self.policy, mirror, self.cost, prompt_rows,
-                                speculation=self.speculation)
-        return self.planner(self.state, self.pool, self.token_budget, self.policy, mirror, self.cost, prompt_rows)
+        return self.planner(self.state, self.pool, self.token_budget, self.policy, mirror, self.cost, prompt_rows,
+                            speculation=self.speculation)
 
     def shape_for(self, sizes: PlanSizes) -> StepShape:
         tokens = _bucket(self.host_buckets, sizes.tokens)
