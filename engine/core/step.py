@@ -146,9 +146,10 @@ class Step:
         penalties = _seen_tokens(state, slot) if features.penalties else (None, None)
         out = self.sampler.sample(logits, rows, features, self.vocab_hash, *penalties)
         scored = score_prompt(state, plan, prompt_tokens, prompt_logits, self.sampler) if shape.prompt_rows else None
-        settler = self.speculation.settle if self.speculation is not None else None
+        # With drafts the speculation settles; else the committer's own settler (the device step's kernel).
+        settler = {} if self.speculation is None else {"settler": self.speculation.settle}
         return self.committer(state, pool, mirror, plan, R, out, logits, self.eos_ids,
-                              count_outputs=features.penalties, prompt=scored, settler=settler)
+                              count_outputs=features.penalties, prompt=scored, **settler)
 
     def _attention_batch(self, plan: StepPlan, shape: StepShape) -> AttentionBatch:
         B, page = shape.tokens, self.pool.page_size
