@@ -9,9 +9,10 @@ from dataclasses import dataclass
 import torch
 
 from blink.engine.core.kv_cache import PagePool
+from blink.engine.core.paging import max_new_pages
 from blink.engine.core.rotation import HostMirror
 from blink.engine.core.sampler import TORCH_SAMPLER, SampleOutput, Sampler
-from blink.engine.core.scheduler import StepPlan, advance, max_new_pages
+from blink.engine.core.scheduler import StepPlan
 from blink.engine.core.state import Slots, SlotStatus, none_set
 from blink.shared.slot_table import Finish
 
@@ -89,6 +90,15 @@ def commit(state: Slots, pool: PagePool, mirror: HostMirror | None, plan: StepPl
             state.rotated &= ~finished
     settled.prompt = prompt
     return settled
+
+
+def advance(state: Slots, planned: StepPlan) -> None:
+    """What a step computed as planned: tokens whose K/V are now cached, prompt positions now scored."""
+    if planned.prompt_entries is not None:
+        state.scored.copy_(torch.where(planned.prompt_entries > 0,
+                                       torch.maximum(state.num_computed, state.scored) + planned.prompt_entries,
+                                       state.scored))
+    state.num_computed += planned.take
 
 
 def settle(state: Slots, plan: StepPlan, rows: int, out: SampleOutput, logits: torch.Tensor, eos_ids: torch.Tensor,

@@ -17,11 +17,12 @@ from typing import TYPE_CHECKING, Generic, NamedTuple, TypeVar
 import torch
 
 from blink.engine.core.kv_cache import PagePool
-from blink.engine.core.page_sharing import frees_a_page, held_pages, pages_by_position, positions
-from blink.engine.core.policy import Policy, StepCost, ahead, lexsort
+from blink.engine.core.page_sharing import positions
+from blink.engine.core.paging import find_pages
+from blink.engine.core.policy import Policy, StepCost, lexsort
 from blink.engine.core.prefix_cache import PrefixCache
 from blink.engine.core.rotation import HostMirror, PageMoves
-from blink.engine.core.state import Slots, SlotStatus, none_set
+from blink.engine.core.state import Slots, SlotStatus, none_set, pack
 
 if TYPE_CHECKING:
     from blink.engine.core.speculation import Speculation
@@ -98,15 +99,15 @@ def plan(state: Slots, pool: PagePool, token_budget: int, policy: Policy, mirror
     take, entries, order, cap = _hand_out(state, policy, cost, token_budget, prompt_rows, live)
     if speculation is not None:  # drafts take what budget and pages the plan leaves, before pages are found
         take = take + speculation.draft(state, pool, policy, cost, take, live, order, cap)
-    take, moves, moved = _find_pages(state, pool, policy, mirror, token_budget, take, running, resident, precedence)
+    take, moves, moved = find_pages(state, pool, policy, mirror, token_budget, take, running, resident, precedence)
     state.wait_s += torch.where(running & ~state.paused & (take == 0), cost.since_last_plan, 0.0)
     if entries is not None:
         entries = torch.where(take > 0, entries, 0)  # a slot that lost its pages to a victim's need computes nothing
+    drafts = ()
     if speculation is not None:
         state.draft_len.masked_fill_(take == 0, 0)  # a slot that lost its pages drafts nothing either
-        return _lay_out(state, take, entries, moves, moved, token_budget,
-                        speculation.rows(state.num_slots, token_budget), speculation.decode_runs)
-    return (lay_out or _lay_out)(state, take, entries, moves, moved, token_budget)
+        drafts = (speculation.rows(state.num_slots, token_budget), speculation.decode_runs)
+    return (lay_out or _lay_out)(state, take, entries, moves, moved, token_budget, *drafts)
 
 
 def _start_admitted(state: Slots) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,53 +145,6 @@ def _hand_out(state: Slots, policy: Policy, cost: StepCost, token_budget: int, p
     take = torch.empty_like(demand).scatter_(0, order, (cap - before).clamp(min=0).minimum(wanted))
     take, entries = _score_prompts(state, take, order, prompt_rows) if prompt_rows else (take, None)
     return take, entries, order, cap
-
-
-def _find_pages(state: Slots, pool: PagePool, policy: Policy, mirror: HostMirror | None, token_budget: int,
-                take: torch.Tensor, running: torch.Tensor, resident: torch.Tensor, precedence: torch.Tensor):
-    """Pages for the tokens taken: victims give theirs back when they run short, rotated out while the mirror has
-    room; rotated requests come back when pages free. Returns (take, the page moves or None, [out, in] counts)."""
-    page = pool.page_size
-    need, crossing = _pages_needed(state, take, page, mirror)
-    # A cancelled request ends in this step's commit: its pages are the first to give, not kept at its precedence
-    # while another is preempted.
-    keep = ahead(precedence, resident & ~state.cancel)
-    if none_set(need.sum() + crossing.sum() > pool.num_free):  # the free pages cover all: nobody gives any back
-        evicted, reserve = torch.zeros_like(resident), crossing.sum()
-        moves_out = _no_pairs(state) if mirror else None
-    else:
-        victims = lexsort(policy.victim_keys(state), first=resident & state.cancel)
-        need, take, evicted, reserve = _make_room(state, pool, need, take, keep, victims, crossing)
-        moves_out = _give_back(state, pool, mirror, evicted, victims)
-    if not none_set(need > 0):
-        pool.allocate(need, state.block_table, state.pages_held, max_new=max_new_pages(token_budget, page))
-    if not mirror:
-        return take, None, torch.zeros(2, dtype=torch.int64, device=state.status.device)
-    moves_in = _come_back(state, pool, mirror, running, evicted, keep, reserve, token_budget)
-    moved = torch.stack([moves_out[2], moves_in[2]])
-    mirror.pages_moved += moved
-    return take, PageMoves(moves_out[0], moves_out[1], moves_in[0], moves_in[1]), moved
-
-
-def _pages_needed(state: Slots, take: torch.Tensor, page: int,
-                  mirror: HostMirror | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The new pages each slot's tokens reach into, and (with a mirror, 1 or 0) whether it starts a page next step."""
-    covered = (state.num_computed + take + page - 1) // page
-    need = torch.where(take > 0, covered - state.pages_held, 0).clamp(min=0)
-    # With a mirror, room is also kept for the page each sequence running on will start in the next step.
-    crossing = ((take > 0) & ((state.num_computed + take) % page == 0)).long() if mirror else torch.zeros_like(take)
-    return need, crossing
-
-
-def _give_back(state: Slots, pool: PagePool, mirror: HostMirror | None, evicted: torch.Tensor,
-               victims: torch.Tensor):
-    """The evicted slots' pages: to the mirror while it has room, else dropped for recompute. Returns the moves out."""
-    if none_set(evicted):
-        return _no_pairs(state) if mirror else None
-    rotate_out = _rotate_out(state, mirror, evicted, victims) if mirror else torch.zeros_like(evicted)
-    moves_out = _move_out(state, mirror, rotate_out) if mirror else None
-    _evict(state, pool, evicted, recompute=evicted & ~rotate_out)
-    return moves_out
 
 
 def _lay_out(state: Slots, take: torch.Tensor, entries: torch.Tensor | None, moves: PageMoves | None,
@@ -241,16 +195,6 @@ def _lay_out(state: Slots, take: torch.Tensor, entries: torch.Tensor | None, mov
                     sample_token, sample_valid, entries, moves, torch.stack(sizes))
 
 
-def _evict(state: Slots, pool: PagePool, evicted: torch.Tensor, recompute: torch.Tensor) -> None:
-    """The evicted slots give their pages back; those not rotated out compute from the start again."""
-    pool.release(evicted, state.block_table, state.pages_held)
-    state.num_computed.masked_fill_(recompute, 0)
-    preempted = evicted & ~state.cancel  # a cancelled one gave its pages back: it was not preempted
-    state.preemptions += preempted.long()
-    state.num_preemptions += preempted.sum()
-    state.num_recomputes += (recompute & ~state.cancel).sum()
-
-
 def _reuse_prefix(state: Slots, cache: PrefixCache, starting: torch.Tensor) -> None:
     """Requests starting (or starting over after a recompute) take what the prefix cache holds of their prompt; one
     that asks for its prompt's logprobs computes every position."""
@@ -277,20 +221,6 @@ def _score_prompts(state: Slots, take: torch.Tensor, order: torch.Tensor,
     return take, torch.minimum(entries, allowed)
 
 
-def advance(state: Slots, planned: StepPlan) -> None:
-    """What a step computed as planned: tokens whose K/V are now cached, prompt positions now scored."""
-    if planned.prompt_entries is not None:
-        state.scored.copy_(torch.where(planned.prompt_entries > 0,
-                                       torch.maximum(state.num_computed, state.scored) + planned.prompt_entries,
-                                       state.scored))
-    state.num_computed += planned.take
-
-
-def max_new_pages(token_budget: int, page: int) -> int:
-    """The most pages one slot's tokens in a step reach into (a run of the whole budget across page bounds)."""
-    return token_budget // page + 2
-
-
 def max_chunk_rows(token_budget: int, num_slots: int) -> int:
     return token_budget // QUERY_BLOCK + num_slots
 
@@ -308,43 +238,6 @@ def _chunk_rows(take: torch.Tensor, starts: torch.Tensor, first_pos: torch.Tenso
     return QueryRows(starts[slot] + offset, length, first_pos[slot] + offset, slot, count)
 
 
-def pack(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The indices where mask is set, packed first (the rest 0), and how many there are."""
-    n = mask.shape[0]
-    rank = torch.where(mask, mask.cumsum(0) - 1, n)
-    index = torch.arange(n, device=mask.device)
-    return torch.zeros(n + 1, dtype=torch.int64, device=mask.device).scatter_(0, rank, index)[:n], mask.sum()
-
-
-def _make_room(state: Slots, pool: PagePool, need: torch.Tensor, take: torch.Tensor, keep: torch.Tensor,
-               victims: torch.Tensor, crossing: torch.Tensor):
-    """Keeps the longest prefix of slots, in `keep` order, whose new pages (and a page for each slot ahead that
-    will cross into a new page next step) fit once every slot after it gives its pages back; then takes pages,
-    in `victims` order, from as few slots past that prefix as the prefix needs. Returns the new pages, the
-    tokens, the evicted slots and the pages reserved for the next step.
-
-    A page frees when every slot mapping it gives it back (prefix caching shares pages), so what giving back frees
-    is counted per page, by the first slot (in keep order) or the last victim that maps it; a slot whose every page
-    a kept slot maps too (a request that has just mapped a shared prefix) would free nothing and is not a victim."""
-    S = state.num_slots
-    held = held_pages(state, pool)  # with prefix caching, who maps which page
-    need_o, cross_o = need[keep], crossing[keep]
-    first_o = pages_by_position(state, pool, held, positions(keep), "amin").cumsum(0)  # pages kept by slots <= k
-    freed_after = first_o[-1] - first_o
-    fits_o = need_o.cumsum(0) + cross_o.cumsum(0) - cross_o <= pool.num_free + freed_after
-    fits = torch.empty_like(fits_o).scatter_(0, keep, fits_o)
-    reserve = (crossing * fits).sum()
-    deficit = (need * fits).sum() + reserve - pool.num_free
-    candidate = ~fits & frees_a_page(state, pool, held, fits)
-    at = torch.where(candidate, positions(victims), S)  # a page a kept slot maps never frees
-    last_v = pages_by_position(state, pool, held, at, "amax")
-    evict_v = candidate[victims] & (last_v.cumsum(0) - last_v < deficit)  # short before this victim gives back
-    evicted = torch.empty_like(evict_v).scatter_(0, victims, evict_v)
-    # A slot past the prefix still runs if it needs no new page and keeps its own.
-    runs = fits | ((need == 0) & ~evicted)
-    return torch.where(fits, need, 0), torch.where(runs, take, 0), evicted, reserve
-
-
 def _hold_new(state: Slots, policy: Policy, mirror: HostMirror | None, precedence: torch.Tensor) -> torch.Tensor:
     """Which requests may not start (all but the latency-sensitive, which may take pages by recompute at worst),
     while a rotated request waits to come back (pages they took would keep it out: it had starved behind a stream
@@ -356,66 +249,3 @@ def _hold_new(state: Slots, policy: Policy, mirror: HostMirror | None, precedenc
     rank = positions(precedence)
     behind = rank > torch.where(waiting, rank, state.num_slots).amin()
     return ((mirror.nearly_full() & waiting.any()) | behind) & ~policy.latency_sensitive(state)
-
-
-def _comeback_pages(state: Slots, page: int, token_budget: int) -> torch.Tensor:
-    """What a rotated request needs to come back: its pages, and those its next step adds."""
-    next_tokens = (state.seq_len - state.num_computed).clamp(max=token_budget)
-    return torch.maximum((state.num_computed + next_tokens + page - 1) // page, state.host_held)
-
-
-def _rotate_out(state: Slots, mirror: HostMirror, evicted: torch.Tensor, victims: torch.Tensor) -> torch.Tensor:
-    """The victims whose pages the mirror can take, in victim order; the others are recomputed later."""
-    pages = torch.where(evicted & (state.num_computed > 0) & ~state.cancel, state.pages_held, 0)[victims]
-    fits_v = (pages > 0) & (pages.cumsum(0) <= mirror.free.num_free)
-    return torch.empty_like(fits_v).scatter_(0, victims, fits_v)
-
-
-def _move_out(state: Slots, mirror: HostMirror, out: torch.Tensor):
-    pages = torch.where(out, state.pages_held, 0)
-    mirror.free.allocate(pages, state.host_table, state.host_held, max_new=state.block_table.shape[1] - 1)
-    state.pages_out += pages
-    state.rotated |= out
-    return _pairs(out, state.block_table, state.host_table, pages)
-
-
-def _come_back(state: Slots, pool: PagePool, mirror: HostMirror, running: torch.Tensor, evicted: torch.Tensor,
-               keep: torch.Tensor, reserve: torch.Tensor | int, token_budget: int):
-    """The page moves of rotated requests coming back; none in a step that evicts."""
-    if none_set(state.rotated):
-        return _no_pairs(state)
-    candidates = running & state.rotated & ~state.cancel & ~state.paused & ~evicted.any()
-    if none_set(candidates):
-        return _no_pairs(state)
-    return _move_in(state, pool, mirror, candidates, keep, reserve, token_budget)
-
-
-def _move_in(state: Slots, pool: PagePool, mirror: HostMirror, candidates: torch.Tensor, keep: torch.Tensor,
-             reserve: torch.Tensor | int, token_budget: int):
-    """Brings rotated requests back, in keep order, while the pool's free pages cover them, the pages their next
-    step needs (so that they do not come back only to be rotated out again) and the reserve. They run from the
-    next step on: their pages land after this step's forward."""
-    needs_o = torch.where(candidates, _comeback_pages(state, pool.page_size, token_budget), 0)[keep]
-    back_o = (needs_o > 0) & (needs_o.cumsum(0) + reserve <= pool.num_free)
-    back = torch.empty_like(back_o).scatter_(0, keep, back_o)
-    pages = torch.where(back, state.host_held, 0)
-    pool.allocate(pages, state.block_table, state.pages_held, max_new=state.block_table.shape[1] - 1)
-    moves = _pairs(back, state.host_table, state.block_table, pages)
-    mirror.free.release(back, state.host_table, state.host_held)
-    state.pages_in += pages
-    state.rotated &= ~back
-    return moves
-
-
-def _no_pairs(state: Slots):
-    """What `_pairs` gives when no slot moves."""
-    src, dst = torch.zeros(2, state.num_slots * (state.block_table.shape[1] - 1), dtype=torch.int64,
-                           device=state.block_table.device)
-    return src, dst, src.new_zeros(())
-
-
-def _pairs(which: torch.Tensor, src_table: torch.Tensor, dst_table: torch.Tensor, count: torch.Tensor):
-    """(source page, destination page) for the first count[s] columns of every slot in `which`, packed first."""
-    j = torch.arange(src_table.shape[1] - 1, device=which.device)
-    index, n = pack((which[:, None] & (j[None, :] < count[:, None])).flatten())
-    return src_table[:, :-1].flatten()[index], dst_table[:, :-1].flatten()[index], n

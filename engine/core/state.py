@@ -25,6 +25,14 @@ def none_set(*masks: torch.Tensor) -> bool:
     return not any(bool(m.any()) for m in masks)
 
 
+def pack(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The indices where mask is set, packed first (the rest 0), and how many there are."""
+    n = mask.shape[0]
+    rank = torch.where(mask, mask.cumsum(0) - 1, n)
+    index = torch.arange(n, device=mask.device)
+    return torch.zeros(n + 1, dtype=torch.int64, device=mask.device).scatter_(0, rank, index)[:n], mask.sum()
+
+
 def host_bound(x: torch.Tensor, top: int) -> int:
     """A 0-d tensor's value, at most `top`, where reading it is free (eager on the CPU), to cut a search to what is
     live; `top` elsewhere (under torch.compile, and on a GPU: none_set's rule), where the work runs whole."""

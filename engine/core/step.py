@@ -19,9 +19,9 @@ from blink.engine.core.kv_cache import PagePool
 from blink.engine.core.policy import Policy, StepCost
 from blink.engine.core.rotation import HostMirror
 from blink.engine.core.sampler import SamplerFeatures, SamplingRows, hash32
-from blink.engine.core.scheduler import PlanSizes, StepPlan, pack, plan
+from blink.engine.core.scheduler import PlanSizes, StepPlan, plan
 from blink.engine.core.speculation import Speculation
-from blink.engine.core.state import Slots
+from blink.engine.core.state import Slots, pack
 from blink.engine.model.attention import AttentionBatch
 from blink.engine.model.model import Transformer
 from blink.engine.model.parallel import Shard

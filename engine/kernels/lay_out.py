@@ -101,8 +101,10 @@ def _lay_out(take_ptr, computed_ptr, seq_len_ptr, tokens, tokens_stride, entries
 
 
 def lay_out(state: Slots, take: torch.Tensor, entries: torch.Tensor | None, moves, moved: torch.Tensor,
-            token_budget: int) -> StepPlan:
+            token_budget: int, draft_rows: int = 0, decode_runs: bool = False) -> StepPlan:
     """scheduler._lay_out's arguments and plan."""
+    if draft_rows:
+        raise NotImplementedError("the layout kernel lays out one sampling row per slot: no drafts")
     S, T, device = state.num_slots, token_budget, take.device
     max_chunks = max_chunk_rows(T, S)
 

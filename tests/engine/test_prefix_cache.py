@@ -165,10 +165,10 @@ def test_allocation_takes_empty_pages_then_the_least_recently_released_tails_fir
 def test_only_requests_whose_pages_would_free_are_preempted(checkpoint, monkeypatch, policy):
     """A request that has just mapped a shared prefix holds only pages the requests kept running map too: giving
     them back frees nothing, so it is not evicted (rotated out, a preemption counted) for pages it cannot give."""
-    from blink.engine.core import scheduler
+    from blink.engine.core import paging
     from blink.engine.core.kv_cache import PagePool
 
-    evictions, make_room = [], scheduler._make_room
+    evictions, make_room = [], paging._make_room
 
     def watched(state, pool, need, take, keep, victims, crossing):
         held = torch.arange(state.block_table.shape[1])[None, :] < state.pages_held[:, None]
@@ -180,7 +180,7 @@ def test_only_requests_whose_pages_would_free_are_preempted(checkpoint, monkeypa
             evictions.append(bool(tables[s] - still_mapped))
         return planned
 
-    monkeypatch.setattr(scheduler, "_make_room", watched)
+    monkeypatch.setattr(paging, "_make_room", watched)
     model, rng = str(checkpoint("qwen3")), random.Random(0)
     shape = dict(max_num_seqs=4, max_num_batched_tokens=8, page_size=4, max_model_len=48, scheduling_policy=policy)
     page_bytes = PagePool.bytes_per_page(LLM(model, num_pages=20, **shape).engine.model_config, 4)

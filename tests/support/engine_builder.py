@@ -12,10 +12,11 @@ import numpy as np
 import torch
 
 from blink.engine.core.admission import admit_records
+from blink.engine.core.commit import advance
 from blink.engine.core.kv_cache import PagePool
 from blink.engine.core.policy import StepCost, policy_named
 from blink.engine.core.rotation import HostMirror
-from blink.engine.core.scheduler import StepPlan, advance, plan
+from blink.engine.core.scheduler import StepPlan, plan
 from blink.engine.core.state import Slots
 from blink.shared.request_schema import Request
 from blink.shared.slot_table import Geometry, slot_dtype, write_request

@@ -4,10 +4,11 @@
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import torch
 
-from blink.engine.core import commit, prefix_cache, scheduler, speculation
+from blink.engine.core import speculation, state
 
 
 @contextlib.contextmanager
@@ -28,7 +29,9 @@ def host_reads_forbidden():
 
     names = ["item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__", "__index__"]
     saved = {n: getattr(torch.Tensor, n) for n in names}
-    skips = {module: module.none_set for module in (scheduler, commit, speculation, prefix_cache)}
+    # Every module that took none_set by name (the plan's, the commit's, the prefix cache's...): all skip nothing.
+    skips = {module: module.none_set for name, module in list(sys.modules.items())
+             if name.startswith("blink.") and getattr(module, "none_set", None) is state.none_set}
     bound = speculation.host_bound
     for n in names:
         setattr(torch.Tensor, n, refuse)
