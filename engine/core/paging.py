@@ -5,6 +5,8 @@ brought back when pages free. Like the rest of the plan, no host read on a devic
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from blink.engine.core.kv_cache import PagePool
@@ -15,9 +17,11 @@ from blink.engine.core.state import Slots, none_set, pack
 
 
 def find_pages(state: Slots, pool: PagePool, policy: Policy, mirror: HostMirror | None, token_budget: int,
-                take: torch.Tensor, running: torch.Tensor, resident: torch.Tensor, precedence: torch.Tensor):
+               take: torch.Tensor, running: torch.Tensor, resident: torch.Tensor, precedence: torch.Tensor,
+               make_room: Callable | None = None):
     """Pages for the tokens taken: victims give theirs back when they run short, rotated out while the mirror has
-    room; rotated requests come back when pages free. Returns (take, the page moves or None, [out, in] counts)."""
+    room; rotated requests come back when pages free. Returns (take, the page moves or None, [out, in] counts).
+    make_room: a kernel of `_make_room`'s arguments and results (the device step's), or None for it."""
     page = pool.page_size
     need, crossing = _pages_needed(state, take, page, mirror)
     # A cancelled request ends in this step's commit: its pages are the first to give, not kept at its precedence
@@ -28,7 +32,7 @@ def find_pages(state: Slots, pool: PagePool, policy: Policy, mirror: HostMirror 
         moves_out = _no_pairs(state) if mirror else None
     else:
         victims = lexsort(policy.victim_keys(state), first=resident & state.cancel)
-        need, take, evicted, reserve = _make_room(state, pool, need, take, keep, victims, crossing)
+        need, take, evicted, reserve = (make_room or _make_room)(state, pool, need, take, keep, victims, crossing)
         moves_out = _give_back(state, pool, mirror, evicted, victims)
     if not none_set(need > 0):
         pool.allocate(need, state.block_table, state.pages_held, max_new=max_new_pages(token_budget, page))

@@ -87,19 +87,33 @@ class PlanSizes(NamedTuple, Generic[Size]):
     prompt_entries: Size  # prompt logprobs the step computes
 
 
+@dataclass(frozen=True)
+class PlanKernels:
+    """Kernels that stand in for parts of the plan, each with its torch reference's arguments and effects (the
+    device step's, engine/kernels/); None: the reference runs."""
+
+    hand_out: Callable | None = None  # _hand_out
+    make_room: Callable | None = None  # paging._make_room
+    lay_out: Callable[..., StepPlan] | None = None  # _lay_out
+
+
+REFERENCE = PlanKernels()
+
+
 def plan(state: Slots, pool: PagePool, token_budget: int, policy: Policy, mirror: HostMirror | None,
-         cost: StepCost, prompt_rows: int, lay_out: Callable[..., StepPlan] | None = None,
+         cost: StepCost, prompt_rows: int, kernels: PlanKernels = REFERENCE,
          speculation: Speculation | None = None) -> StepPlan:
-    """cost: the driver's step-time model; prompt_rows: the prompt logprobs one step may compute at most; lay_out:
-    `_lay_out` or a kernel of the same arguments and plan (blink.engine.kernels.lay_out, the device step's);
-    speculation: drafts for the decoding slots that may speculate (engine/core/speculation.py; the host mode's)."""
+    """cost: the driver's step-time model; prompt_rows: the prompt logprobs one step may compute at most; kernels:
+    the parts that run as kernels (the device step's); speculation: drafts for the decoding slots that may speculate
+    (engine/core/speculation.py; the host mode's)."""
     running, resident = _start_admitted(state)
     precedence = lexsort(policy.keep_keys(state), first=torch.zeros_like(resident))  # the policy's order alone
     live = _live(state, pool, policy, mirror, resident, precedence)
-    take, entries, order, cap = _hand_out(state, policy, cost, token_budget, prompt_rows, live)
+    take, entries, order, cap = (kernels.hand_out or _hand_out)(state, policy, cost, token_budget, prompt_rows, live)
     if speculation is not None:  # drafts take what budget and pages the plan leaves, before pages are found
         take = take + speculation.draft(state, pool, policy, cost, take, live, order, cap)
-    take, moves, moved = find_pages(state, pool, policy, mirror, token_budget, take, running, resident, precedence)
+    take, moves, moved = find_pages(state, pool, policy, mirror, token_budget, take, running, resident, precedence,
+                                   kernels.make_room)
     state.wait_s += torch.where(running & ~state.paused & (take == 0), cost.since_last_plan, 0.0)
     if entries is not None:
         entries = torch.where(take > 0, entries, 0)  # a slot that lost its pages to a victim's need computes nothing
@@ -107,7 +121,7 @@ def plan(state: Slots, pool: PagePool, token_budget: int, policy: Policy, mirror
     if speculation is not None:
         state.draft_len.masked_fill_(take == 0, 0)  # a slot that lost its pages drafts nothing either
         drafts = (speculation.rows(state.num_slots, token_budget), speculation.decode_runs)
-    return (lay_out or _lay_out)(state, take, entries, moves, moved, token_budget, *drafts)
+    return (kernels.lay_out or _lay_out)(state, take, entries, moves, moved, token_budget, *drafts)
 
 
 def _start_admitted(state: Slots) -> tuple[torch.Tensor, torch.Tensor]:

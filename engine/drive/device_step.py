@@ -21,7 +21,7 @@ from blink.engine.core.commit import commit
 from blink.engine.core.kv_cache import PagePool
 from blink.engine.core.policy import StepCostModel
 from blink.engine.core.sampler import SamplerFeatures
-from blink.engine.core.scheduler import max_chunk_rows, plan
+from blink.engine.core.scheduler import PlanKernels, max_chunk_rows, plan
 from blink.engine.core.step import StepShape
 from blink.engine.drive.device_grammars import READY, DeviceGrammars
 from blink.engine.drive.table_memory import TableMemory, device_alias
@@ -32,6 +32,9 @@ from blink.engine.kernels.exchange import DeviceTable, Inbox, emit, report_deman
 from blink.engine.kernels.lay_out import lay_out
 from blink.engine.kernels.rotation import copy_pages
 from blink.shared.slot_table import SlotState, SlotTable, slot_dtype, window_room
+
+# The plan's parts that run as kernels in the device step (unless the bookkeeping is compiled).
+PLAN_KERNELS = PlanKernels(lay_out=lay_out)
 
 # Every sampling feature is on: a captured step cannot branch on the requests it will meet (neutral parameters
 # leave tokens unchanged). The fused sampler branches per row on the device, so a row still pays only for its own.
@@ -96,7 +99,7 @@ class DeviceStep:
         self._time_previous_step()
         self.take()
         compiled = self.step.planner is not plan
-        kernels = {} if compiled else {"lay_out": lay_out}  # unless compiled, its kernels
+        kernels = {} if compiled else {"kernels": PLAN_KERNELS}  # unless compiled, its kernels
         if engine.pool.prefix_cache is not None:
             engine.pool.prefix_cache.kernels = None if compiled else page_release.KERNELS
         planned = self.step.planner(state, engine.pool, bucket, self.step.policy, self.mirror, self.step.cost,
