@@ -6,11 +6,12 @@ bucket's captured step (before CUDA 12.8, which brought SWITCH nodes, a chain of
 
 `pick` ends the loop when the host sets a stop flag in pinned memory; the check comes between steps, so a stop
 never cuts one in half and `start()` carries on with every admitted request. While nothing is resident and the
-table holds nothing new, or while every resident request waits for its reader (its output window full; `pick`
-reads the window counters and cancel flags itself), it naps (`nanosleep`, 64 ns doubling up to 16 µs) rather than
-step on padding, so a new request or a reader's room waits at most a nap and a poll for the loop. Otherwise it
-picks the smallest bucket that holds the demand the last step published, and advances the step's clock (host
-memory the step reads in place) from the GPU's global timer: the host no longer writes it.
+table holds nothing admissible (a submitted record past the admission limit, or whose grammar the gate has not
+readied, is not: the rule of `DeviceDriver.idle`), or while every resident request waits for its reader (its output
+window full; `pick` reads the window counters and cancel flags itself), it naps (`nanosleep`, 64 ns doubling up
+to 16 µs) rather than step on padding, so a new request or a reader's room waits at most a nap and a poll for the
+loop. Otherwise it picks the smallest bucket that holds the demand the last step published, and advances the step's
+clock (host memory the step reads in place) from the GPU's global timer: the host no longer writes it.
 
 Needs CUDA 12.4+ (driver and runtime), cuda-python (the `cuda` extra), NVRTC and compute capability 7.0+;
 `unavailable_reason()` says which is missing, and the engine then falls back to the `graph` mode.
@@ -29,6 +30,7 @@ import numpy as np
 import structlog
 import torch
 
+from blink.engine.drive.device_grammars import READY
 from blink.engine.drive.device_step import WANTS_A_STEP_C, WANTS_A_STEP_DEFINES, DeviceDriver, DeviceStep
 from blink.shared.slot_table import HEADER_BYTES, SlotTable, slot_dtype
 
@@ -37,13 +39,30 @@ log = structlog.get_logger()
 MIN_CUDA = 12040  # conditional IF and WHILE nodes (and cuda-python without the phGraph_out bug of 12.3)
 SWITCH_CUDA = 12080  # conditional SWITCH nodes
 NAP_NS = (64, 16_000)  # idle back-off, first and longest nap
-PICK_DEFINES = (*WANTS_A_STEP_DEFINES, f"-DNAP_MIN_NS={NAP_NS[0]}u", f"-DNAP_MAX_NS={NAP_NS[1]}u")
+PICK_DEFINES = (*WANTS_A_STEP_DEFINES, f"-DNAP_MIN_NS={NAP_NS[0]}u", f"-DNAP_MAX_NS={NAP_NS[1]}u",
+                f"-DGRAMMAR_READY={READY}")
+
+# The loop's own part of DeviceDriver.idle's rule, in C (tests/engine/test_window_rule.py runs it on the host against
+# `due`): a submitted record is admissible only under the admission limit and, with a grammar, once the grammar gate
+# readied its block (engine/drive/device_grammars.py), so a record waiting at either does not make the loop step.
+DUE_C = r"""
+static __host__ __device__ __forceinline__ int due(unsigned int state, const unsigned char* record,
+                                                   long long produced_at, long long consumed_at, long long cancel_at,
+                                                   long long window, long long grammar_kind_at, int grammar_ready,
+                                                   int under_limit) {
+    if (state == SUBMITTED
+        && (!under_limit
+            || (*(const volatile unsigned int*)(record + grammar_kind_at) != 0 && grammar_ready != GRAMMAR_READY)))
+        return 0;
+    return wants_a_step(state, record, produced_at, consumed_at, cancel_at, window);
+}
+"""
 
 # Every argument is 8 bytes wide, so the host packs them as one uint64 array. handles[0] is the WHILE node's;
 # then either the SWITCH node's (if_chain == 0) or one per bucket's IF node. cudaGraphSetConditional is a
 # device-runtime builtin the compiler lowers itself: declared here, NVRTC needs no include path and nothing is
 # linked (the declaration is that of cuda_device_runtime_api.h).
-_PICK = WANTS_A_STEP_C + r"""
+_PICK = WANTS_A_STEP_C + DUE_C + r"""
 typedef __device_builtin__ unsigned long long cudaGraphConditionalHandle;
 extern "C" __device__ __cudart_builtin__ void cudaGraphSetConditional(cudaGraphConditionalHandle handle,
                                                                       unsigned int value);
@@ -69,8 +88,10 @@ extern "C" __global__ void pick(
         const volatile int* stop, const long long* demand, const int* fenced, const long long* epoch,
         const unsigned char* records, long long num_slots, long long record_bytes, long long state_at,
         long long epoch_at, long long produced_at, long long consumed_at, long long cancel_at, long long window,
-        volatile double* clock, double* origin_s, unsigned long long* origin_ns) {
+        volatile double* clock, double* origin_s, unsigned long long* origin_ns, const volatile long long* limit,
+        const volatile int* grammar_ready, long long grammar_kind_at) {
     const long long want = demand[0];  // tokens the resident requests want, as the last step published
+    const bool under_limit = demand[1] < *limit;  // admission takes none past it (the host may move it any time)
     const bool fenced_now = *fenced != 0;  // a newer engine owns the table: idle until told to stop
     unsigned int ns = NAP_MIN_NS;
     for (;;) {
@@ -81,16 +102,18 @@ extern "C" __global__ void pick(
             }
             return;
         }
-        // A step is due for tokens wanted or a slot that wants_a_step. Nothing wanted while requests are resident
+        // A step is due for tokens wanted or a slot that is `due`. Nothing wanted while requests are resident
         // means each waits for its reader (window full), so the loop reads the window counters here and naps
-        // until one moves, instead of stepping on padding.
+        // until one moves, instead of stepping on padding; a submitted record past the admission limit, or whose
+        // grammar's table is not in the arena yet, waits the same way.
         int work = want > 0;
         if (!work) {  // uniform: every thread read the same demand
             for (long long s = threadIdx.x; s < num_slots; s += blockDim.x) {
                 const unsigned char* record = records + s * record_bytes;
                 const unsigned int state = *(const volatile unsigned int*)(record + state_at);
                 if (*(const volatile unsigned int*)(record + epoch_at) != (unsigned long long)*epoch) continue;
-                work |= wants_a_step(state, record, produced_at, consumed_at, cancel_at, window);
+                work |= due(state, record, produced_at, consumed_at, cancel_at, window, grammar_kind_at,
+                            grammar_ready[s], under_limit);
             }
             work = __syncthreads_or(work);
         }
@@ -323,7 +346,8 @@ class PersistentDriver(DeviceDriver):
                   step.inbox.epoch.data_ptr(), table.memory.data_ptr() + HEADER_BYTES, S, table.record_bytes,
                   fields["state"][1], fields["epoch"][1], fields["produced"][1], fields["consumed"][1],
                   fields["cancel"][1], table.geometry.window, self._mapped(step.clock), self._origin_s.data_ptr(),
-                  self._origin_ns.data_ptr()]
+                  self._origin_ns.data_ptr(), self._mapped(step.limit), self._mapped(step.grammars.ready),
+                  fields["grammar_kind"][1]]
         self._values = np.array(values, dtype=np.uint64)
         self._args = np.array([self._values.ctypes.data + 8 * i for i in range(len(values))], dtype=np.uint64)
         params = d.CUDA_KERNEL_NODE_PARAMS()

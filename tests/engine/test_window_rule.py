@@ -1,7 +1,8 @@
 """The output window's one rule (blink.shared.slot_table.window_room) and the device drivers' "a slot wants a step"
 (blink.engine.drive.device_step.wants_a_step), against their copies that cannot call Python: the exchange kernel's
 Triton (in the interpreter, through the admission that mirrors each slot's room) and the persistent loop's CUDA C
-(compiled for the host by its C++ compiler, on the same records)."""
+(compiled for the host by its C++ compiler, on the same records), whose `due` holds a record at the admission limit
+and at the grammar gate as DeviceDriver.idle does."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import itertools
 import shutil
 import subprocess
 import uuid
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -17,7 +19,8 @@ import torch
 
 from blink.engine.core.state import Slots, SlotStatus
 from blink.engine.drive import persistent
-from blink.engine.drive.device_step import WANTS_A_STEP_C, WANTS_A_STEP_DEFINES, wants_a_step
+from blink.engine.drive.device_grammars import READY, TAKEN
+from blink.engine.drive.device_step import WANTS_A_STEP_C, DeviceDriver, wants_a_step
 from blink.engine.kernels.exchange import DeviceTable, Inbox, take_requests
 from blink.shared.slot_table import Geometry, SlotState, SlotTable, window_room
 
@@ -66,7 +69,8 @@ def rules_in_c(tmp_path_factory):
     if compiler is None:
         pytest.skip("no C++ compiler")
     source = tmp_path_factory.mktemp("rules") / "rules.cpp"
-    source.write_text("#define __host__\n#define __device__\n#define __forceinline__ inline\n" + WANTS_A_STEP_C + """
+    source.write_text("#define __host__\n#define __device__\n#define __forceinline__ inline\n" + WANTS_A_STEP_C
+                      + persistent.DUE_C + """
 extern "C" long long room(unsigned int produced, unsigned int consumed, long long window) {
     return window_room(produced, consumed, window);
 }
@@ -74,14 +78,21 @@ extern "C" int wants(unsigned int state, const unsigned char* record, long long 
                      long long cancel_at, long long window) {
     return wants_a_step(state, record, produced_at, consumed_at, cancel_at, window);
 }
+extern "C" int due_(unsigned int state, const unsigned char* record, long long produced_at, long long consumed_at,
+                    long long cancel_at, long long window, long long grammar_kind_at, int grammar_ready,
+                    int under_limit) {
+    return due(state, record, produced_at, consumed_at, cancel_at, window, grammar_kind_at, grammar_ready,
+               under_limit);
+}
 """)
     library = source.with_suffix(".so")
-    subprocess.run([compiler, "-shared", "-fPIC", "-O2", *WANTS_A_STEP_DEFINES, str(source), "-o", str(library)],
+    subprocess.run([compiler, "-shared", "-fPIC", "-O2", *persistent.PICK_DEFINES, str(source), "-o", str(library)],
                    check=True)
     rules = ctypes.CDLL(str(library))
     rules.room.restype = ctypes.c_longlong
     rules.room.argtypes = [ctypes.c_uint, ctypes.c_uint, ctypes.c_longlong]
     rules.wants.argtypes = [ctypes.c_uint, ctypes.c_void_p, *[ctypes.c_longlong] * 4]
+    rules.due_.argtypes = [ctypes.c_uint, ctypes.c_void_p, *[ctypes.c_longlong] * 5, ctypes.c_int, ctypes.c_int]
     return rules
 
 
@@ -104,6 +115,34 @@ def test_the_c_copy_of_wants_a_step(rules_in_c, table, state, cancel):
         got = rules_in_c.wants(int(state), ctypes.c_void_p(base + slot * records.dtype.itemsize),
                                fields["produced"][1], fields["consumed"][1], fields["cancel"][1], WINDOW)
         assert bool(got) == bool(wants_a_step(int(state), room, cancel)), (state, slot)
+
+
+@pytest.mark.parametrize(("resident", "limit"), [(0, 8), (2, 2)])
+def test_the_loop_idles_as_the_graph_mode_does(rules_in_c, table, resident, limit):
+    """The pick kernel's `due` on every slot against DeviceDriver.idle on the same table: records submitted with and
+    without a grammar, the gate's word not set, ready or already taken, under the admission limit and at it, beside
+    admitted ones whose windows are full. An idle loop with a record at the gate or the limit naps, not steps."""
+    records, fields = table.slots, table.slots.dtype.fields
+    epoch, S = table.header["epoch"], len(COUNTERS)
+    ready = np.zeros(S, dtype=np.int32)
+    driver = SimpleNamespace(table=table, step=SimpleNamespace(
+        demand=torch.tensor([0, resident]), limit=torch.tensor([limit]),
+        grammars=SimpleNamespace(ready=torch.from_numpy(ready))))
+    full = (5, 0)  # an admitted slot waiting for its reader: no step for it
+    cases = list(itertools.product((0, 1), (0, READY, TAKEN)))  # (grammar kind, the gate's word) of a submitted one
+    for kind, word in cases:
+        records["state"], records["epoch"], records["cancel"] = SlotState.ADMITTED, epoch, 0
+        records["produced"], records["consumed"] = full
+        records["grammar_kind"], ready[:] = 0, 0
+        records[0]["state"], records[0]["grammar_kind"], ready[0] = SlotState.SUBMITTED, kind, word
+        base = records.ctypes.data
+        dues = [rules_in_c.due_(int(records[s]["state"]), ctypes.c_void_p(base + s * records.dtype.itemsize),
+                                fields["produced"][1], fields["consumed"][1], fields["cancel"][1], WINDOW,
+                                fields["grammar_kind"][1], int(ready[s]), int(resident < limit)) for s in range(S)]
+        assert (not any(dues)) == DeviceDriver.idle(driver), (kind, word)
+        gated = kind != 0 and word != READY
+        assert bool(dues[0]) == (resident < limit and not gated), (kind, word)
+        assert not any(dues[1:])
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no CUDA toolkit (the GPU tests compile it with NVRTC)")
