@@ -1,7 +1,8 @@
 """The plan's lay-out kernel (blink.engine.kernels.lay_out, in Triton's interpreter) gives the plan the torch reference
 (blink.engine.core.scheduler._lay_out) gives, field by field, padding included: steps of decodes, prompt chunks
 longer than a query block, slots that compute nothing, an empty step, a full budget, with and without prompt
-logprobs."""
+logprobs; and steps with drafts (runs of 1 + k tokens beside prompt chunks), their runs laid out as prefill chunks or as
+decode rows."""
 
 from __future__ import annotations
 
@@ -30,6 +31,18 @@ def _takes(rng: random.Random, S: int, T: int):
     yield [T] + [0] * (S - 1)
 
 
+def _same(expected, got, *where) -> None:
+    for field in dataclasses.fields(expected):
+        want, have = getattr(expected, field.name), getattr(got, field.name)
+        if isinstance(want, QueryRows):
+            for part in dataclasses.fields(want):
+                assert torch.equal(getattr(have, part.name), getattr(want, part.name)), (*where, field.name, part.name)
+        elif isinstance(want, torch.Tensor):
+            assert torch.equal(have, want), (*where, field.name)
+        else:
+            assert have is want, field.name
+
+
 def test_the_kernel_lays_out_the_plan_as_the_reference_does():
     rng = random.Random(5)
     for S, T in ((4, 16), (8, 256), (5, 200)):
@@ -41,15 +54,56 @@ def test_the_kernel_lays_out_the_plan_as_the_reference_does():
             state.seq_len.copy_(state.num_computed + take + torch.tensor([rng.choice([0, 0, 1]) for _ in range(S)]))
             moved = torch.tensor([rng.randrange(5), rng.randrange(5)])
             for entries in (None, torch.tensor([rng.randrange(3) for _ in range(S)])):
-                expected = _lay_out(state, take, entries, None, moved, T)
-                got = lay_out(state, take, entries, None, moved, T)
-                for field in dataclasses.fields(expected):
-                    want, have = getattr(expected, field.name), getattr(got, field.name)
-                    if isinstance(want, QueryRows):
-                        for part in dataclasses.fields(want):
-                            assert torch.equal(getattr(have, part.name), getattr(want, part.name)), (
-                                S, T, take, field.name, part.name)
-                    elif isinstance(want, torch.Tensor):
-                        assert torch.equal(have, want), (S, T, take, field.name)
-                    else:
-                        assert have is want, field.name
+                _same(_lay_out(state, take, entries, None, moved, T), lay_out(state, take, entries, None, moved, T),
+                      S, T, take)
+
+
+def _with_drafts(rng: random.Random, state: Slots, T: int, K: int) -> torch.Tensor:
+    """A step's take with drafts written into `state`: runs (1 + k tokens from the last committed one, k up to K),
+    prompt chunks (the last one sampling or not), idle slots; within the budget T."""
+    S = state.num_slots
+    take, drafts, seq = [0] * S, [0] * S, [0] * S
+    computed = [rng.randrange(1, 300) for _ in range(S)]
+    for s in range(S):
+        kind = rng.choice(["run", "run", "decode", "chunk", "idle"])
+        if kind == "run":
+            drafts[s] = rng.randrange(1, K + 1)
+            take[s], seq[s] = 1 + drafts[s], computed[s] + 1
+        elif kind == "decode":
+            take[s], seq[s] = 1, computed[s] + 1
+        elif kind == "chunk":
+            take[s] = rng.choice([2, 63, 64, 65, 130])
+            seq[s] = computed[s] + take[s] + rng.choice([0, 0, 1])
+        else:
+            seq[s] = computed[s] + 1
+        while sum(take) > T:  # cut to the budget: a cut run is a plain decode of its first token, or nothing
+            take[s] //= 2
+            drafts[s] = max(0, take[s] - 1) if kind == "run" else 0
+            if kind == "chunk":
+                seq[s] = computed[s] + take[s] + 1
+    state.num_computed.copy_(torch.tensor(computed))
+    state.seq_len.copy_(torch.tensor(seq))
+    state.draft_len.copy_(torch.tensor(drafts))
+    return torch.tensor(take)
+
+
+def test_the_kernel_lays_out_steps_with_drafts_as_the_reference_does():
+    """A sampling row per token of each run with drafts, in batch order (padding: batch token 0's slot); the runs
+    either in prefill chunks (a GPU's attention) or each token a decode row (the CPU's), the chunks the rest."""
+    rng = random.Random(11)
+    K = 3
+    several = 0  # steps where a slot sampled more than one row: drafts laid out
+    for S, T in ((4, 16), (8, 256), (6, 20), (3, 512)):
+        state = Slots(S, 512, 40, 100, torch.device("cpu"))
+        state.tokens.copy_(torch.randint(0, 100, state.tokens.shape, dtype=torch.int32))
+        rows = min(S * (1 + K), T)
+        for case in range(10):
+            take = _with_drafts(rng, state, T, K) if case else torch.zeros(S, dtype=torch.int64)
+            moved = torch.tensor([rng.randrange(5), rng.randrange(5)])
+            for entries in (None, torch.tensor([rng.randrange(3) for _ in range(S)])):
+                for decode_runs in (False, True):
+                    expected = _lay_out(state, take, entries, None, moved, T, rows, decode_runs)
+                    got = lay_out(state, take, entries, None, moved, T, rows, decode_runs)
+                    _same(expected, got, S, T, take, state.draft_len, decode_runs)
+                    several += int(got.sample_valid.sum()) > int((take > 0).sum())
+    assert several > 0
