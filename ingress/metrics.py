@@ -119,6 +119,14 @@ class Metrics:
                                   "and outcome (host: masked on the host; device: walked on the device; refused)",
                                   [*labels, "kind", "outcome"],
                                   registry=r)
+        self.structured_refused = Counter(
+            "blink:structured_output_refused_requests", "Of those refused at the ingress, by kind and reason "
+            "(unsupported: this drive mode cannot serve the spec; too_large: past --max-grammar-bytes; invalid: it "
+            "does not compile; timeout: it did not compile within the time limit)", [*labels, "kind", "reason"],
+            registry=r)
+        self.structured_ended = Gauge("blink:structured_output_engine_ended_requests", "Constrained requests the "
+                                      "engine ended, by reason (failed: the grammar did not compile or lower there; "
+                                      "timeout: not within the time limit)", [*labels, "reason"], registry=r)
         self.policies = dict(policies or {})
         self.info = Gauge("blink:engine_info", "The engine's drive mode, transport and scheduling policies",
                           ["drive", "transport", *self.policies, *labels], registry=r)
@@ -195,4 +203,6 @@ class Metrics:
                     gauge.labels(**self._labels).set(getattr(engine, f"spec_decode_{name}"))
                 for position, count in enumerate(engine.spec_decode_num_accepted_tokens_per_pos):
                     self.spec_per_pos.labels(**self._labels, position=str(position)).set(count)
+            for reason, count in engine.structured_output_ended.items():
+                self.structured_ended.labels(**self._labels, reason=reason).set(count)
         return generate_latest(self.registry)

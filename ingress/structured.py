@@ -29,11 +29,18 @@ from blink.shared.grammar import (
 from blink.shared.grammar_backends import device_regex, guidance
 
 KIND_NAMES = {GrammarKind.JSON_SCHEMA: "json_schema", GrammarKind.REGEX: "regex", GrammarKind.EBNF: "grammar"}
+# The kind a field asks for, for a refusal before its spec is made (structured_outputs may ask for any).
+PARAM_KINDS = {"guided_json": "json_schema", "response_format": "json_schema", "tool_choice": "json_schema",
+               "guided_regex": "regex", "guided_choice": "grammar", "guided_grammar": "grammar"}
 
 
 async def grammar_of_body(state: IngressState, body: SamplingFields) -> GrammarSpec | None:
     """The grammar the body asks for, checked (check_grammar), or None."""
-    asked = requested_grammar(body)
+    try:
+        asked = requested_grammar(body)
+    except APIError as e:  # malformed, or asked twice: counted by the field that asked
+        _refused(state, PARAM_KINDS.get(e.param or "", "unknown"), "invalid")
+        raise
     if asked is None:
         return None
     param, spec = asked
@@ -116,7 +123,7 @@ async def check_grammar(state: IngressState, spec: GrammarSpec, param: str) -> N
         compiler = state.grammars or await state.off_loop(_compiler_for, state)
         await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(compiler.submit(spec))), compiler.timeout_s)
     except (APIError, GrammarError, TimeoutError) as e:
-        state.metrics.structured.labels(model_name=state.info.model, kind=kind, outcome="refused").inc()
+        _refused(state, kind, _reason(e))
         if isinstance(e, APIError):
             raise
         message = str(e) if isinstance(e, GrammarError) else (
@@ -124,6 +131,20 @@ async def check_grammar(state: IngressState, spec: GrammarSpec, param: str) -> N
         raise APIError(400, message, param=param) from None
     outcome = "device" if MODES[state.info.drive].walks_grammars else "host"
     state.metrics.structured.labels(model_name=state.info.model, kind=kind, outcome=outcome).inc()
+
+
+def _refused(state: IngressState, kind: str, reason: str) -> None:
+    state.metrics.structured.labels(model_name=state.info.model, kind=kind, outcome="refused").inc()
+    state.metrics.structured_refused.labels(model_name=state.info.model, kind=kind, reason=reason).inc()
+
+
+def _reason(error: Exception) -> str:
+    """blink:structured_output_refused_requests's reason for a refusal."""
+    if isinstance(error, TimeoutError):
+        return "timeout"
+    if isinstance(error, GrammarError):
+        return "invalid"
+    return "too_large" if getattr(error, "code", None) == "grammar_too_large" else "unsupported"
 
 
 def _check_serving(state: IngressState, spec: GrammarSpec, param: str) -> None:

@@ -228,6 +228,7 @@ class EngineService:
                 kv_host_pages_used=host_total - int(mirror.free.num_free) if mirror else 0,
                 kv_host_pages_total=host_total,
                 **_speculation_counts(self.engine),
+                structured_output_ended=dict(getattr(self.engine.step.grammar, "ended", {})),  # none: no grammar yet
             )
         if isinstance(message, control.RdmaConnect):
             return self._accept_rdma(message.peer)

@@ -163,6 +163,8 @@ class EngineStatus(BaseModel):
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: list[int] = Field(default_factory=list)  # per draft position
+    # Constrained records the engine ended (blink.engine.core.grammar.ENDED_REASONS: failed, timeout), since the start.
+    structured_output_ended: dict[str, int] = Field(default_factory=dict)
 
 
 class Ack(BaseModel):

@@ -24,6 +24,10 @@ from blink.shared.slot_table import grammar_of
 
 log = logging.getLogger(__name__)
 
+# Why the engine ended a constrained record (blink:structured_output_engine_ended's reasons, in every drive mode): its
+# grammar failed to compile or lower there (or did not fit), or its compile outlasted the time limit.
+ENDED_REASONS = ("failed", "timeout")
+
 
 def make_backend(name: str, tokenizer: Any, vocab_size: int, stop_ids: list[int]) -> Backend:
     """The engine's grammar library `name` (blink.shared.grammar_backends.guidance says what the arguments are);
@@ -50,6 +54,7 @@ class SlotGrammars:
         self._bitmask: np.ndarray | None = None  # [rows, ceil(V / 32)] int32, reused
         # Compiles slots wait for -> since when (gone with the compiler's cache entry).
         self._waiting: weakref.WeakKeyDictionary[Future, float] = weakref.WeakKeyDictionary()
+        self.ended = dict.fromkeys(ENDED_REASONS, 0)  # records ended because their grammar could not be served
 
     @property
     def compiler(self) -> GrammarCompiler:
@@ -75,9 +80,11 @@ class SlotGrammars:
             elif future.done():
                 log.warning("slot %d's grammar cannot be served: %s", slot, future.exception())
                 failed.append(slot)
+                self.ended["failed"] += 1
             elif time.monotonic() - self._waiting.setdefault(future, time.monotonic()) > self.compiler.timeout_s:
                 log.warning("slot %d's grammar did not compile within %g s", slot, self.compiler.timeout_s)
                 failed.append(slot)  # the ingress's compile of it took less: never wait on it for ever
+                self.ended["timeout"] += 1
         return ready, failed
 
     def admit(self, records: np.ndarray, slots: list[int]) -> list[int]:
@@ -92,6 +99,7 @@ class SlotGrammars:
             except (GrammarError, ValueError) as e:
                 log.warning("slot %d's grammar cannot be served: %s", slot, e)
                 failed.append(slot)
+                self.ended["failed"] += 1
         return failed
 
     def _compile(self, record: np.void) -> Future | None:

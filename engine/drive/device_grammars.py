@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from blink.engine.core.grammar import ENDED_REASONS
 from blink.engine.core.grammar_table import GrammarTable, Lowering
 from blink.engine.drive.table_memory import device_alias
 from blink.engine.kernels import grammar as kernels
@@ -94,7 +95,7 @@ class DeviceGrammars:
         self.blocks: dict[GrammarSpec, tuple[int, int, set[int]]] = {}
         self.held: dict[int, GrammarSpec] = {}  # slot -> the spec of the block it holds
         self.pending: dict[int, tuple[GrammarSpec, Future, float]] = {}  # slot -> its spec's compile, since when
-        self.refused = 0  # records ended because their grammar could not be walked
+        self.ended = dict.fromkeys(ENDED_REASONS, 0)  # records ended because their grammar could not be walked
         self._copies = torch.cuda.Stream(device) if pinned else None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -155,7 +156,7 @@ class DeviceGrammars:
         future = pending[1]
         if not future.done():
             if time.monotonic() - pending[2] > self.compiler.timeout_s:
-                self._refuse(s, f"its grammar did not lower within {self.compiler.timeout_s:g} s")
+                self._refuse(s, f"its grammar did not lower within {self.compiler.timeout_s:g} s", "timeout")
             return
         if future.exception() is not None:
             self._refuse(s, str(future.exception()))
@@ -197,10 +198,10 @@ class DeviceGrammars:
             self.arena[start:start + words.size].copy_(source)
         self._copies.synchronize()  # in the arena before the slot is ready
 
-    def _refuse(self, s: int, why: str) -> None:
+    def _refuse(self, s: int, why: str, reason: str = "failed") -> None:
         log.warning("slot %d's structured output cannot be served in this drive mode: %s", s, why)
         self.pending.pop(s, None)
-        self.refused += 1
+        self.ended[reason] += 1
         self.table.admit(s)
         self.table.finish(s, Finish.ABORT)
 

@@ -134,7 +134,7 @@ def test_grammars_that_cannot_be_walked_end_their_records_and_the_rest_is_served
     assert got[0] == ([], Finish.ABORT) and got[2] == ([], Finish.ABORT)
     assert len(got[1][0]) == 8 and got[1][1] == Finish.LENGTH
     assert got[3][1] == Finish.STOP and re.fullmatch("ab+c", step.engine.tokenizer.decode(got[3][0]))
-    assert step.grammars.refused == 2
+    assert step.grammars.ended == {"failed": 2, "timeout": 0}
 
 
 def test_a_record_waiting_at_the_gate_gives_the_graph_driver_no_step(table, device):

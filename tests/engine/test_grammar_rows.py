@@ -63,6 +63,7 @@ def test_constrained_slots_follow_their_grammar_beside_unconstrained_ones(tiny_l
     assert got[1] == (alone, Finish.LENGTH)  # the unconstrained row as it is alone
     assert got[2] == ([], Finish.ABORT)  # never admitted with a grammar it cannot mask
     assert driver.rank.grammars.matchers == {}
+    assert driver.rank.grammars.ended == {"failed": 1, "timeout": 0}  # what /metrics reports
 
 
 def test_a_model_without_an_end_token_ends_constrained_records_and_serves_the_rest(tiny_engine, small_table):
@@ -118,6 +119,7 @@ def test_a_record_whose_grammar_outlasts_the_time_limit_is_ended_not_waited_on(t
                               1: Request(prompt=[5, 6], max_tokens=4, temperature=0.0, ignore_eos=True)})
         assert got[0] == ([], Finish.ABORT)
         assert got[1][1] == Finish.LENGTH  # served meanwhile
+        assert grammars.ended == {"failed": 0, "timeout": 1}
     finally:
         never.set()
         grammars._compiler.close()

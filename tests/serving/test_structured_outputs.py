@@ -253,6 +253,32 @@ def test_metrics_count_structured_requests(server, client):
                         r'outcome="refused"\} (\S+)', text)
     assert served and float(served.group(1)) >= 1
     assert refused and float(refused.group(1)) >= 1
+    why = re.search(r'blink:structured_output_refused_requests_total\{kind="regex",model_name="[^"]+",'
+                    r'reason="invalid"\} (\S+)', text)
+    assert why and float(why.group(1)) >= 1
+    ended = re.search(r'blink:structured_output_engine_ended_requests\{model_name="[^"]+",reason="failed"\} (\S+)',
+                      text)
+    assert ended and float(ended.group(1)) == 0  # the engine compiles what the ingress did, with the same library
+
+
+def test_metrics_count_what_the_engine_ended(tmp_path_factory):
+    """A Lark grammar passes the ingress's llguidance and fails the engine's xgrammar (GBNF only): the engine ends
+    the request, and /metrics counts it there, beside the ingress's count of it as served on the host."""
+    import httpx
+
+    pytest.importorskip("xgrammar")
+    with running_server(tmp_path_factory.mktemp("xgrammar"), "--max-num-seqs", "4",
+                        "--structured-outputs-backend", "xgrammar") as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+        out = client.completions.create(model=MODEL, prompt="x", max_tokens=8,
+                                        extra_body={"guided_grammar": 'start: "a" | "b"'})
+        assert out.choices[0].text == ""
+        plain = client.completions.create(model=MODEL, prompt="x", max_tokens=4, temperature=0.0)
+        assert plain.usage.completion_tokens >= 1  # the engine serves on
+        text = httpx.get(f"{server.url}/metrics").text
+    ended = re.search(r'blink:structured_output_engine_ended_requests\{model_name="[^"]+",reason="failed"\} (\S+)',
+                      text)
+    assert ended and float(ended.group(1)) == 1, text
 
 
 # /v1/responses, stateless, served as chat (blink.ingress.responses_api), through the SDK's newer surface.
