@@ -18,24 +18,15 @@ from blink.engine.core.state import Slots, none_set, pack
 
 def find_pages(state: Slots, pool: PagePool, policy: Policy, mirror: HostMirror | None, token_budget: int,
                take: torch.Tensor, running: torch.Tensor, resident: torch.Tensor, precedence: torch.Tensor,
-               make_room: Callable | None = None):
+               kernel: Callable | None = None):
     """Pages for the tokens taken: victims give theirs back when they run short, rotated out while the mirror has
     room; rotated requests come back when pages free. Returns (take, the page moves or None, [out, in] counts).
-    make_room: a kernel of `_make_room`'s arguments and results (the device step's), or None for it."""
-    page = pool.page_size
-    need, crossing = _pages_needed(state, take, page, mirror)
-    # A cancelled request ends in this step's commit: its pages are the first to give, not kept at its precedence
-    # while another is preempted.
-    keep = ahead(precedence, resident & ~state.cancel)
-    if none_set(need.sum() + crossing.sum() > pool.num_free):  # the free pages cover all: nobody gives any back
-        evicted, reserve = torch.zeros_like(resident), crossing.sum()
-        moves_out = _no_pairs(state) if mirror else None
-    else:
-        victims = lexsort(policy.victim_keys(state), first=resident & state.cancel)
-        need, take, evicted, reserve = (make_room or _make_room)(state, pool, need, take, keep, victims, crossing)
-        moves_out = _give_back(state, pool, mirror, evicted, victims)
-    if not none_set(need > 0):
-        pool.allocate(need, state.block_table, state.pages_held, max_new=max_new_pages(token_budget, page))
+    kernel: one of `make_room`'s arguments and results (the device step's), or None for it."""
+    need, take, evicted, reserve, keep, victims = (kernel or make_room)(state, pool, policy, take, resident,
+                                                                        precedence, mirror is not None)
+    moves_out = _give_back(state, pool, mirror, evicted, victims)
+    if kernel is not None or not none_set(need > 0):  # a kernel's caller (the device step) reads nothing
+        pool.allocate(need, state.block_table, state.pages_held, max_new=max_new_pages(token_budget, pool.page_size))
     if not mirror:
         return take, None, torch.zeros(2, dtype=torch.int64, device=state.status.device)
     moves_in = _come_back(state, pool, mirror, running, evicted, keep, reserve, token_budget)
@@ -44,8 +35,26 @@ def find_pages(state: Slots, pool: PagePool, policy: Policy, mirror: HostMirror 
     return take, PageMoves(moves_out[0], moves_out[1], moves_in[0], moves_in[1]), moved
 
 
-def _pages_needed(state: Slots, take: torch.Tensor, page: int,
-                  mirror: HostMirror | None) -> tuple[torch.Tensor, torch.Tensor]:
+def make_room(state: Slots, pool: PagePool, policy: Policy, take: torch.Tensor, resident: torch.Tensor,
+              precedence: torch.Tensor, mirror: bool):
+    """The pages each slot's tokens need and, when the free pages run short, who gives theirs back (`_make_room`).
+    Returns (new pages, tokens, evicted, the pages reserved for the next step, the keep order, the victims' order
+    or None when nobody gives any back); without a mirror the evicted are counted too (`_count_evictions`), their
+    pages still theirs to give back. The reference of the device step's kernel (blink.engine.kernels.make_room)."""
+    need, crossing = _pages_needed(state, take, pool.page_size, mirror)
+    # A cancelled request ends in this step's commit: its pages are the first to give, not kept at its precedence
+    # while another is preempted.
+    keep = ahead(precedence, resident & ~state.cancel)
+    if none_set(need.sum() + crossing.sum() > pool.num_free):  # the free pages cover all: nobody gives any back
+        return need, take, torch.zeros_like(resident), crossing.sum(), keep, None
+    victims = lexsort(policy.victim_keys(state), first=resident & state.cancel)
+    need, take, evicted, reserve = _make_room(state, pool, need, take, keep, victims, crossing)
+    if not mirror and not none_set(evicted):  # with a mirror, what is rotated out is not recomputed
+        _count_evictions(state, evicted, recompute=evicted)
+    return need, take, evicted, reserve, keep, victims
+
+
+def _pages_needed(state: Slots, take: torch.Tensor, page: int, mirror: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The new pages each slot's tokens reach into, and (with a mirror, 1 or 0) whether it starts a page next step."""
     covered = (state.num_computed + take + page - 1) // page
     need = torch.where(take > 0, covered - state.pages_held, 0).clamp(min=0)
@@ -55,19 +64,22 @@ def _pages_needed(state: Slots, take: torch.Tensor, page: int,
 
 
 def _give_back(state: Slots, pool: PagePool, mirror: HostMirror | None, evicted: torch.Tensor,
-               victims: torch.Tensor):
-    """The evicted slots' pages: to the mirror while it has room, else dropped for recompute. Returns the moves out."""
+               victims: torch.Tensor | None):
+    """The evicted slots' pages: to the mirror while it has room, else dropped for recompute (counted here with a
+    mirror; without one, `make_room` counted them). Returns the moves out."""
     if none_set(evicted):
         return _no_pairs(state) if mirror else None
-    rotate_out = _rotate_out(state, mirror, evicted, victims) if mirror else torch.zeros_like(evicted)
-    moves_out = _move_out(state, mirror, rotate_out) if mirror else None
-    _evict(state, pool, evicted, recompute=evicted & ~rotate_out)
+    moves_out = None
+    if mirror:
+        rotate_out = _rotate_out(state, mirror, evicted, victims)
+        moves_out = _move_out(state, mirror, rotate_out)
+        _count_evictions(state, evicted, recompute=evicted & ~rotate_out)
+    pool.release(evicted, state.block_table, state.pages_held)
     return moves_out
 
 
-def _evict(state: Slots, pool: PagePool, evicted: torch.Tensor, recompute: torch.Tensor) -> None:
-    """The evicted slots give their pages back; those not rotated out compute from the start again."""
-    pool.release(evicted, state.block_table, state.pages_held)
+def _count_evictions(state: Slots, evicted: torch.Tensor, recompute: torch.Tensor) -> None:
+    """The evicted slots are preempted; those not rotated out compute from the start again."""
     state.num_computed.masked_fill_(recompute, 0)
     preempted = evicted & ~state.cancel  # a cancelled one gave its pages back: it was not preempted
     state.preemptions += preempted.long()

@@ -1,0 +1,133 @@
+"""The make-room kernel (blink.engine.kernels.make_room, in Triton's interpreter) decides as the torch reference
+(blink.engine.core.paging.make_room) does, field by field (new pages, tokens, evicted, reserve, the keep and victim
+orders, the evicted's counts): random states with prefix pages shared at the same columns (as hits map them), pools
+short by a little and by a lot, cancelled slots, latency-sensitive and best-effort mixes with ties in priority and
+arrival, every policy, with and without prefix caching and a mirror; and find_pages with and without it leaves the
+same pages, tables and counts."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: the CPU runs the kernels
+
+import copy
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from blink.engine.core import paging
+from blink.engine.core.kv_cache import NULL_PAGE, PagePool
+from blink.engine.core.policy import POLICIES, lexsort, policy_named
+from blink.engine.core.prefix_cache import PrefixCache
+from blink.engine.core.state import Slots, SlotStatus
+from blink.engine.kernels.make_room import make_room
+from blink.engine.kernels.page_release import KERNELS
+from blink.engine.kernels.page_sharing import AT_REST
+
+PAGE, PAGES, WIDTH = 4, 48, 8
+STATE_FIELDS = ("num_computed", "pages_held", "block_table", "preemptions", "num_preemptions", "num_recomputes")
+
+
+def _state(rng: random.Random, S: int) -> tuple[Slots, torch.Tensor, list[int]]:
+    """Slots mapping pages (a shared prefix among some, at the same columns), and the pages no slot maps."""
+    state = Slots(S, WIDTH * PAGE, WIDTH, 16, torch.device("cpu"))
+    free = list(range(1, PAGES))
+    rng.shuffle(free)
+    prefix = [free.pop() for _ in range(3)]
+    for s in range(S):
+        if rng.random() < 0.2:  # idle or rotated out: nothing held
+            continue
+        shared = prefix[:rng.choice([0, 0, 1, 2, 3])]
+        pages = shared + [free.pop() for _ in range(rng.randrange(0 if shared else 1, WIDTH - 2 - len(shared)))]
+        state.block_table[s, :len(pages)] = torch.tensor(pages, dtype=torch.int64)
+        state.pages_held[s] = len(pages)
+        state.num_computed[s] = len(pages) * PAGE - rng.choice([0, 0, 1, PAGE - 1])
+        state.status[s] = SlotStatus.RUNNING
+    ints = lambda *choices: torch.tensor([rng.choice(choices) for _ in range(S)])  # noqa: E731
+    state.seq_len.copy_(state.num_computed + ints(1, 1, 2, 5, 9))
+    state.prompt_len.copy_(torch.minimum(state.seq_len, ints(1, 4, 8)))
+    state.arrival.copy_(ints(0, 1, 1, 2, 7))
+    state.priority.copy_(ints(-3, 0, 0, 2))
+    state.service_class.copy_(ints(0, 1, 1))
+    state.cancel.copy_(torch.tensor([rng.random() < 0.15 for _ in range(S)]))
+    resident = torch.tensor([bool(state.pages_held[s] > 0) or rng.random() < 0.5 for s in range(S)])
+    return state, resident, free
+
+
+def _pool(free: list[int], state: Slots, shared: bool, kernels: bool):
+    """A pool whose free pages are `free`, its references those of the state's tables."""
+    if not shared:
+        pool = PagePool(SimpleNamespace(num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float32), PAGES, PAGE,
+                        torch.device("cpu"))
+        pool.free.stack[:len(free)] = torch.tensor(free)
+        pool.free.num_free.fill_(len(free))
+        return pool
+    cache = PrefixCache(PAGES, PAGE, torch.device("cpu"))
+    cache.kernels = KERNELS if kernels else None
+    held = torch.arange(state.block_table.shape[1])[None, :] < state.pages_held[:, None]
+    cache.refs.index_add_(0, state.block_table[held], torch.ones(int(held.sum()), dtype=torch.int64))
+    cache.stack[:len(free)] = torch.tensor(free)
+    cache.stack[len(free):] = 0
+    cache.empties.fill_(len(free))
+    cache.num_free.fill_(len(free))
+    return PagePool(SimpleNamespace(num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float32), PAGES, PAGE,
+                    torch.device("cpu"), prefix_cache=cache)
+
+
+def _case(seed: int, S: int, shared: bool, kernels: bool = False):
+    rng = random.Random(seed)
+    state, resident, free = _state(rng, S)
+    free = free[:rng.choice([0, 1, 3, len(free)])]  # short by a lot, a little, or not at all
+    take = torch.where(resident & ~state.cancel, torch.tensor([rng.choice([0, 1, 1, 4, 9]) for _ in range(S)]), 0)
+    precedence = torch.tensor(rng.sample(range(S), S))
+    return state, _pool(free, state, shared, kernels), resident, take, precedence, rng
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("shared", [True, False], ids=["prefix-cache", "no-sharing"])
+@pytest.mark.parametrize("mirror", [False, True], ids=["no-mirror", "mirror"])
+def test_the_kernel_makes_room_as_the_reference_does(policy, shared, mirror):
+    evictions = short = 0
+    for seed in range(10):
+        S = 7 if seed % 2 else 8  # a power of two and not
+        state, pool, resident, take, precedence, _ = _case(seed, S, shared)
+        twin = copy.deepcopy(state)
+        want = paging.make_room(state, pool, policy_named(policy), take, resident, precedence, mirror)
+        got = make_room(twin, pool, policy_named(policy), take, resident, precedence, mirror)
+        names = ("need", "take", "evicted", "reserve", "keep")
+        for name, w, g in zip(names, want, got, strict=False):
+            assert torch.equal(w, g), (seed, name, w, g)
+        victims = lexsort(policy_named(policy).victim_keys(state), first=resident & state.cancel)
+        assert torch.equal(got[5], victims if want[5] is None else want[5]), seed
+        for name in STATE_FIELDS:
+            assert torch.equal(getattr(state, name), getattr(twin, name)), (seed, name)
+        if shared:
+            assert bool((pool.prefix_cache.extremes[0] == AT_REST["amin"]).all())
+            assert bool((pool.prefix_cache.extremes[1] == AT_REST["amax"]).all())
+        evictions += int(want[2].sum())
+        short += int((want[1] < take).any())
+    assert evictions > 0 and short > 0  # the cases made room, not only found it
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "slo"])
+def test_find_pages_with_the_kernel_leaves_what_the_reference_leaves(policy):
+    """The whole second half of the plan, pages given back and taken included, with the pool's own kernels."""
+    preempted = 0
+    for seed in range(8):
+        state, pool, resident, take, precedence, _ = _case(100 + seed, 8, shared=True, kernels=True)
+        twin, twin_pool = copy.deepcopy(state), copy.deepcopy(pool)
+        running = state.status == SlotStatus.RUNNING
+        args = (policy_named(policy), None, 16)
+        want = paging.find_pages(state, pool, *args, take, running, resident, precedence)
+        got = paging.find_pages(twin, twin_pool, *args, take, running, resident, precedence, make_room)
+        assert torch.equal(want[0], got[0]) and torch.equal(want[2], got[2]), seed
+        for name in STATE_FIELDS:
+            assert torch.equal(getattr(state, name), getattr(twin, name)), (seed, name)
+        assert int(pool.num_free) == int(twin_pool.num_free)
+        held = torch.arange(state.block_table.shape[1])[None, :] < state.pages_held[:, None]
+        assert bool((state.block_table[held] != NULL_PAGE).all())
+        preempted += int(state.num_preemptions)
+    assert preempted > 0
