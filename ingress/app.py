@@ -37,7 +37,7 @@ from blink.ingress.reasoning import ReasoningParser
 from blink.ingress.responses import Shape, collect, sse
 from blink.ingress.responses_api import as_chat, response_events, response_object
 from blink.ingress.state import IngressState
-from blink.ingress.structured import grammar_of_body
+from blink.ingress.structured import grammar_of_body, reasoning_end_id
 from blink.ingress.tools import ToolParser
 from blink.ingress.validation import (
     chat_prompt,
@@ -171,11 +171,14 @@ def _add_generation_routes(app: FastAPI, state: IngressState) -> None:
         prompt, text = await chat_prompt(state, body)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         jobs = [(prompt, j) for j in range(body.n)]
-        # A grammar masks from the first token, so a constrained answer has no think block: all of it is content.
-        reasoning = state.reasoning_parser if grammar is None else None
+        # A grammar waits for the end of the reasoning where it can tell it by its token; else it masks from the
+        # first token, so the answer has no think block: all of it is content.
+        end_id = reasoning_end_id(state, grammar, text)
+        reasoning = state.reasoning_parser if grammar is None or end_id >= 0 else None
         return await _respond(state, request, body, jobs, body.max_completion_tokens or body.max_tokens, logprobs,
                               chat=True, tools=tools, reasoning=reasoning,
-                              thinking=reasoning is not None and reasoning.starts_thinking(text), grammar=grammar)
+                              thinking=reasoning is not None and reasoning.starts_thinking(text), grammar=grammar,
+                              reasoning_end_id=end_id)
 
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, request: Request):
@@ -217,10 +220,11 @@ async def _echoed_texts(state: IngressState, body: CompletionRequest, prompts: l
 async def _respond(state: IngressState, request: Request, body: SamplingFields, jobs: list[tuple[list[int], int]],
                    max_tokens: int | None, logprobs: int | None, chat: bool, echo: list[str] | None = None,
                    tools: ToolParser | None = None, reasoning: ReasoningParser | None = None, thinking: bool = False,
-                   grammar: GrammarSpec | None = None):
+                   grammar: GrammarSpec | None = None, reasoning_end_id: int = -1):
     """echo: each prompt's text, to go before its choices' (completions' echo); tools: the parser that finds tool
     calls in the choices' text, reasoning the one that splits their think block out, thinking whether the prompt
-    opened one (chat's); grammar: the structured output every choice follows (checked)."""
+    opened one (chat's); grammar: the structured output every choice follows (checked), from the token
+    reasoning_end_id on (-1: from the first)."""
     check_model(state, body.model)
     check_token_ids(state, [int(t) for t in body.logit_bias or ()], "logit_bias")
     capacity = state.client.num_slots + state.client.max_waiting
@@ -238,7 +242,8 @@ async def _respond(state: IngressState, request: Request, body: SamplingFields, 
         room = context_room(state, prompt, max_tokens, "messages" if chat else "prompt")
         seed = body.seed + index if body.seed is not None else state.seeds.getrandbits(63)
         requests.append((slot_request(prompt, body, max_tokens, room, logprobs, seed, state.classes,
-                                      state.sampling_defaults, named_class, prompt_logprobs, grammar), index))
+                                      state.sampling_defaults, named_class, prompt_logprobs, grammar,
+                                      reasoning_end_id), index))
     choices = [choice_deltas(state.client, state.tokenizer, r, body, i, state.metrics, state.info.eos_token_ids,
                              counts_prompt=i % body.n == 0) for r, i in requests]
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex

@@ -7,7 +7,7 @@ import contextlib
 import math
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import structlog
 
@@ -40,16 +40,17 @@ class Delta:
 def slot_request(prompt: list[int], fields: SamplingFields, max_tokens: int | None, room: int,
                  logprobs: int | None, seed: int, classes: ClassDefaults, sampling: SamplingDefaults,
                  named_class: str | None = None, prompt_logprobs: int | None = None,
-                 grammar: GrammarSpec | None = None) -> Request:
+                 grammar: GrammarSpec | None = None, reasoning_end_id: int = -1) -> Request:
     """The request as the slot carries it, with the defaults of what the body did not give: its class's SLOs, the
     checkpoint's sampling defaults, and max_tokens (the generation config's within the context's `room`).
     named_class: the x-blink-class header's, which the body's field overrides; grammar: the structured output's,
-    checked (blink.ingress.structured)."""
+    checked (blink.ingress.structured), masking after the token reasoning_end_id (-1: from the first)."""
     service_class, ttft, tpot = classes.resolve(fields.service_class or named_class, fields.ttft_slo_ms,
                                                 fields.tpot_slo_ms)
     max_tokens = sampling.max_tokens_within(room) if max_tokens is None else max_tokens
-    return request_of(sampling.fill(fields), prompt, max_tokens, seed, int(service_class), ttft, tpot, logprobs,
-                      prompt_logprobs, fields.cache_salt or "", grammar)
+    request = request_of(sampling.fill(fields), prompt, max_tokens, seed, int(service_class), ttft, tpot, logprobs,
+                         prompt_logprobs, fields.cache_salt or "", grammar)
+    return replace(request, reasoning_end_id=reasoning_end_id) if reasoning_end_id >= 0 else request
 
 
 def engine_failed() -> APIError:

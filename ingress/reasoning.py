@@ -27,10 +27,13 @@ class ThinkBlockParser:
 
     def starts_thinking(self, prompt: str) -> bool:
         """Whether the output begins inside the block, before it writes a marker: the prompt's last words say."""
-        tail = prompt.rstrip()
-        if tail.endswith(self.end):
+        if self.closed_in(prompt):
             return False
-        return tail.endswith(self.start) or self.thinks_unless_closed
+        return prompt.rstrip().endswith(self.start) or self.thinks_unless_closed
+
+    def closed_in(self, prompt: str) -> bool:
+        """Whether the prompt closed the block (`enable_thinking: false`): the output is all answer."""
+        return prompt.rstrip().endswith(self.end)
 
 
 class Qwen3Parser(ThinkBlockParser):

@@ -48,6 +48,18 @@ async def grammar_of_body(state: IngressState, body: SamplingFields) -> GrammarS
     return spec
 
 
+def reasoning_end_id(state: IngressState, grammar: GrammarSpec | None, prompt: str) -> int:
+    """The token a grammar waits for before it masks (the record's reasoning_end_id), as vLLM masks from the end of
+    the reasoning: the reasoning parser's end marker when it is one token and the prompt did not close the block
+    already; -1 (from the first token) otherwise. Like vLLM's, a grammar whose model writes no think block never
+    starts."""
+    parser = state.reasoning_parser
+    if grammar is None or parser is None or parser.closed_in(prompt):
+        return -1
+    end = state.tokenizer.raw.token_to_id(parser.end)
+    return -1 if end is None else end
+
+
 def requested_grammar(body: SamplingFields) -> tuple[str, GrammarSpec] | None:
     """The grammar the body asks for and the field that asks, or None; a 400 when it asks twice or the spec is
     malformed."""

@@ -91,6 +91,9 @@ FIELDS: tuple[RequestField, ...] = (
                      "request (vLLM's)"),
     RequestField("grammar_kind", "<u4", 0, doc="blink.shared.grammar.GrammarKind of the record's grammar; 0: none"),
     RequestField("grammar_len", "<u4", 0, doc="bytes of the grammar area its spec takes"),
+    RequestField("reasoning_end_id", "<i4", -1, ge=-1, lt=2**31,
+                 doc="the token that ends a thinking model's reasoning: its grammar masks only after it (vLLM's "
+                     "structured outputs with a reasoning parser); -1: from the first token"),
 )
 BY_NAME = {f.name: f for f in FIELDS}
 KNOBS = tuple(f for f in FIELDS if f.knob)
@@ -155,6 +158,7 @@ class Request:
     tpot_slo_ms: float = INF
     min_tokens: int = 0
     grammar_kind: int = 0
+    reasoning_end_id: int = -1
     stop_token_ids: tuple[int, ...] = ()
     logit_bias: tuple[tuple[int, float], ...] = ()
     cache_salt: str = ""

@@ -38,7 +38,8 @@ from blink.shared.request_schema import (
 )
 
 MAGIC = 0x424C494E4B534C54  # "BLINKSLT"
-VERSION = 7  # 6: records carry their prompt's page hashes (prefix caching); 7: a grammar area (structured outputs)
+VERSION = 8  # 6: records carry their prompt's page hashes (prefix caching); 7: a grammar area (structured outputs);
+# 8: the token a grammar waits for (reasoning_end_id)
 SHM_DIR = Path(os.environ.get("BLINK_SHM_DIR", "/dev/shm"))  # another directory stands for another host in tests
 
 

@@ -3,8 +3,10 @@
 As vLLM does it: the engine compiles each request's grammar (blink.shared.grammar, cached by spec, on worker threads),
 keeps a matcher per constrained slot, fills the bitmask of the constrained rows before sampling (`mask`, which
 `Step.run` calls) and advances each matcher with the token its slot committed (`advance`, from the host's events).
-Rows without a grammar pay nothing, and a step with no constrained slot resident does no mask work at all. The device
-modes do not call this: they walk a token automaton on the device (blink.engine.drive.device_grammars).
+Rows without a grammar pay nothing, and a step with no constrained slot resident does no mask work at all. A record
+with a `reasoning_end_id` (a thinking model's `</think>`, which the ingress's reasoning parser sets) is unmasked until
+it draws that token, as vLLM masks from the end of the reasoning. The device modes do not call this: they walk a token
+automaton on the device (blink.engine.drive.device_grammars).
 """
 
 from __future__ import annotations
@@ -51,6 +53,8 @@ class SlotGrammars:
         self._tokenizer, self.vocab_size, self.eos_ids, self.backend = tokenizer, vocab_size, list(eos_ids), backend
         self._compiler: GrammarCompiler | None = None
         self.matchers: dict[int, Any] = {}  # constrained slot -> its matcher
+        # Constrained slot -> the token it waits for (a thinking model's end of reasoning): unmasked until it comes.
+        self.waiting: dict[int, int] = {}
         self._bitmask: np.ndarray | None = None  # [rows, ceil(V / 32)] int32, reused
         # Compiles slots wait for -> since when (gone with the compiler's cache entry).
         self._waiting: weakref.WeakKeyDictionary[Future, float] = weakref.WeakKeyDictionary()
@@ -96,6 +100,8 @@ class SlotGrammars:
                 spec = grammar_of(records[slot])
                 if spec is not None:
                     self.matchers[slot] = self.compiler.backend.matcher(self.compiler.compile(spec))
+                    if (end := int(records[slot]["reasoning_end_id"])) >= 0:
+                        self.waiting[slot] = end
             except (GrammarError, ValueError) as e:
                 log.warning("slot %d's grammar cannot be served: %s", slot, e)
                 failed.append(slot)
@@ -121,7 +127,7 @@ class SlotGrammars:
         bitmask, backend = self._rows(len(slots)), self.compiler.backend
         for row, s in enumerate(slots):
             matcher = self.matchers.get(s)
-            if matcher is None:
+            if matcher is None or s in self.waiting:
                 continue
             if s in filled:  # a padding row of the same slot: its copy
                 bitmask[row] = bitmask[filled[s]]
@@ -152,6 +158,10 @@ class SlotGrammars:
     def advance(self, slot: int, token: int) -> None:
         """The slot committed `token`: its matcher moves on. A token the grammar refuses (only a request mixing a
         grammar with what overrides it could draw one) frees the slot of its grammar, logged."""
+        if self.waiting.get(slot, token) != token:  # still reasoning: the grammar starts after its end token
+            return
+        if self.waiting.pop(slot, None) is not None:  # the end token itself is the reasoning's, not the answer's
+            return
         matcher = self.matchers.get(slot)
         if matcher is not None and not self.compiler.backend.accept(matcher, token):
             log.error("slot %d drew token %d, which its grammar refuses; the rest of it is unconstrained", slot, token)
@@ -159,3 +169,4 @@ class SlotGrammars:
 
     def release(self, slot: int) -> None:
         self.matchers.pop(slot, None)
+        self.waiting.pop(slot, None)

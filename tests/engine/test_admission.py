@@ -24,6 +24,7 @@ EVERY_FIELD = Request(
     min_p=0.05, repetition_penalty=1.2, presence_penalty=0.3, frequency_penalty=-0.4, logprobs=3, seed=2**62 + 5,
     service_class=int(ServiceClass.BEST_EFFORT), ttft_slo_ms=250.0, tpot_slo_ms=40.0, stop_token_ids=(3, 4),
     min_tokens=2, prompt_logprobs=4, logit_bias=((2, -1.5), (11, 3.0)), grammar_kind=2, grammar="[a-z]+",
+    reasoning_end_id=9,
 )
 DERIVED = {"prompt_len", "num_stop_ids", "num_logit_bias", "grammar_len"}  # from the prompt and the arrays
 # Every state tensor admission writes: the schema's, and what it derives or resets.

@@ -66,6 +66,26 @@ def test_constrained_slots_follow_their_grammar_beside_unconstrained_ones(tiny_l
     assert driver.rank.grammars.ended == {"failed": 1, "timeout": 0}  # what /metrics reports
 
 
+def test_a_grammar_waits_for_the_end_of_the_reasoning(tiny_llama, small_table):
+    """A record with a reasoning_end_id goes unmasked, token for token as without a grammar, up to and with that
+    token; its grammar masks from the next one (the random model plays a thinking one: the end token is the third it
+    draws alone)."""
+    regex, prompt = r"[a-c]{3,6}", [5, 6, 7, 8]
+    alone = _serve(HostDriver(tiny_llama(), small_table),
+                   {0: Request(prompt=prompt, max_tokens=8, temperature=0.0, ignore_eos=True)})[0][0]
+    small_table.free(0)
+    end = alone[2]
+    assert end not in alone[:2]
+    engine = tiny_llama()
+    driver = HostDriver(engine, small_table)
+    tokens, finish = _serve(driver, {0: Request(prompt=prompt, max_tokens=30, temperature=0.0, reasoning_end_id=end,
+                                                grammar_kind=int(GrammarKind.REGEX), grammar=regex)})[0]
+    assert tokens[:3] == alone[:3]
+    assert finish == Finish.STOP
+    assert re.fullmatch(regex, engine.tokenizer.decode(tokens[3:])), engine.tokenizer.decode(tokens)
+    assert driver.rank.grammars.waiting == {} and driver.rank.grammars.matchers == {}
+
+
 def test_a_model_without_an_end_token_ends_constrained_records_and_serves_the_rest(tiny_engine, small_table):
     driver = HostDriver(tiny_engine(), small_table)  # the test checkpoints have no eos
     got = _serve(driver, {0: Request(prompt=[5, 6], max_tokens=4, grammar_kind=int(GrammarKind.REGEX), grammar="a+"),

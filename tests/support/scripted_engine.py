@@ -24,7 +24,8 @@ from blink.shared.control import EngineInfo
 from blink.shared.slot_table import Finish, Geometry, SlotTable
 from blink.shared.tokenizer import Tokenizer
 
-RECORDED = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+RECORDED = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "grammar_kind",
+            "reasoning_end_id")
 # As Qwen3's: tools in the system turn, and an empty think block closed in the prompt with enable_thinking false;
 # think_in_prompt opens one there instead (as Qwen3's thinking-only models and DeepSeek-R1's templates do).
 THINKING_TEMPLATE = (
@@ -51,16 +52,18 @@ class Seen:
 
 
 class ScriptedEngine:
-    def __init__(self, model_dir: Path, names: tuple[str, ...] = ("m",), max_model_len: int = 512):
+    def __init__(self, model_dir: Path, names: tuple[str, ...] = ("m",), max_model_len: int = 512,
+                 max_grammar_bytes: int = 0, eos_token_ids: tuple[int, ...] = ()):
         self.model_dir = model_dir
         self.tokenizer = Tokenizer(model_dir)
-        self.table = SlotTable.create(f"test-{uuid.uuid4().hex[:10]}", Geometry(4, max_model_len, 64))
+        self.table = SlotTable.create(f"test-{uuid.uuid4().hex[:10]}",
+                                      Geometry(4, max_model_len, 64, max_grammar_bytes=max_grammar_bytes))
         self.answer = ""  # what every request is answered
         self.seen: list[Seen] = []
         self.info = EngineInfo(slot_table=self.table.path.name, num_slots=4, epoch=1, served_model_names=list(names),
                                model_dir=str(model_dir), max_model_len=max_model_len,
-                               vocab_size=self.tokenizer.vocab_size, eos_token_ids=[], device="cpu", drive="host",
-                               pid=0)
+                               vocab_size=self.tokenizer.vocab_size, eos_token_ids=list(eos_token_ids),
+                               device="cpu", drive="host", pid=0, max_grammar_bytes=max_grammar_bytes)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
