@@ -104,7 +104,7 @@ class DeviceStep:
         if engine.pool.prefix_cache is not None:
             engine.pool.prefix_cache.kernels = None if compiled else page_release.KERNELS
         planned = self.step.planner(state, engine.pool, bucket, self.step.policy, self.mirror, self.step.cost,
-                                    self.prompt_rows(bucket), **kernels)
+                                    self.prompt_rows(bucket), speculation=self.step.speculation, **kernels)
         sizes = planned.sizes
         self._last_tokens.copy_(sizes.tokens)
         if self.mirror is not None:
@@ -155,12 +155,16 @@ class DeviceStep:
             self.step.admitter(self.state, inbox.admit, field_views(inbox.requests, self._record), inbox.now,
                                inbox.arrival, engine.max_model_len)
         self.grammars.land(inbox.admit)  # each admitted slot's first state, or none
+        if self.step.speculation is not None:  # the grammar masks one row per slot: a constrained slot never drafts
+            state = self.state
+            state.draft_off.copy_(torch.where(inbox.admit, self.grammars.state >= 0, state.draft_off))
 
     def shape(self, bucket: int) -> StepShape:
-        S = self.state.num_slots
-        return StepShape(tokens=bucket, context=self.step.context_buckets[-1], decode_rows=min(S, bucket),
-                         chunk_rows=max_chunk_rows(bucket, S), rows=min(S, bucket),
-                         prompt_rows=self.prompt_rows(bucket))
+        S, speculation = self.state.num_slots, self.step.speculation
+        rows = min(S, bucket) if speculation is None else speculation.rows(S, bucket)  # with drafts: 1 + K a slot
+        decode_rows = rows if speculation is not None and speculation.decode_runs else min(S, bucket)
+        return StepShape(tokens=bucket, context=self.step.context_buckets[-1], decode_rows=decode_rows,
+                         chunk_rows=max_chunk_rows(bucket, S), rows=rows, prompt_rows=self.prompt_rows(bucket))
 
     @staticmethod
     def prompt_rows(bucket: int) -> int:

@@ -183,13 +183,14 @@ def _put(record, offsets, i, t, lp, top_ids, top_logprobs, k, TOP: tl.constexpr,
 
 
 @triton.jit
-def _emit(table, offsets, fenced, token, finish, logprob, top_ids, top_logprobs, top_stride, status,
+def _emit(table, offsets, fenced, token, count, finish, logprob, top_ids, top_logprobs, top_stride, status,
           scored_first, scored_count, scored_token, scored_logprob, scored_top_ids, scored_top_logprobs,
           scored_stride, preemptions, pages_out, pages_in, cached_tokens, wait_s, page_bytes, RECORD: tl.constexpr,
-          WINDOW: tl.constexpr, TOP: tl.constexpr, WIDTH: tl.constexpr, BLOCK_TOP: tl.constexpr,
+          WINDOW: tl.constexpr, TOP: tl.constexpr, WIDTH: tl.constexpr, BLOCK_TOP: tl.constexpr, RUN: tl.constexpr,
           HEADER_STEPS: tl.constexpr, INTERPRET: tl.constexpr):
-    """One program per slot: the prompt tokens it scored, then its token, into the output window, then `produced`;
-    its finish, then FINISHED."""
+    """One program per slot: the prompt tokens it scored, then its tokens (RUN > 1, with drafts: the first `count`
+    of its run, in order; else its token, if any), into the output window, then `produced`; its finish, then
+    FINISHED."""
     s = tl.program_id(0)
     if tl.load(fenced) != 0:
         return
@@ -197,10 +198,10 @@ def _emit(table, offsets, fenced, token, finish, logprob, top_ids, top_logprobs,
         steps = (table + HEADER_STEPS).to(tl.pointer_type(tl.uint64))
         tl.store(steps, tl.load(steps) + 1)
     record = table + RECORDS_AT + s.to(tl.int64) * RECORD
-    t = tl.load(token + s)
+    emitted = tl.load(count + s) if RUN > 1 else (tl.load(token + s) >= 0).to(tl.int64)
     reason = tl.load(finish + s)
     n = tl.load(scored_count + s)
-    if (t >= 0) | (n > 0):
+    if (emitted > 0) | (n > 0):
         produced_word = _field(record, offsets, K_PRODUCED, tl.uint32)
         produced = tl.load(produced_word)
         k = tl.minimum(tl.load(_field(record, offsets, K_PROMPT_LOGPROBS, tl.int32)), WIDTH)
@@ -213,11 +214,14 @@ def _emit(table, offsets, fenced, token, finish, logprob, top_ids, top_logprobs,
                  scored_top_logprobs + row * scored_stride, k, TOP, BLOCK_TOP)
             e += 1
         produced += n.to(tl.uint32)
-        if t >= 0:
-            k = tl.minimum(tl.load(_field(record, offsets, K_LOGPROBS, tl.int32)), WIDTH)
-            _put(record, offsets, (produced % WINDOW).to(tl.int64), t, tl.load(logprob + s),
-                 top_ids + s * top_stride, top_logprobs + s * top_stride, k, TOP, BLOCK_TOP)
+        k = tl.minimum(tl.load(_field(record, offsets, K_LOGPROBS, tl.int32)), WIDTH)
+        e = 0
+        while e < emitted:  # the window's room for them was kept by the plan (drafts: state.room - 1)
+            i = s * RUN + e
+            _put(record, offsets, (produced % WINDOW).to(tl.int64), tl.load(token + i), tl.load(logprob + i),
+                 top_ids + i * top_stride, top_logprobs + i * top_stride, k, TOP, BLOCK_TOP)
             produced += 1
+            e += 1
         tl.debug_barrier()
         _store_release(produced_word, produced, INTERPRET)
     if reason != 0:
@@ -302,17 +306,23 @@ def take_requests(table: DeviceTable, inbox: Inbox, state, vocab: int, max_len: 
 
 
 def emit(table: DeviceTable, inbox: Inbox, state, out, page_bytes: int) -> None:
-    """Writes each slot's scored prompt tokens, token and finish (`out`: a blink.engine.core.commit.StepOutput of
-    a step with every sampler feature on) into the table."""
-    g, scored = table.geometry, out.prompt
-    top = min(g.top_logprobs, out.top_ids.shape[1])
-    _emit[(state.num_slots,)](table.memory, table.offsets, inbox.fenced, out.token, out.finish_reason,
-                              out.logprob, out.top_ids, out.top_logprobs, out.top_ids.stride(0), state.status,
-                              scored.first, scored.count, scored.token, scored.logprob, scored.top_ids,
-                              scored.top_logprobs, scored.top_ids.stride(0), state.preemptions, state.pages_out,
-                              state.pages_in, state.cached_tokens, state.wait_s, page_bytes,
-                              RECORD=table.record_bytes, WINDOW=g.window, TOP=g.top_logprobs, WIDTH=top,
-                              BLOCK_TOP=next_power_of_2(top), HEADER_STEPS=header_offset("steps"), INTERPRET=INTERPRET)
+    """Writes each slot's scored prompt tokens, tokens and finish (`out`: a blink.engine.core.commit.StepOutput of
+    a step with every sampler feature on; with drafts, each slot's run of them) into the table."""
+    g, scored, runs, S = table.geometry, out.prompt, out.runs, state.num_slots
+    if runs is None:
+        token, count, logprob, top_ids, top_logprobs = out.token, out.token, out.logprob, out.top_ids, out.top_logprobs
+    else:  # [S, K + 1, ...]: entry (s, i) at s * (K + 1) + i
+        token, count, logprob = runs.token, runs.count, runs.logprob
+        top_ids, top_logprobs = runs.top_ids.flatten(0, 1), runs.top_logprobs.flatten(0, 1)
+    run = token.shape[1] if token.dim() > 1 else 1
+    assert token.is_contiguous() and logprob.is_contiguous() and top_ids.stride() == top_logprobs.stride()
+    top = min(g.top_logprobs, top_ids.shape[1])
+    _emit[(S,)](table.memory, table.offsets, inbox.fenced, token, count, out.finish_reason, logprob, top_ids,
+                top_logprobs, top_ids.stride(0), state.status, scored.first, scored.count, scored.token,
+                scored.logprob, scored.top_ids, scored.top_logprobs, scored.top_ids.stride(0), state.preemptions,
+                state.pages_out, state.pages_in, state.cached_tokens, state.wait_s, page_bytes,
+                RECORD=table.record_bytes, WINDOW=g.window, TOP=g.top_logprobs, WIDTH=top,
+                BLOCK_TOP=next_power_of_2(top), RUN=run, HEADER_STEPS=header_offset("steps"), INTERPRET=INTERPRET)
 
 
 @triton.jit

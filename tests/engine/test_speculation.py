@@ -238,16 +238,6 @@ def test_the_config_is_vllm_s_and_bad_ones_are_refused():
         EngineConfig(speculative_config={"num_speculative_tokens": 0}).validate()
 
 
-def test_the_device_modes_refuse_drafts_with_the_reason():
-    from blink.engine.drive.modes import build
-
-    engine = Engine(EngineConfig(model=str(ensure_tiny_model()), max_num_seqs=2, max_num_batched_tokens=16,
-                                 num_pages=16, page_size=8, max_model_len=64, speculative_config=_spec(2)))
-    with pytest.raises(ValueError, match="host mode so far"):
-        build("graph", engine, None)
-
-
-
 def test_sampling_features_beside_drafts_give_plain_decoding_s_tokens(plain, speculating):
     """min_tokens holds stops back per row (each row's own token index), prompt logprobs are scored by slots that
     do not draft yet, logit biases apply to every row: all as without drafts."""
