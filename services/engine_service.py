@@ -60,6 +60,7 @@ class EngineService:
             max_num_batched_tokens=settings.max_num_batched_tokens, max_model_len=settings.max_model_len,
             num_pages=settings.num_pages, scheduling_policy=settings.scheduling_policy, swap_space=settings.swap_space,
             revision=settings.revision, load_format=settings.load_format, quantization=settings.quantization,
+            kv_cache_dtype=settings.kv_cache_dtype,
             enable_prefix_caching=settings.enable_prefix_caching, compile_bookkeeping=settings.compile_bookkeeping,
             tensor_parallel_size=settings.tensor_parallel_size,
             structured_outputs_backend=settings.structured_outputs_backend,

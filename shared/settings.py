@@ -19,6 +19,8 @@ from blink.shared.speculative import SpeculativeConfig, speculative_config
 
 SCHEDULING_POLICIES = ("fcfs", "priority", "slo")  # blink.engine.core.policy
 QUANTIZATIONS = ("int8", "int4", "gguf", "fp8")  # blink.engine.model.quant; fp8: blink.engine.model.fp8
+# How KV pages are stored (vLLM's --kv-cache-dtype): auto, the model's dtype; fp8 = fp8_e4m3 (engine/core/kv_dtype.py)
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 REASONING_PARSERS = ("qwen3", "deepseek_r1")  # blink.ingress.reasoning
 # Variables a chat template gets from the request itself, which chat_template_kwargs may not replace.
 RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt"})
@@ -47,6 +49,10 @@ class Settings(BaseSettings):
         "(groups of 32) quantize a float checkpoint on load; gguf runs a .gguf file's Q8_0/Q4_0/Q4_1/Q4_K blocks as "
         "stored; on a GPU, fp8 quantizes it to FP8 E4M3 with a scale per output channel (an FP8 checkpoint needs no "
         "flag) (default: the checkpoint's own weights)")
+    kv_cache_dtype: Literal[KV_CACHE_DTYPES] = Field(
+        "auto", description="how KV cache pages are stored (vLLM's flag): auto, the model's dtype; fp8 (= fp8_e4m3) "
+        "or fp8_e5m2 store a byte an element with a per-layer scale (the checkpoint's k_scale/v_scale, else 1.0), "
+        "twice the pages in the same memory; needs the Triton kernels (a GPU)")
     max_num_seqs: int | None = Field(None, ge=1)
     max_num_batched_tokens: int | None = Field(None, ge=1)
     max_model_len: int | None = Field(None, ge=2)
