@@ -38,6 +38,7 @@ import tempfile
 import time
 import uuid
 from contextlib import contextmanager
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -128,7 +129,8 @@ def count_step(model_dir: Path, slots: int, context: int, bucket: int, kernels: 
     if kernels == "triton":  # interpreted, a wide block runs faster; the passes counted do not depend on it
         wide = dict(block=4096)
         counted_sampler = Sampler(partial(sampler_kernels.fused_sample, **wide),
-                                  partial(sampler_kernels.token_logprobs, **wide))
+                                  partial(sampler_kernels.token_logprobs, **wide),
+                                  replace(counted_sampler.step, **wide))
     engine.step.sampler = TORCH_SAMPLER  # the warm-up's tokens need not be the kernels' (interpreted, they are slow)
     table = SlotTable.create(f"bench-step-{uuid.uuid4().hex[:10]}", engine.geometry(window=1 << 16))
     model = engine.model
@@ -211,7 +213,9 @@ def _as_on_a_gpu():
 def _kernel_passes(counter, kernels):
     """The fused sampler's kernels' bytes, by their own count of passes: each pass reads its row of logits
     (interpreted, a launch copies its arguments, which a GPU does not). Their kernels count as any others."""
-    draw, logprobs = kernels._draw, kernels._logprobs
+    from blink.engine.kernels import step_sampler as step_kernels
+
+    draw, logprobs, step_run = kernels._draw, kernels._logprobs, step_kernels._run
 
     def read(name: str, passes, logits) -> None:
         counter.in_launch = True  # the sum below is the benchmark's, not the step's
@@ -238,11 +242,19 @@ def _kernel_passes(counter, kernels):
         read("triton.logprobs", out[3], logits)
         return out
 
-    kernels._draw, kernels._logprobs = counted_draw, counted_logprobs
+    def counted_step(logits, passes, args, constants):
+        outer, counter.bytes_paused = counter.bytes_paused, True
+        try:
+            step_run(logits, passes, args, constants)
+        finally:
+            counter.bytes_paused = outer
+        read("triton.step_sample", passes, logits)
+
+    kernels._draw, kernels._logprobs, step_kernels._run = counted_draw, counted_logprobs, counted_step
     try:
         yield
     finally:
-        kernels._draw, kernels._logprobs = draw, logprobs
+        kernels._draw, kernels._logprobs, step_kernels._run = draw, logprobs, step_run
 
 
 @contextmanager

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -227,11 +228,14 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor,
 @dataclass(frozen=True)
 class Sampler:
     """Where the sampling implementations meet: the torch reference (TORCH_SAMPLER, the CPU's) and the fused
-    kernels (blink.engine.kernels.sampler.FUSED_SAMPLER, the GPU's) take the same arguments and give the same
+    kernels (blink.engine.kernels.step_sampler.FUSED_SAMPLER, the GPU's) take the same arguments and give the same
     tokens."""
 
     sample: Callable[..., SampleOutput]  # sample's signature
     logprobs: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # token_logprobs'
+    # The step's sampling read from the slot state by each row's slot (blink.engine.kernels.step_sampler's
+    # StepKernels: rows_read, sample), the same tokens; None: the step gathers each row's parameters for `sample`.
+    step: Any = None
 
 
 TORCH_SAMPLER = Sampler(sample, token_logprobs)

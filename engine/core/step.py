@@ -118,34 +118,27 @@ class Step:
         B, R = shape.tokens, shape.rows
         batch = self._attention_batch(plan, shape)
         hidden = model.forward(plan.input_ids[:B], plan.token_pos[:B], batch, pool.k, pool.v)
-        rows_read = plan.sample_token[:R]
-        if shape.prompt_rows:  # one pass over the output embedding for the sampling and the prompt rows together
-            prompt_tokens = _prompt_tokens(state, plan, B, shape.prompt_rows)
-            rows_read = torch.cat([rows_read, prompt_tokens])
+        kernels = self.sampler.step  # the step's sampling straight from the state (the fused sampler's), or None
+        # One pass over the output embedding for the sampling and the prompt rows together.
+        if kernels is not None:
+            rows_read, prompt = kernels.rows_read(state, plan, B, R, shape.prompt_rows)
+        else:
+            rows_read = plan.sample_token[:R]
+            if shape.prompt_rows:
+                prompt = _prompt_tokens(state, plan, B, shape.prompt_rows)
+                rows_read = torch.cat([rows_read, prompt])
         logits = model.logits(hidden[rows_read])
-        logits, prompt_logits = logits[:R], logits[R:]
-        slot = plan.sample_slot[:R]
         if self.grammar is not None:  # structured outputs: -inf where a constrained row's grammar says no
-            self.grammar.mask(logits, slot)
-        rows = SamplingRows(
-            temperature=state.temperature[slot], top_p=state.top_p[slot], top_k=state.top_k[slot],
-            min_p=state.min_p[slot], repetition_penalty=state.repetition_penalty[slot],
-            presence_penalty=state.presence_penalty[slot], frequency_penalty=state.frequency_penalty[slot],
-            # The index of the token the row draws (its position's, for a run with drafts): the seeded noise of
-            # plain decoding for that token.
-            seed=state.seed[slot], step_index=plan.token_pos[rows_read[:R]] + 1 - state.prompt_len[slot],
-        )
-        if features.min_tokens:  # eos (unless ignored) and the stop ids, while fewer than min_tokens are out
-            eos = self.eos_ids[None, :].expand(R, -1).masked_fill(state.ignore_eos[slot][:, None], -1)
-            young = (rows.step_index < state.min_tokens[slot])[:, None]
-            rows.held = torch.where(young, torch.cat([eos, state.stop_ids[slot]], 1), -1)
-        if features.logit_bias:
-            rows.bias_ids, rows.bias = state.logit_bias_ids[slot], state.logit_bias[slot]
-        if features.logprobs:
-            rows.logprobs = state.logprobs[slot]
-        penalties = _seen_tokens(state, slot) if features.penalties else (None, None)
-        out = self.sampler.sample(logits, rows, features, self.vocab_hash, *penalties)
-        scored = score_prompt(state, plan, prompt_tokens, prompt_logits, self.sampler) if shape.prompt_rows else None
+            self.grammar.mask(logits[:R], plan.sample_slot[:R])
+        if kernels is not None:
+            out, scored = kernels.sample(logits, state, plan, R, prompt, features, self.eos_ids)
+            logits = logits[:R]
+        else:
+            logits, prompt_logits = logits[:R], logits[R:]
+            rows = sampling_rows(state, plan, rows_read[:R], features, self.eos_ids)
+            out = self.sampler.sample(logits, rows, features, self.vocab_hash,
+                                      *(_seen_tokens(state, plan.sample_slot[:R]) if features.penalties else ()))
+            scored = score_prompt(state, plan, prompt, prompt_logits, self.sampler) if shape.prompt_rows else None
         # With drafts the speculation settles; else the committer's own settler (the device step's kernel).
         settler = {} if self.speculation is None else {"settler": self.speculation.settle}
         return self.committer(state, pool, mirror, plan, R, out, logits, self.eos_ids,
@@ -157,6 +150,30 @@ class Step:
         pages = table[plan.token_slot[:B]].gather(1, (plan.token_pos[:B] // page)[:, None])[:, 0]
         write_rows = torch.where(plan.token_valid[:B], pages * page + plan.token_pos[:B] % page, 0)
         return self.model.kernels.attention_batch(plan, shape, table, page, write_rows)
+
+
+def sampling_rows(state: Slots, plan: StepPlan, rows_read: torch.Tensor, features: SamplerFeatures,
+                  eos_ids: torch.Tensor) -> SamplingRows:
+    """Each sampling row's parameters ([R]: rows_read's batch tokens), gathered from its slot's: the torch
+    sampler's inputs."""
+    slot = plan.sample_slot[:rows_read.shape[0]]
+    rows = SamplingRows(
+        temperature=state.temperature[slot], top_p=state.top_p[slot], top_k=state.top_k[slot],
+        min_p=state.min_p[slot], repetition_penalty=state.repetition_penalty[slot],
+        presence_penalty=state.presence_penalty[slot], frequency_penalty=state.frequency_penalty[slot],
+        # The index of the token the row draws (its position's, for a run with drafts): the seeded noise of plain
+        # decoding for that token.
+        seed=state.seed[slot], step_index=plan.token_pos[rows_read] + 1 - state.prompt_len[slot],
+    )
+    if features.min_tokens:  # eos (unless ignored) and the stop ids, while fewer than min_tokens are out
+        eos = eos_ids[None, :].expand(slot.shape[0], -1).masked_fill(state.ignore_eos[slot][:, None], -1)
+        young = (rows.step_index < state.min_tokens[slot])[:, None]
+        rows.held = torch.where(young, torch.cat([eos, state.stop_ids[slot]], 1), -1)
+    if features.logit_bias:
+        rows.bias_ids, rows.bias = state.logit_bias_ids[slot], state.logit_bias[slot]
+    if features.logprobs:
+        rows.logprobs = state.logprobs[slot]
+    return rows
 
 
 def _seen_tokens(state: Slots, slot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

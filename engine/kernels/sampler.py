@@ -24,7 +24,6 @@ import triton.language as tl
 from blink.engine.core.sampler import (
     GREEDY_BELOW,
     SampleOutput,
-    Sampler,
     SamplerFeatures,
     SamplingRows,
     edit_logits,
@@ -111,16 +110,11 @@ def _search(row, V, T, top, log_min_p, k_floor, limit, MASS: tl.constexpr, BLOCK
 
 
 @triton.jit
-def _sample_kernel(logits, stride, V, temperature, log_min_p, top_k, top_p, seed, step_index, tokens, passes,
-                   GREEDY_BELOW: tl.constexpr, BLOCK: tl.constexpr, PIVOTS: tl.constexpr):
-    r = tl.program_id(0)
-    row = logits + r.to(tl.int64) * stride
-    T = tl.load(temperature + r)
-    random = T >= GREEDY_BELOW
+def _draw_row(row, V, T, lmp, k, p, key, BLOCK: tl.constexpr, PIVOTS: tl.constexpr):
+    """One row's token (T: its temperature, 0 below GREEDY_BELOW: greedy; lmp, k, p: its filters; key: its
+    noise_key), and the passes over its logits it took."""
+    random = T > 0.0
     T = tl.where(random, T, 1.0)
-    lmp = tl.load(log_min_p + r)
-    k = tl.load(top_k + r)
-    p = tl.load(top_p + r)
     top = tl.full([], float("inf"), tl.float32)  # what min-p measures from: the row's maximum, if it filters
     k_floor = tl.full([], -(1 << 31), tl.int32)
     p_floor = tl.full([], -(1 << 31), tl.int32)
@@ -139,7 +133,6 @@ def _sample_kernel(logits, stride, V, temperature, log_min_p, top_k, top_p, seed
         if p < 1.0:
             p_floor, searched = _search(row, V, T, top, lmp, k_floor, p, True, BLOCK, PIVOTS)
             n += searched
-    key = _noise_key(tl.load(seed + r), tl.load(step_index + r))
     best = tl.full([], float("-inf"), tl.float32)
     token = tl.full([], 0, tl.int32)
     start = tl.full([], 0, tl.int32)
@@ -155,8 +148,55 @@ def _sample_kernel(logits, stride, V, temperature, log_min_p, top_k, top_p, seed
             best = block_best
             token = start + tl.argmax(s, 0)
         start += BLOCK
+    return token, n
+
+
+@triton.jit
+def _sample_kernel(logits, stride, V, temperature, log_min_p, top_k, top_p, seed, step_index, tokens, passes,
+                   GREEDY_BELOW: tl.constexpr, BLOCK: tl.constexpr, PIVOTS: tl.constexpr):
+    r = tl.program_id(0)
+    T = tl.load(temperature + r)
+    key = _noise_key(tl.load(seed + r), tl.load(step_index + r))
+    token, n = _draw_row(logits + r.to(tl.int64) * stride, V, tl.where(T >= GREEDY_BELOW, T, 0.0),
+                         tl.load(log_min_p + r), tl.load(top_k + r), tl.load(top_p + r), key, BLOCK, PIVOTS)
     tl.store(tokens + r, token.to(tl.int64))
     tl.store(passes + r, n)
+
+
+@triton.jit
+def _score_row(row, V, token, top_keys, TOP: tl.constexpr, BLOCK: tl.constexpr, PIVOTS: tl.constexpr):
+    """One row's log-sum-exp and its token's logprob; the candidates for its top TOP written to `top_keys` (2 * TOP
+    cells): the keys above a threshold (fewer than TOP), then the lowest ids of those at it (ties), packed with
+    their ids. Returns (logprob, lse, passes)."""
+    m = tl.full([], float("-inf"), tl.float32)
+    total = tl.full([], 0.0, tl.float32)
+    start = tl.full([], 0, tl.int32)
+    while start < V:  # the log-sum-exp, online
+        x, _, _ = _scaled(row, start, V, 1.0, BLOCK)
+        new_m = tl.maximum(m, tl.max(x, 0))
+        total = total * tl.exp(m - new_m) + tl.sum(tl.exp(x - new_m), 0)
+        m = new_m
+        start += BLOCK
+    lse = m + tl.log(total)
+    floor, searched = _search(row, V, 1.0, m, float("-inf"), tl.full([], -(1 << 31), tl.int32), TOP, False,
+                              BLOCK, PIVOTS)
+    above = tl.full([], 0, tl.int32)
+    tied = tl.full([], 0, tl.int32)
+    start = tl.full([], 0, tl.int32)
+    while start < V:
+        x, ids, real = _scaled(row, start, V, 1.0, BLOCK)
+        key = _key(x)
+        packed = (key.to(tl.int64) << 32) | (V - 1 - ids).to(tl.int64)  # equal logits: the lower id first
+        higher = real & (key > floor)
+        at = above + tl.cumsum(higher.to(tl.int32), 0) - 1
+        tl.store(top_keys + at, packed, mask=higher)
+        equal = real & (key == floor)
+        at = tied + tl.cumsum(equal.to(tl.int32), 0) - 1
+        tl.store(top_keys + TOP + at, packed, mask=equal & (at < TOP))
+        above += tl.sum(higher.to(tl.int32), 0)
+        tied += tl.sum(equal.to(tl.int32), 0)
+        start += BLOCK
+    return tl.load(row + token) - lse, lse, 2 + searched
 
 
 @triton.jit
@@ -164,40 +204,11 @@ def _logprobs_kernel(logits, stride, V, asked, tokens, logprob, lse_out, top_key
                      BLOCK: tl.constexpr, PIVOTS: tl.constexpr):
     r = tl.program_id(0)
     if tl.load(asked + r) >= 0:
-        row = logits + r.to(tl.int64) * stride
-        m = tl.full([], float("-inf"), tl.float32)
-        total = tl.full([], 0.0, tl.float32)
-        start = tl.full([], 0, tl.int32)
-        while start < V:  # the log-sum-exp, online
-            x, _, _ = _scaled(row, start, V, 1.0, BLOCK)
-            new_m = tl.maximum(m, tl.max(x, 0))
-            total = total * tl.exp(m - new_m) + tl.sum(tl.exp(x - new_m), 0)
-            m = new_m
-            start += BLOCK
-        lse = m + tl.log(total)
-        # The top TOP: the keys above `floor` (fewer than TOP), then the lowest ids of those at it (ties), each in
-        # a region of TOP cells, packed with their ids for the host side to order.
-        floor, searched = _search(row, V, 1.0, m, float("-inf"), tl.full([], -(1 << 31), tl.int32), TOP, False,
-                                  BLOCK, PIVOTS)
-        above = tl.full([], 0, tl.int32)
-        tied = tl.full([], 0, tl.int32)
-        start = tl.full([], 0, tl.int32)
-        while start < V:
-            x, ids, real = _scaled(row, start, V, 1.0, BLOCK)
-            key = _key(x)
-            packed = (key.to(tl.int64) << 32) | (V - 1 - ids).to(tl.int64)  # equal logits: the lower id first
-            higher = real & (key > floor)
-            at = above + tl.cumsum(higher.to(tl.int32), 0) - 1
-            tl.store(top_keys + r * 2 * TOP + at, packed, mask=higher)
-            equal = real & (key == floor)
-            at = tied + tl.cumsum(equal.to(tl.int32), 0) - 1
-            tl.store(top_keys + r * 2 * TOP + TOP + at, packed, mask=equal & (at < TOP))
-            above += tl.sum(higher.to(tl.int32), 0)
-            tied += tl.sum(equal.to(tl.int32), 0)
-            start += BLOCK
+        lp, lse, n = _score_row(logits + r.to(tl.int64) * stride, V, tl.load(tokens + r), top_keys + r * 2 * TOP,
+                                TOP, BLOCK, PIVOTS)
         tl.store(lse_out + r, lse)
-        tl.store(logprob + r, tl.load(row + tl.load(tokens + r)) - lse)
-        tl.store(passes + r, 2 + searched)
+        tl.store(logprob + r, lp)
+        tl.store(passes + r, n)
 
 
 def fused_sample(
@@ -265,5 +276,3 @@ def _logprobs(logits: torch.Tensor, asked: torch.Tensor, tokens: torch.Tensor,
     return (logprob, torch.where(wanted, V - 1 - (keys & 0xFFFFFFFF), -1),
             torch.where(wanted, values - lse[:, None], 0.0), passes)
 
-
-FUSED_SAMPLER = Sampler(fused_sample, token_logprobs)

@@ -197,7 +197,7 @@ class TritonKernels:
             os.environ.setdefault("TRITON_INTERPRET", "1")
         from blink.engine.kernels import activation, attention, rms_norm
         from blink.engine.kernels import moe as experts
-        from blink.engine.kernels.sampler import FUSED_SAMPLER
+        from blink.engine.kernels.step_sampler import FUSED_SAMPLER
 
         self._attention, self._norm, self._activation, self._experts = attention, rms_norm, activation, experts
         # A row pays for the features its request asked for, whatever the step was built to serve (a captured step
@@ -234,7 +234,7 @@ class TritonKernels:
         # no row: it writes them zeros, as the reference leaves them.
         rope = self._attention.Rope(k, v, *tokens.rope, tokens.positions)
         return self._attention.attention(q, k_cache, v_cache, batch.rows, batch.block_table, scale,
-                                         self.sliding_window, batch.write_rows, rope=rope)
+                                         self.sliding_window, batch.write_rows, rope=rope, kv_scales=w.kv_scales)
 
     def moe_mlp(self, h: torch.Tensor, w: MoeWeights, cfg: ModelConfig) -> torch.Tensor:
         return moe.grouped_moe_mlp(h, w, cfg.moe, self._experts)

@@ -1,0 +1,292 @@
+"""The step's sampling in two launches: which batch rows the output embedding reads, then every row's draw and
+logprobs, read from the slot state by each row's slot (engine/core/step.py runs the torch reference's gathers and
+`sample` instead where no kernels are set).
+
+`_rows_kernel` (one program) lays out the rows whose logits the step computes: the sampling rows' batch tokens,
+then the prompt tokens scored this step (engine/core/step.py `_prompt_tokens`, packed), their slots and the prompt
+token each scores (engine/core/commit.py `score_prompt`), and where each slot's run of them starts.
+
+`_step_kernel` (a program per logits row) does for a sampling row what `blink.engine.core.sampler.sample` does: its
+parameters loaded from the state at its slot, the sparse edits (logit bias, penalties over the tokens its sequence
+holds, min_tokens' held ids) written in place into its own logits row, the draw (blink.engine.kernels.sampler), the
+row given back raw, then its logprobs with the top ones sorted in the kernel. A prompt row scores the token it is
+given. The edits save each id's raw value first, in a scratch row as long as the context (sized, not read, past
+the sequence), so repeated ids are rewritten from their raw value, never twice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import triton
+import triton.language as tl
+
+from blink.engine.core.sampler import GREEDY_BELOW, SampleOutput, Sampler, SamplerFeatures
+from blink.engine.kernels.sampler import BLOCK, PIVOTS, _draw_row, _noise_key, _score_row, fused_sample, token_logprobs
+from blink.shared.request_schema import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_IDS
+
+if TYPE_CHECKING:
+    from blink.engine.core.commit import PromptScores
+    from blink.engine.core.scheduler import StepPlan
+    from blink.engine.core.state import Slots
+
+SEEN_BLOCK = 64  # sequence tokens a program penalises at a time
+LAYOUT_BLOCK = 256  # batch tokens the layout reads at a time
+_LOWEST = tl.constexpr(-(1 << 63))  # below every packed top key
+
+
+@triton.jit
+def _rows_kernel(sample_token, R, token_slot, token_pos, token_valid, B, num_computed, scored, entries, S, tokens,
+                 tokens_stride, max_len, rows_read, prompt_slot, prompt_token, first, P,
+                 BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    start = tl.full([], 0, tl.int32)
+    while start < R:
+        at = start + i
+        tl.store(rows_read + at, tl.load(sample_token + at, mask=at < R), mask=at < R)
+        start += BLOCK
+    # The prompt tokens scored this step, in batch order: from each slot's first unscored position, its entries.
+    packed = tl.full([], 0, tl.int32)
+    start = tl.full([], 0, tl.int32)
+    while start < B:
+        b = start + i
+        inside = b < B
+        slot = tl.load(token_slot + b, mask=inside, other=0)
+        pos = tl.load(token_pos + b, mask=inside, other=0)
+        begin = tl.maximum(tl.load(num_computed + slot, mask=inside, other=0), tl.load(scored + slot, mask=inside,
+                                                                                          other=0))
+        scores = inside & (tl.load(token_valid + b, mask=inside, other=0) != 0) & (pos >= begin) & \
+            (pos < begin + tl.load(entries + slot, mask=inside, other=0))
+        at = packed + tl.cumsum(scores.to(tl.int32), 0) - 1
+        tl.store(rows_read + R + at, b.to(tl.int64), mask=scores & (at < P))
+        packed += tl.sum(scores.to(tl.int32), 0)
+        start += BLOCK
+    # Each slot's first row (its entries' running sum before it), and how many rows are real.
+    total = tl.full([], 0, tl.int64)
+    start = tl.full([], 0, tl.int32)
+    while start < S:
+        s = start + i
+        count = tl.load(entries + s, mask=s < S, other=0)
+        tl.store(first + s, total + tl.cumsum(count, 0) - count, mask=s < S)
+        total += tl.sum(count, 0)
+        start += BLOCK
+    start = tl.full([], 0, tl.int32)
+    while start < P:  # the rest read batch token 0, as pack leaves them
+        at = start + i
+        tl.store(rows_read + R + at, tl.zeros([BLOCK], tl.int64), mask=(at >= packed) & (at < P))
+        start += BLOCK
+    tl.debug_barrier()  # what other threads packed, read back
+    start = tl.full([], 0, tl.int32)
+    while start < P:
+        at = start + i
+        inside = at < P
+        b = tl.load(rows_read + R + at, mask=inside, other=0)
+        slot = tl.load(token_slot + b, mask=inside, other=0)
+        after = tl.minimum(tl.load(token_pos + b, mask=inside, other=0) + 1, max_len)
+        tl.store(prompt_token + at, tl.load(tokens + slot * tokens_stride + after, mask=inside).to(tl.int64),
+                 mask=inside)
+        tl.store(prompt_slot + at, tl.where(at < total, slot, -1), mask=inside)
+        start += BLOCK
+
+
+@triton.jit
+def _save(row, ids, saved, used):
+    tl.store(saved, tl.load(row + ids, mask=used, other=0.0), mask=used)
+
+
+@triton.jit
+def _step_kernel(
+        logits, stride, V, R, sample_slot, sample_token, token_pos,
+        temperature, top_p, top_k, min_p, repetition, presence, frequency, seed, prompt_len, min_tokens, ignore_eos,
+        asked, seq_len, tokens, tokens_stride, counts, counts_stride, stop_ids, bias_ids, bias, eos_ids, E,
+        prompt_slot, prompt_token, saved, saved_stride,
+        out_token, out_logprob, top_ids, top_logprobs, top_keys, passes,
+        RANDOM: tl.constexpr, PENALTIES: tl.constexpr, BIAS: tl.constexpr, HOLD: tl.constexpr,
+        LOGPROBS: tl.constexpr, NB: tl.constexpr, NS: tl.constexpr, NE: tl.constexpr, SEEN: tl.constexpr,
+        TOP: tl.constexpr, TOP_ROOM: tl.constexpr, TOP_CELLS: tl.constexpr, GREEDY_BELOW: tl.constexpr,
+        BLOCK: tl.constexpr, PIVOTS: tl.constexpr):
+    r = tl.program_id(0)
+    row = logits + r.to(tl.int64) * stride
+    n = tl.full([], 0, tl.int32)
+    if r < R:
+        slot = tl.load(sample_slot + r)
+        step_index = tl.load(token_pos + tl.load(sample_token + r)) + 1 - tl.load(prompt_len + slot)
+        save = saved + r.to(tl.int64) * saved_stride  # [seen | biased | held] raw values
+        seen_n = tl.load(seq_len + slot)
+        rep, pres, freq = tl.load(repetition + slot), tl.load(presence + slot), tl.load(frequency + slot)
+        penalise = PENALTIES & (seen_n > 0) & ((rep != 1.0) | (pres != 0.0) | (freq != 0.0))
+        b_ids = tl.load(bias_ids + slot * NB + tl.arange(0, NB))
+        b = tl.load(bias + slot * NB + tl.arange(0, NB))
+        biased = BIAS & (tl.max(b_ids, 0) >= 0)
+        young = HOLD & (step_index < tl.load(min_tokens + slot))
+        e = tl.arange(0, NE)
+        eos = tl.load(eos_ids + e, mask=(e < E) & (tl.load(ignore_eos + slot) == 0), other=-1)
+        stops = tl.load(stop_ids + slot * NS + tl.arange(0, NS))
+        seen_at = tokens + slot * tokens_stride
+        # 1: every id's raw value, before any edit.
+        if biased:
+            _save(row, b_ids, save + seen_n + tl.arange(0, NB), b_ids >= 0)
+        if penalise:
+            start = tl.full([], 0, tl.int64)
+            while start < seen_n:
+                i = start + tl.arange(0, SEEN)
+                t = tl.load(seen_at + i, mask=i < seen_n, other=-1)
+                _save(row, t, save + i, t >= 0)
+                start += SEEN
+        if young:
+            _save(row, eos, save + seen_n + NB + e, eos >= 0)
+            _save(row, stops, save + seen_n + NB + NE + tl.arange(0, NS), stops >= 0)
+        tl.debug_barrier()
+        # 2: the biases (repeated ids add up, as scatter_add does), then the penalties from each id's raw value plus
+        # its bias, then the held ids: the reference's order.
+        if biased:
+            tl.atomic_add(row + b_ids, b, mask=b_ids >= 0)
+        tl.debug_barrier()
+        if penalise:
+            start = tl.full([], 0, tl.int64)
+            while start < seen_n:
+                i = start + tl.arange(0, SEEN)
+                t = tl.load(seen_at + i, mask=i < seen_n, other=-1)
+                x = tl.load(save + i, mask=t >= 0, other=0.0)
+                if biased:
+                    x += tl.sum(tl.where(t[:, None] == b_ids[None, :], b[None, :], 0.0), 1)
+                c = tl.load(counts + slot * counts_stride + t, mask=t >= 0, other=0).to(tl.float32)
+                x = tl.where(x > 0, x / rep, x * rep) - freq * c - pres * (c > 0).to(tl.float32)
+                tl.store(row + t, x, mask=t >= 0)
+                start += SEEN
+        tl.debug_barrier()
+        if young:
+            tl.store(row + eos, tl.full([NE], float("-inf"), tl.float32), mask=eos >= 0)
+            tl.store(row + stops, tl.full([NS], float("-inf"), tl.float32), mask=stops >= 0)
+        tl.debug_barrier()
+        T = tl.where(RANDOM, tl.load(temperature + slot), 0.0)
+        key = _noise_key(tl.load(seed + slot), step_index)
+        token, n = _draw_row(row, V, tl.where(T >= GREEDY_BELOW, T, 0.0), tl.log(tl.load(min_p + slot)),
+                             tl.load(top_k + slot), tl.load(top_p + slot), key, BLOCK, PIVOTS)
+        tl.debug_barrier()
+        # 3: the row given back raw (repeated ids write the same value).
+        if biased:
+            tl.store(row + b_ids, tl.load(save + seen_n + tl.arange(0, NB)), mask=b_ids >= 0)
+        if penalise:
+            start = tl.full([], 0, tl.int64)
+            while start < seen_n:
+                i = start + tl.arange(0, SEEN)
+                t = tl.load(seen_at + i, mask=i < seen_n, other=-1)
+                tl.store(row + t, tl.load(save + i, mask=t >= 0), mask=t >= 0)
+                start += SEEN
+        if young:
+            tl.store(row + eos, tl.load(save + seen_n + NB + e), mask=eos >= 0)
+            tl.store(row + stops, tl.load(save + seen_n + NB + NE + tl.arange(0, NS)), mask=stops >= 0)
+        tl.debug_barrier()
+        token = token.to(tl.int64)
+        wanted = LOGPROBS & (tl.load(asked + slot) >= 0)
+    else:
+        token = tl.load(prompt_token + r - R).to(tl.int64)
+        wanted = tl.load(prompt_slot + r - R) >= 0
+    cells = tl.arange(0, TOP_CELLS)
+    top = tl.arange(0, TOP_ROOM)
+    listed = top < TOP
+    logprob = tl.full([], 0.0, tl.float32)
+    if wanted:
+        keys = top_keys + r.to(tl.int64) * TOP_CELLS
+        tl.store(keys + cells, tl.full([TOP_CELLS], _LOWEST, tl.int64))
+        tl.debug_barrier()
+        logprob, lse, scored = _score_row(row, V, token, keys, TOP, BLOCK, PIVOTS)
+        n += scored
+        tl.debug_barrier()
+        ordered = tl.sort(tl.load(keys + cells), descending=True)
+        tl.debug_barrier()
+        tl.store(keys + cells, ordered)
+        tl.debug_barrier()
+        # The first TOP of the sorted keys: their ids, and their logits less the log-sum-exp.
+        first = tl.load(keys + top, mask=listed, other=0)
+        bits = (first >> 32).to(tl.int32)
+        value = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+        tl.store(top_ids + r * TOP + top, V - 1 - (first & 0xFFFFFFFF), mask=listed)
+        tl.store(top_logprobs + r * TOP + top, value - lse, mask=listed)
+    else:
+        tl.store(top_ids + r * TOP + top, tl.full([TOP_ROOM], -1, tl.int64), mask=listed)
+        tl.store(top_logprobs + r * TOP + top, tl.zeros([TOP_ROOM], tl.float32), mask=listed)
+    tl.store(out_token + r, token.to(tl.int64))
+    tl.store(out_logprob + r, logprob)
+    tl.store(passes + r, n)
+
+
+@dataclass(frozen=True)
+class StepKernels:
+    """The step's sampling as kernels (engine/core/step.py calls them when its sampler has them); block: logits a
+    program reads at a time."""
+
+    block: int = BLOCK
+
+    def rows_read(self, state: Slots, plan: StepPlan, tokens: int, rows: int,
+                  prompt_rows: int) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
+        """The batch rows whose logits the step computes ([rows + prompt_rows]: the sampling rows', then the prompt
+        tokens scored), and the prompt rows' layout (for `sample`)."""
+        if not prompt_rows:
+            return plan.sample_token[:rows], None
+        device = plan.sample_token.device
+        read = torch.empty(rows + prompt_rows, dtype=torch.int64, device=device)
+        slot, token = (torch.empty(prompt_rows, dtype=torch.int64, device=device) for _ in range(2))
+        first = torch.empty_like(plan.prompt_entries)
+        _rows_kernel[(1,)](plan.sample_token, rows, plan.token_slot, plan.token_pos, plan.token_valid, tokens,
+                           state.num_computed, state.scored, plan.prompt_entries, state.num_slots, state.tokens,
+                           state.tokens.stride(0), state.max_len, read, slot, token, first, prompt_rows,
+                           BLOCK=LAYOUT_BLOCK, num_warps=4)
+        return read, (slot, token, first)
+
+    def sample(self, logits: torch.Tensor, state: Slots, plan: StepPlan, rows: int, prompt: tuple | None,
+               features: SamplerFeatures, eos_ids: torch.Tensor) -> tuple[SampleOutput, PromptScores | None]:
+        """logits: float32 [rows + prompt rows, V] (rows_read's), given back raw. Each sampling row's token, and
+        its logprobs where its request asked; the prompt rows' scores."""
+        from blink.engine.core.commit import PromptScores
+
+        assert logits.dtype == torch.float32 and logits.stride(1) == 1, "the kernel reads float32 rows in place"
+        n, V = logits.shape
+        device = logits.device
+        top = min(MAX_LOGPROBS, V)
+        cells = triton.next_power_of_2(2 * top)
+        token = torch.empty(n, dtype=torch.int64, device=device)
+        logprob = torch.empty(n, dtype=torch.float32, device=device)
+        passes = torch.empty(n, dtype=torch.int32, device=device)
+        top_ids = torch.empty(n, top, dtype=torch.int64, device=device)
+        top_logprobs = torch.empty(n, top, dtype=torch.float32, device=device)
+        keys = torch.empty(n, cells, dtype=torch.int64, device=device)
+        # The edited ids' raw values: the sequence's tokens, the biased ids, eos and the stop ids.
+        width = state.max_len + MAX_LOGIT_BIAS + triton.next_power_of_2(eos_ids.numel()) + MAX_STOP_IDS
+        saved = torch.empty(rows, width, dtype=torch.float32, device=device)
+        no_prompt = prompt is None
+        slot, prompt_token, first = (token, token, None) if no_prompt else prompt
+        if n:
+            _run(logits, passes, (
+                logits, logits.stride(0), V, rows, plan.sample_slot, plan.sample_token, plan.token_pos,
+                state.temperature, state.top_p, state.top_k, state.min_p, state.repetition_penalty,
+                state.presence_penalty, state.frequency_penalty, state.seed, state.prompt_len, state.min_tokens,
+                state.ignore_eos, state.logprobs, state.seq_len, state.tokens, state.tokens.stride(0),
+                state.output_counts, state.output_counts.stride(0), state.stop_ids, state.logit_bias_ids,
+                state.logit_bias, eos_ids, eos_ids.numel(), slot, prompt_token, saved, width,
+                token, logprob, top_ids, top_logprobs, keys, passes), dict(
+                RANDOM=features.random, PENALTIES=features.penalties, BIAS=features.logit_bias,
+                HOLD=features.min_tokens, LOGPROBS=features.logprobs, NB=MAX_LOGIT_BIAS, NS=MAX_STOP_IDS,
+                NE=triton.next_power_of_2(eos_ids.numel()), SEEN=SEEN_BLOCK, TOP=top,
+                TOP_ROOM=triton.next_power_of_2(top), TOP_CELLS=cells, GREEDY_BELOW=GREEDY_BELOW, BLOCK=self.block,
+                PIVOTS=PIVOTS))
+        logprobs = (logprob[:rows], top_ids[:rows], top_logprobs[:rows]) if features.logprobs else (None,) * 3
+        out = SampleOutput(token[:rows], *logprobs, passes[:rows])
+        if no_prompt:
+            return out, None
+        count = plan.prompt_entries
+        return out, PromptScores(slot, prompt_token, logprob[rows:], top_ids[rows:], top_logprobs[rows:], first,
+                                 count)
+
+
+def _run(logits: torch.Tensor, passes: torch.Tensor, args: tuple, constants: dict) -> None:
+    """One program per row of `logits`; each writes the passes over its row it took into `passes` (what
+    `blink bench step` counts the bytes by)."""
+    _step_kernel[(logits.shape[0],)](*args, **constants, num_warps=4)
+
+
+# The GPU's sampler: the fused kernels for `sample`'s and `token_logprobs`' arguments, and the step's own.
+FUSED_SAMPLER = Sampler(fused_sample, token_logprobs, StepKernels())
