@@ -25,6 +25,7 @@ from blink.shared.settings import SCHEDULING_POLICIES
 
 POLICIES = SCHEDULING_POLICIES
 PRIORITY = BY_NAME["priority"]
+PRIORITY_BITS = (int(PRIORITY.lt - PRIORITY.ge) - 1).bit_length()  # a priority's width as a sort key
 MIN_CAPPED_TOKENS = 64  # a TPOT cap never leaves prefills less than this (or the slot count)
 
 
@@ -150,7 +151,7 @@ def policy_named(name: str) -> Policy:
 
 def _priority(s: Slots) -> Key:
     """Priorities lie in [low, -low) (the request field's limits): offset to start at 0."""
-    return Key(s.priority - PRIORITY.ge, (int(PRIORITY.lt - PRIORITY.ge) - 1).bit_length())
+    return Key(s.priority - PRIORITY.ge, PRIORITY_BITS)
 
 
 class StepCost:
