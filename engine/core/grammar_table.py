@@ -181,13 +181,14 @@ def state_at(state: int) -> int:
 
 
 # The device's walk in torch (the references blink.engine.kernels.grammar is tested against): the arena holds blocks
-# at each slot's `base`; a slot's `state` is -1 without a grammar.
+# at each slot's `base`; a slot's `state` is -1 without a grammar; its `wait`, the token it waits for before its
+# grammar starts (-1: none).
 
 
-def mask_reference(logits: torch.Tensor, row_slot: torch.Tensor, state: torch.Tensor, base: torch.Tensor,
-                   arena: torch.Tensor) -> None:
+def mask_reference(logits: torch.Tensor, row_slot: torch.Tensor, state: torch.Tensor, wait: torch.Tensor,
+                   base: torch.Tensor, arena: torch.Tensor) -> None:
     at, block = state[row_slot].long(), base[row_slot]
-    live = at >= 0
+    live = (at >= 0) & (wait[row_slot] < 0)
     entry = (block + HEADER_WORDS + STATE_WORDS * at.clamp(min=0)).clamp(max=arena.numel() - 1)
     mask_at = torch.where(live, block + arena[entry].long(), 0)
     v = torch.arange(logits.shape[1], device=logits.device)
@@ -196,8 +197,8 @@ def mask_reference(logits: torch.Tensor, row_slot: torch.Tensor, state: torch.Te
     logits.masked_fill_(live[:, None] & refused, float("-inf"))
 
 
-def advance_reference(token: torch.Tensor, finish: torch.Tensor, state: torch.Tensor, base: torch.Tensor,
-                      arena: torch.Tensor) -> None:
+def advance_reference(token: torch.Tensor, finish: torch.Tensor, state: torch.Tensor, wait: torch.Tensor,
+                      base: torch.Tensor, arena: torch.Tensor) -> None:
     words = arena.cpu().numpy()
     for s, (at, t, done, block) in enumerate(zip(state.tolist(), token.tolist(), finish.tolist(), base.tolist(),
                                                  strict=True)):
@@ -205,6 +206,10 @@ def advance_reference(token: torch.Tensor, finish: torch.Tensor, state: torch.Te
             continue
         if done:
             state[s] = -1
+            continue
+        if wait[s] >= 0:
+            if t == wait[s]:
+                wait[s] = -1
             continue
         entry = block + state_at(at)
         begin, end = block + int(words[entry + 1]), block + int(words[entry + 2])

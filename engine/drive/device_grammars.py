@@ -8,7 +8,8 @@ host thread of its own), and ends a record whose grammar does not lower, or is l
 abort and a logged reason. A block is shared by the requests of one spec and freed once the last of them has left
 the table. On the device, each step lands the admitted slots' first states, masks the constrained rows (`mask`, the
 Step.grammar hook) and advances each state by the committed token, in three small kernels
-(blink.engine.kernels.grammar) that leave unconstrained rows alone.
+(blink.engine.kernels.grammar) that leave unconstrained rows alone. A record with a reasoning_end_id (a thinking
+model's `</think>`) lands waiting for that token: unmasked, its state unmoved, until it draws it.
 """
 
 from __future__ import annotations
@@ -81,12 +82,14 @@ class DeviceGrammars:
         self.space = Arena(words)
         self.state = torch.full((S,), -1, dtype=torch.int32, device=device)  # per slot; -1: no grammar
         self.base = torch.zeros(S, dtype=torch.int64, device=device)  # per slot: its block's first word
+        self.wait = torch.full((S,), -1, dtype=torch.int32, device=device)  # per slot: the token its grammar awaits
         # Host words the device reads in place: a block's place for a submitted slot, and whether it is ready.
         self.ready = torch.zeros(S, dtype=torch.int32, pin_memory=pinned)
         self.ready_base = torch.zeros(S, dtype=torch.int64, pin_memory=pinned)
         self.ready_start = torch.zeros(S, dtype=torch.int32, pin_memory=pinned)
-        self.device_ready, self._device_base, self._device_start = (
-            device_alias(t, device) for t in (self.ready, self.ready_base, self.ready_start))
+        self.ready_wait = torch.full((S,), -1, dtype=torch.int32, pin_memory=pinned)  # the record's reasoning_end_id
+        self.device_ready, self._device_base, self._device_start, self._device_wait = (
+            device_alias(t, device) for t in (self.ready, self.ready_base, self.ready_start, self.ready_wait))
         self._tokenizer, self._vocab = engine.tokenizer.raw, engine.model_config.vocab_size
         self._eos = list(engine.generation.eos_token_ids)
         self._compiler: GrammarCompiler | None = None
@@ -103,14 +106,15 @@ class DeviceGrammars:
     # The device's side: kernels in every step (captured; no branch on what is resident).
 
     def land(self, admit: torch.Tensor) -> None:
-        kernels.land(admit, self.device_ready, self._device_base, self._device_start, self.base, self.state)
+        kernels.land(admit, self.device_ready, self._device_base, self._device_start, self._device_wait, self.base,
+                     self.state, self.wait)
 
     def mask(self, logits: torch.Tensor, slot: torch.Tensor) -> None:
         """Step.grammar's hook: before sampling, each constrained row's logits -inf where its state says no."""
-        kernels.mask(logits, slot, self.state, self.base, self.arena)
+        kernels.mask(logits, slot, self.state, self.wait, self.base, self.arena)
 
     def advance(self, token: torch.Tensor, finish: torch.Tensor) -> None:
-        kernels.advance(token, finish, self.state, self.base, self.arena)
+        kernels.advance(token, finish, self.state, self.wait, self.base, self.arena)
 
     # The host's side: the gate.
 
@@ -177,6 +181,7 @@ class DeviceGrammars:
         holders.add(s)
         self.held[s] = spec
         self.ready_base[s], self.ready_start[s] = start, block.start
+        self.ready_wait[s] = int(record["reasoning_end_id"])  # a thinking model's: masked after its reasoning
         self.ready[s] = READY  # after its place: the device reads this first
         del self.pending[s]
 

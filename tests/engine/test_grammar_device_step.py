@@ -83,6 +83,23 @@ def test_constrained_rows_follow_their_grammar_beside_an_unchanged_one(table, de
     assert step.grammars.blocks == {} and step.grammars.space.free_words == step.grammars.space.words
 
 
+def test_a_grammar_waits_for_the_end_of_the_reasoning(table, device):
+    """A record with a reasoning_end_id walks unmasked, token for token as without a grammar, up to and with that
+    token, then follows its grammar (the random model plays a thinking one: the end token is its third alone)."""
+    step = device()
+    alone = _serve(table, step, {0: Request(prompt=PLAIN.prompt, max_tokens=8, temperature=0.0, ignore_eos=True)})
+    tokens_alone = alone[0][0]
+    end = tokens_alone[2]
+    assert end not in tokens_alone[:2]
+    got = _serve(table, step, {0: constrained(GrammarSpec(GrammarKind.REGEX, REGEX), temperature=0.0,
+                                              reasoning_end_id=end), 1: PLAIN})
+    tokens, finish = got[0]
+    assert tokens[:3] == tokens_alone[:3] and finish == Finish.STOP
+    assert re.fullmatch(REGEX, step.engine.tokenizer.decode(tokens[3:])), step.engine.tokenizer.decode(tokens)
+    assert got[1][1] == Finish.LENGTH
+    assert (step.grammars.state == -1).all()
+
+
 def test_requests_of_one_spec_share_its_block(table, device):
     step, spec = device(), GrammarSpec.json_schema(SCHEMA)
     requests = {0: constrained(spec, temperature=0.0), 2: constrained(spec, temperature=1.0, seed=7)}
