@@ -6,7 +6,6 @@
 // a C tile is 16 outputs of 16 rows of x, transposed on the way out. The weight is read once whatever the row
 // count, so a decode step costs what reading the weights costs, with no second copy of them in oneDNN's layout.
 // Where the compiler targets a CPU without AMX (-march=native elsewhere), amx_ready() says false and nothing runs.
-#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
@@ -15,6 +14,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <functional>
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define BLINK_AMX 1
@@ -24,6 +24,8 @@
 #endif
 
 namespace blink_cpu {
+// pool.cpp: at::parallel_for's sections on the kernels' own threads.
+void parallel_for(int64_t begin, int64_t end, int64_t grain, const std::function<void(int64_t, int64_t)>& f);
 // blocked_linear.cpp's: the bias as float32, checked.
 at::Tensor projection_bias(const c10::optional<at::Tensor>& bias, int64_t outputs, const char* op);
 }  // namespace blink_cpu
@@ -75,7 +77,7 @@ void linear_tiles(const at::Tensor& x, const at::Tensor& w, const float* bias, a
   const auto* b_base = static_cast<const char*>(xv.data_ptr());
   auto* o = static_cast<c10::BFloat16*>(out.data_ptr());
   const int64_t b_block = K * TILE * 2;  // bytes of one 16-row block of x's pairs
-  at::parallel_for(0, N / TILE, 1, [&](int64_t lo, int64_t hi) {
+  blink_cpu::parallel_for(0, N / TILE, 1, [&](int64_t lo, int64_t hi) {
     TileConfig config;
     for (int t = 0; t < 8; t++) config.rows[t] = TILE, config.bytes_per_row[t] = TILE_K * 2;
     _tile_loadconfig(&config);  // per thread: oneDNN's kernels on the same threads load their own

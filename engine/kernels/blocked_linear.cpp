@@ -9,13 +9,13 @@
 // rows goes over it. Each output sums its products in one order whatever the row count, so a row's result is the
 // same alone or in a batch. Where the compiler targets a CPU without these instructions (-march=native), the dtype's
 // blocked_linear_ready says false.
-#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -23,6 +23,8 @@
 #endif
 
 namespace blink_cpu {
+// pool.cpp: at::parallel_for's sections on the kernels' own threads.
+void parallel_for(int64_t begin, int64_t end, int64_t grain, const std::function<void(int64_t, int64_t)>& f);
 
 // A projection's bias as float32 for a kernel's epilogue (undefined without one), checked against its outputs. The
 // AMX kernel (amx_linear.cpp, built into the same library) declares and calls it too.
@@ -93,7 +95,7 @@ void blocked(const at::Tensor& x, const at::Tensor& w, const float* bias, at::Te
   const int64_t M = x.size(0), N = out.size(1), words = w.size(1), chunk = CHUNK_K / (BF16 ? 2 : 1);
   const auto* xs = static_cast<const uint32_t*>(x.data_ptr());
   const auto* ws = static_cast<const __m512i*>(w.data_ptr());
-  at::parallel_for(0, N / BLOCK, 1, [&](int64_t lo, int64_t hi) {
+  blink_cpu::parallel_for(0, N / BLOCK, 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> sums(M * BLOCK);
     float* c = sums.data();
     for (int64_t b = lo; b < hi; b++) {

@@ -4,7 +4,6 @@
 // Numerics follow the torch reference (blink.engine.model.kernel_sets.TorchKernels): elementwise work rounds to the
 // model's dtype where the reference's ops do, reductions and attention run in float32. One file (over 400 lines):
 // its kernels share the dtype helpers below, and torch's JIT build would not see a change to a header.
-#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
@@ -16,6 +15,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <cstring>
 #include <tuple>
 #include <vector>
@@ -23,6 +23,11 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+
+namespace blink_cpu {
+// pool.cpp: at::parallel_for's sections on the kernels' own threads.
+void parallel_for(int64_t begin, int64_t end, int64_t grain, const std::function<void(int64_t, int64_t)>& f);
+}  // namespace blink_cpu
 
 namespace {
 
@@ -64,7 +69,7 @@ void for_dtype(const at::Tensor& t, const char* op, F&& f) {
 // weight * (x * rsqrt(mean(x^2) + eps)).to(T) over rows of `n`, as transformers' LlamaRMSNorm.
 template <typename T>
 void norm_rows(const T* x, const T* weight, T* out, int64_t rows, int64_t n, double eps, int64_t ld_x, int64_t ld_out) {
-  at::parallel_for(0, rows, 16, [&](int64_t lo, int64_t hi) {
+  blink_cpu::parallel_for(0, rows, 16, [&](int64_t lo, int64_t hi) {
     for (int64_t r = lo; r < hi; r++) {
       const T* xr = x + r * ld_x;
       float squares = 0.f;
@@ -109,7 +114,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
     using T = decltype(t);
     const T *a = x.data_ptr<T>(), *b = delta.data_ptr<T>();
     T* s = sum.data_ptr<T>();
-    at::parallel_for(0, rows * n, 4096, [&](int64_t lo, int64_t hi) {
+    blink_cpu::parallel_for(0, rows * n, 4096, [&](int64_t lo, int64_t hi) {
 #pragma omp simd
       for (int64_t i = lo; i < hi; i++) s[i] = store<T>(load(a[i]) + load(b[i]));
     });
@@ -155,7 +160,7 @@ at::Tensor rope_and_cache(const at::Tensor& q, const at::Tensor& k, const at::Te
     const T *qp = q.data_ptr<T>(), *kp = k.data_ptr<T>(), *vp = v.data_ptr<T>();
     const T *cp = cos.data_ptr<T>(), *sp = signed_sin.data_ptr<T>();
     T *qo = q_out.data_ptr<T>(), *kc = k_cache.data_ptr<T>(), *vc = v_cache.data_ptr<T>();
-    at::parallel_for(0, B, 4, [&](int64_t lo, int64_t hi) {
+    blink_cpu::parallel_for(0, B, 4, [&](int64_t lo, int64_t hi) {
       for (int64_t b = lo; b < hi; b++) {
         const T *c = cp + b * D, *sn = sp + b * D;
         for (int64_t h = 0; h < Hq; h++) rotate(qp + b * q.stride(0) + h * q.stride(1), c, sn, qo + (b * Hq + h) * D, D);
@@ -328,7 +333,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
     using T = decltype(t);
     const T *qp = q.data_ptr<T>(), *kc = k_cache.data_ptr<T>(), *vc = v_cache.data_ptr<T>();
     T* op = out.data_ptr<T>();
-    at::parallel_for(0, rows * Hkv, 1, [&](int64_t lo, int64_t hi) {
+    blink_cpu::parallel_for(0, rows * Hkv, 1, [&](int64_t lo, int64_t hi) {
       std::vector<float> query(G * D), acc(G * D), scores, total(G);
       alignas(64) float row[kMaxHeadDim];  // on the stack, aliasing nothing; kept small (cpu.py says why)
       for (int64_t task = lo; task < hi; task++) {

@@ -1,5 +1,6 @@
-"""The CPU's fused kernels (cpu.cpp) and projections (blocked_linear.cpp, amx_linear.cpp, quant_linear.cpp): built
-once per machine with torch's C++ extension tooling, then loaded from the build directory.
+"""The CPU's fused kernels (cpu.cpp) and projections (blocked_linear.cpp, amx_linear.cpp, quant_linear.cpp), whose
+parallel sections run on threads of their own (pool.cpp, which says why not torch's): built once per machine with
+torch's C++ extension tooling, then loaded from the build directory.
 
 The build needs a C++ compiler (g++ or clang++, found as torch finds it: $CXX, else c++) and ninja (the `ninja`
 wheel is an engine dependency); it takes about ten seconds on two cores and is kept in Blink's cache directory
@@ -26,8 +27,8 @@ from blink.shared.model_cache import cache_root
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu.cpp", "blocked_linear.cpp", "amx_linear.cpp",
-                                                          "quant_linear.cpp")]
-# OpenMP: at::parallel_for then shares torch's threads (serial without it). No contraction: a * b + c * d as two
+                                                          "quant_linear.cpp", "pool.cpp")]
+# OpenMP: torch's threads' runtime, which pool.cpp quiets and falls back on. No contraction: a * b + c * d as two
 # products and a sum, rounded where torch's separate ops round.
 # decode_attention's float row of a key or value lives on the stack. 256 covers Llama, Qwen, Mistral and Gemma; a
 # larger one slowed the bfloat16 kernel 2.3x at 512 keys on the EPYC (store-to-load aliasing, by its symptoms).

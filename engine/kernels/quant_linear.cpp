@@ -14,7 +14,6 @@
 // (d: int8 [N/64][K/16][64]) and D a float per 256 (b: float32 [N/64][K/256][64]): each half group's integer dot
 // I - 32 * S is multiplied by its s in integers (|s * (I - 32 * S)| < 2^23: exact), then by D * dx in floats.
 // Without VNNI in the compiler's target, quant_linear_ready says false (the torch reference runs).
-#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
@@ -22,6 +21,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <functional>
 #include <cstring>
 #include <vector>
 
@@ -30,6 +30,8 @@
 #endif
 
 namespace blink_cpu {
+// pool.cpp: at::parallel_for's sections on the kernels' own threads.
+void parallel_for(int64_t begin, int64_t end, int64_t grain, const std::function<void(int64_t, int64_t)>& f);
 at::Tensor projection_bias(const c10::optional<at::Tensor>& bias, int64_t outputs, const char* op);
 }
 
@@ -212,7 +214,7 @@ void run(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, cons
   float* dx = scales.data_ptr<float>();
   float* sums = dx + M * groups;
   int32_t* hs = BITS == 6 ? halves.data_ptr<int32_t>() : nullptr;
-  at::parallel_for(0, M, 16, [&](int64_t lo, int64_t hi) {
+  blink_cpu::parallel_for(0, M, 16, [&](int64_t lo, int64_t hi) {
     for (int64_t m = lo; m < hi; m++)
       quantize_row(xs + m * K, K, q + m * K, dx + m * groups, sums + m * groups, hs ? hs + m * 2 * groups : nullptr);
   });
@@ -224,7 +226,7 @@ void run(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, cons
   }
   const auto* cs = codes.data_ptr<uint8_t>();
   const int64_t block_bytes = K * BLOCK * (BITS == 6 ? 8 : BITS) / 8;  // 6-bit codes a byte each
-  at::parallel_for(0, N / BLOCK, 1, [&](int64_t lo, int64_t hi) {
+  blink_cpu::parallel_for(0, N / BLOCK, 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> acc(M * BLOCK);
     float* c = acc.data();
     for (int64_t blk = lo; blk < hi; blk++) {
