@@ -88,11 +88,11 @@ def _lay_out(take_ptr, computed_ptr, seq_len_ptr, draft_len_ptr, tokens, tokens_
         r0 = decodes
         while r0 < R:  # a while loop: the interpreter cannot range() over a loaded value
             r = r0 + tl.arange(0, BLOCK_R)
-            pad = r < R
-            tl.store(decode_start + r, 0, mask=pad)
-            tl.store(decode_length + r, 1, mask=pad)
-            tl.store(decode_first + r, pos0, mask=pad)
-            tl.store(decode_slot + r, slot0, mask=pad)
+            blank = r < R
+            tl.store(decode_start + r, 0, mask=blank)
+            tl.store(decode_length + r, 1, mask=blank)
+            tl.store(decode_first + r, pos0, mask=blank)
+            tl.store(decode_slot + r, slot0, mask=blank)
             r0 += BLOCK_R
         take = tl.where(runs, 0, take)  # the chunks: what is not a run
         take0 = tl.sum(tl.where(s == 0, take, 0))
@@ -112,13 +112,13 @@ def _lay_out(take_ptr, computed_ptr, seq_len_ptr, draft_len_ptr, tokens, tokens_
 
     samples = tl.sum(row_count)
     if DRAFTS:  # the token programs wrote the real rows
-        r0 = 0
+        r0 = samples * 0
         while r0 < R:
-            r = r0 + tl.arange(0, BLOCK_R)
-            pad = (r < R) & (r >= samples)
-            tl.store(sample_token + r, 0, mask=pad)
-            tl.store(sample_slot + r, slot0, mask=pad)
-            tl.store(sample_valid + r, r < samples, mask=r < R)
+            q = r0 + tl.arange(0, BLOCK_R)
+            unused = (q < R) & (q >= samples)
+            tl.store(sample_token + q, 0, mask=unused)
+            tl.store(sample_slot + q, slot0, mask=unused)
+            tl.store(sample_valid + q, q < samples, mask=q < R)
             r0 += BLOCK_R
     else:
         rank = tl.cumsum(sampling.to(tl.int64), 0) - 1
