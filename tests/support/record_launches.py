@@ -4,6 +4,7 @@ argument as a tensor's dtype, a scalar's value, or a tuple of those. Run with TR
 interpreted, so the step goes on with real values); tests/support/compile_for_gpu.py compiles what it prints for a
 GPU."""
 
+import dataclasses
 import json
 import os
 import uuid
@@ -36,18 +37,26 @@ def main() -> None:
                           "arguments": {name: described(v) for name, v in arguments.items()}}), flush=True)
         return interpreted_run(self, *args, grid=grid, warmup=warmup, **kwargs)
 
-    engine = Engine(EngineConfig(model=str(ensure_tiny_model()), device="cpu", max_num_seqs=4, swap_space=0))
-    table = SlotTable.create(f"record-{uuid.uuid4().hex[:10]}", engine.geometry(window=8))
+    tables = []
     InterpretedFunction.run = record
     try:
-        device = DeviceStep(engine, table)
-        table.publish(0, Request([1, 2, 3], max_tokens=4))
-        for _ in range(6):  # admission and a prefill, decodes, the finish (pages released to the prefix cache)
-            device.run(device.buckets[0])
-        device.close()
+        # Then a step with drafts (its layout's and publication's variants), its runs laid out as a GPU's
+        # attention takes them: prefill chunks.
+        for spec in (None, {"method": "ngram", "num_speculative_tokens": 2}):
+            engine = Engine(EngineConfig(model=str(ensure_tiny_model()), device="cpu", max_num_seqs=4, swap_space=0,
+                                         speculative_config=spec))
+            if spec:
+                engine.step.speculation = dataclasses.replace(engine.step.speculation, decode_runs=False)
+            tables.append(table := SlotTable.create(f"record-{uuid.uuid4().hex[:10]}", engine.geometry(window=8)))
+            device = DeviceStep(engine, table)
+            table.publish(0, Request([1, 2, 3, 1, 2, 3, 1, 2] if spec else [1, 2, 3], max_tokens=4))
+            for _ in range(6):  # admission and a prefill, decodes, the finish (pages released to the prefix cache)
+                device.run(device.buckets[0])
+            device.close()
     finally:
         InterpretedFunction.run = interpreted_run
-        table.unlink()
+        for table in tables:
+            table.unlink()
 
 
 if __name__ == "__main__":
