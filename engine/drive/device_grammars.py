@@ -1,15 +1,15 @@
 """Structured outputs in the device modes: the grammar arena the device walks, and the host's gate in front of it.
 
 Host work per request, none per token. A constrained record waits, SUBMITTED, until the host has lowered its grammar
-(blink.engine.core.grammar_table, on compile threads, cached by spec), put the block in the arena and written where
-it lies into words the device reads; only then does the device's admission (blink.engine.kernels.exchange._select)
-take it. `poll` does that, from a thread of its own in the graph and persistent modes (the persistent loop has no
-host thread of its own), and ends a record whose grammar does not lower, or is larger than the whole arena, with an
-abort and a logged reason. A block is shared by the requests of one spec and freed once the last of them has left
-the table. On the device, each step lands the admitted slots' first states, masks the constrained rows (`mask`, the
-Step.grammar hook) and advances each state by the committed token, in three small kernels
-(blink.engine.kernels.grammar) that leave unconstrained rows alone. A record with a reasoning_end_id (a thinking
-model's `</think>`) lands waiting for that token: unmasked, its state unmoved, until it draws it.
+(blink.engine.core.grammar_table, on compile threads, cached by spec), put the block in the arena and written where it
+lies into words the device reads; only then does the device's admission (blink.engine.kernels.exchange._select) take it.
+`poll` does that, from a thread of its own in the graph and persistent modes (the persistent loop has no host thread of
+its own), woken by each lowering that completes and otherwise every POLL_S, and ends a record whose grammar does not
+lower, or is larger than the whole arena, with an abort and a logged reason. A block is shared by the requests of one
+spec and freed once the last of them has left the table. On the device, each step lands the admitted slots' first
+states, masks the constrained rows (`mask`, the Step.grammar hook) and advances each state by the committed token, in
+three small kernels (blink.engine.kernels.grammar) that leave unconstrained rows alone. A record with a reasoning_end_id
+(a thinking model's `</think>`) lands waiting for that token: unmasked, its state unmoved, until it draws it.
 """
 
 from __future__ import annotations
@@ -35,7 +35,9 @@ from blink.shared.slot_table import Finish, SlotState, SlotTable, grammar_of
 log = logging.getLogger(__name__)
 
 READY, TAKEN = 1, 2  # a slot's ready word: its block is in the arena; the device admitted its request with it
-POLL_S = (100e-6, 1e-3)  # the gate's poll: while a grammar is pending, and while none is
+# The gate's poll when nothing wakes it: records arrive in shared memory from the ingress's process (or by RDMA, with
+# no CPU at all), which signals no thread here; a lowering that completes wakes it at once.
+POLL_S = 1e-3
 CACHED_TABLES = 32  # lowered specs kept (by spec) beside the arena
 
 
@@ -101,6 +103,7 @@ class DeviceGrammars:
         self.ended = dict.fromkeys(ENDED_REASONS, 0)  # records ended because their grammar could not be walked
         self._copies = torch.cuda.Stream(device) if pinned else None
         self._stop = threading.Event()
+        self._wake = threading.Event()  # a lowering completed (or stop): poll now
         self._thread: threading.Thread | None = None
 
     # The device's side: kernels in every step (captured; no branch on what is resident).
@@ -157,6 +160,7 @@ class DeviceGrammars:
             except GrammarError as e:  # a model no grammar can end
                 self._refuse(s, str(e))
                 return
+            pending[1].add_done_callback(lambda _: self._wake.set())
         future = pending[1]
         if not future.done():
             if time.monotonic() - pending[2] > self.compiler.timeout_s:
@@ -223,6 +227,7 @@ class DeviceGrammars:
     def stop(self) -> None:
         if self._thread is not None:
             self._stop.set()
+            self._wake.set()
             self._thread.join()
             self._thread = None
 
@@ -230,12 +235,12 @@ class DeviceGrammars:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         while not self._stop.is_set():
+            self._wake.clear()  # before the poll: a lowering that completes during it wakes the next wait
             try:
-                busy = self.poll()
+                self.poll()
             except Exception:  # never the engine's end: logged, and polled again
                 log.exception("the grammar gate's poll failed")
-                busy = False
-            time.sleep(POLL_S[0] if busy else POLL_S[1])
+            self._wake.wait(POLL_S)
 
     def close(self) -> None:
         self.stop()

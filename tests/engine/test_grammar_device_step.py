@@ -100,6 +100,23 @@ def test_a_grammar_waits_for_the_end_of_the_reasoning(table, device):
     assert (step.grammars.state == -1).all()
 
 
+def test_the_gate_wakes_when_a_lowering_completes(table, device, monkeypatch):
+    """The gate's thread polls every POLL_S when nothing wakes it; a lowering that completes wakes it at once, so a
+    record is readied long before the next poll would come (here 60 s), and stop() does not wait for one."""
+    monkeypatch.setattr(device_grammars, "POLL_S", 60.0)
+    step = device()
+    table.publish(0, constrained(GrammarSpec(GrammarKind.REGEX, "ab+c")))
+    started = time.monotonic()
+    step.grammars.start()  # its first poll submits the record's lowering, then waits
+    try:
+        while step.grammars.ready[0] != device_grammars.READY and time.monotonic() - started < 30:
+            time.sleep(0.01)
+        assert step.grammars.ready[0] == device_grammars.READY
+    finally:
+        step.grammars.stop()
+    assert time.monotonic() - started < 30
+
+
 def test_requests_of_one_spec_share_its_block(table, device):
     step, spec = device(), GrammarSpec.json_schema(SCHEMA)
     requests = {0: constrained(spec, temperature=0.0), 2: constrained(spec, temperature=1.0, seed=7)}
