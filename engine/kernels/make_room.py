@@ -212,8 +212,7 @@ def make_room(state: Slots, pool: PagePool, policy: Policy, take: torch.Tensor, 
     need, take_out = torch.empty_like(take), torch.empty_like(take)
     evicted, reserve = torch.empty_like(resident), torch.empty((), dtype=torch.int64, device=device)
     block_s = triton.next_power_of_2(S)
-    sizes = dict(SHARED=shared, BLOCK_S=block_s, BLOCK=min(1024, triton.next_power_of_2(width)),
-                 num_warps=4 if S <= 256 else 8)
+    sizes = dict(SHARED=shared, BLOCK_S=block_s, BLOCK=min(1024, triton.next_power_of_2(width)))
     paging = dict(PAGE=pool.page_size, MIRROR=mirror)
     _order[(S,)](precedence, resident, state.cancel, state.service_class, state.priority, state.seq_len,
                  state.prompt_len, state.arrival, state.pages_held, table, scratch, first_ext, last_ext, S,
