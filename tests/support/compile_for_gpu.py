@@ -17,7 +17,18 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 import blink.engine.kernels.page_sharing as page_sharing  # noqa: E402
-from blink.engine.kernels import activation, attention, fp8_linear, moe, rms_norm, rope_kv, rotation, sampler  # noqa: E402
+from blink.engine.kernels import (  # noqa: E402
+    activation,
+    attention,
+    cache_rows,
+    fp8_linear,
+    moe,
+    rms_norm,
+    rope_kv,
+    rotation,
+    sampler,
+    step_sampler,
+)
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -61,6 +72,21 @@ results = [
           | pointers("i64", "top_k", "seed", "step_index")),
     build(sampler._logprobs_kernel, "sampler: logprobs", dict(TOP=20, BLOCK=1024, PIVOTS=16),
           logits | pointers("fp32", "logprob", "lse_out") | pointers("i64", "asked", "top_keys")),
+    # The step's sampling and its cache rows: the Triton kernel set's (the recorded step runs the CPU's).
+    build(step_sampler._step_kernel, "step sampler: every feature",
+          dict(RANDOM=True, PENALTIES=True, BIAS=True, HOLD=True, LOGPROBS=True, NB=128, NS=16, NE=2, SEEN=64, TOP=20,
+               TOP_ROOM=32, TOP_CELLS=64, GREEDY_BELOW=1e-5, BLOCK=1024, PIVOTS=16),
+          pointers("fp32", "logits", "temperature", "top_p", "min_p", "repetition", "presence", "frequency", "bias",
+                   "saved", "out_logprob", "top_logprobs")
+          | pointers("i64", "sample_slot", "sample_token", "token_pos", "top_k", "seed", "prompt_len", "min_tokens",
+                     "asked", "seq_len", "stop_ids", "bias_ids", "eos_ids", "prompt_slot", "prompt_token",
+                     "out_token", "top_ids", "top_keys")
+          | pointers("i32", "tokens", "counts", "passes") | {"ignore_eos": "*i1"}),
+    build(step_sampler._rows_kernel, "step sampler: the rows read", dict(BLOCK=256),
+          pointers("i64", "sample_token", "token_slot", "token_pos", "num_computed", "scored", "entries", "rows_read",
+                   "prompt_slot", "prompt_token", "first") | {"token_valid": "*i1", "tokens": "*i32"}),
+    build(cache_rows._write_rows_kernel, "the cache rows", dict(BLOCK=256),
+          pointers("i64", "token_slot", "token_pos", "table", "out") | {"token_valid": "*i1"}),
     build(attention._paged_attention_kernel, "attention: rope, cache write, split decodes, chunks, padding", both,
           attention_args),
     build(attention._paged_attention_kernel, "attention: prefill chunks, a window", chunks, attention_args),
