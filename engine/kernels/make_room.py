@@ -130,8 +130,9 @@ def _first(computed, take_ptr, held, table, num_free, scratch, first_ext, S,
         latest = tl.where(n > 0, S, -1)
     tl.store(scratch + FIRSTS * S + kept_at, firsts)  # by keep position
     tl.store(scratch + LATEST * S + s, latest)
-    tl.debug_barrier()
-    if tl.atomic_add(scratch + SCALARS * S + DONE_FIRST, 1) == S - 1:  # the last program: the prefix that fits
+    tl.debug_barrier()  # every thread's stores issued before the ticket releases them
+    # The last program to finish: the prefix that fits.
+    if tl.atomic_add(scratch + SCALARS * S + DONE_FIRST, 1, sem="acq_rel", scope="gpu") == S - 1:
         k = tl.arange(0, BLOCK_S)
         real = k < S
         slot = tl.load(scratch + KEEP * S + k, mask=real, other=0)  # keep order
@@ -173,8 +174,9 @@ def _last(computed, take_ptr, held, table, cancel, preemptions, num_preemptions,
         candidate = (tl.load(scratch + FITS * S + s) == 0) & (tl.load(scratch + LATEST * S + s) >= kept)
         frees = tl.where(candidate, n, 0)
     tl.store(scratch + FREES * S + victim_at, frees)  # by victim position
-    tl.debug_barrier()
-    if tl.atomic_add(scratch + SCALARS * S + DONE_LAST, 1) == S - 1:  # the last program: victims while short
+    tl.debug_barrier()  # every thread's stores issued before the ticket releases them
+    # The last program to finish: victims while short.
+    if tl.atomic_add(scratch + SCALARS * S + DONE_LAST, 1, sem="acq_rel", scope="gpu") == S - 1:
         v = tl.arange(0, BLOCK_S)
         real = v < S
         slot = tl.load(scratch + VICTIMS * S + v, mask=real, other=0)

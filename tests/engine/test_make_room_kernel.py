@@ -13,13 +13,12 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: the
 
 import copy
 import random
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from blink.engine.core import paging
-from blink.engine.core.kv_cache import NULL_PAGE, PagePool
+from blink.engine.core.kv_cache import NULL_PAGE, FreeList
 from blink.engine.core.policy import POLICIES, lexsort, policy_named
 from blink.engine.core.prefix_cache import PrefixCache
 from blink.engine.core.state import Slots, SlotStatus
@@ -27,14 +26,14 @@ from blink.engine.kernels.make_room import make_room
 from blink.engine.kernels.page_release import KERNELS
 from blink.engine.kernels.page_sharing import AT_REST
 
-PAGE, PAGES, WIDTH = 4, 48, 8
+PAGE, WIDTH = 4, 8
 STATE_FIELDS = ("num_computed", "pages_held", "block_table", "preemptions", "num_preemptions", "num_recomputes")
 
 
-def _state(rng: random.Random, S: int) -> tuple[Slots, torch.Tensor, list[int]]:
+def _state(rng: random.Random, S: int, pages: int) -> tuple[Slots, torch.Tensor, list[int]]:
     """Slots mapping pages (a shared prefix among some, at the same columns), and the pages no slot maps."""
     state = Slots(S, WIDTH * PAGE, WIDTH, 16, torch.device("cpu"))
-    free = list(range(1, PAGES))
+    free = list(range(1, pages))
     rng.shuffle(free)
     prefix = [free.pop() for _ in range(3)]
     for s in range(S):
@@ -57,15 +56,33 @@ def _state(rng: random.Random, S: int) -> tuple[Slots, torch.Tensor, list[int]]:
     return state, resident, free
 
 
-def _pool(free: list[int], state: Slots, shared: bool, kernels: bool):
+class _Pool:
+    """A page pool as find_pages sees it (kv_cache.PagePool's allocator part), without the K/V it stores."""
+
+    page_size = PAGE
+
+    def __init__(self, num_pages: int, free: FreeList | PrefixCache, prefix_cache: PrefixCache | None):
+        self.num_pages, self.free, self.prefix_cache = num_pages, free, prefix_cache
+
+    @property
+    def num_free(self) -> torch.Tensor:
+        return self.free.num_free
+
+    def allocate(self, need: torch.Tensor, table: torch.Tensor, held: torch.Tensor, max_new: int) -> None:
+        self.free.allocate(need, table, held, max_new)
+
+    def release(self, which: torch.Tensor, table: torch.Tensor, held: torch.Tensor) -> None:
+        self.free.release(which, table, held)
+
+
+def _pool(free: list[int], state: Slots, pages: int, shared: bool, kernels: bool):
     """A pool whose free pages are `free`, its references those of the state's tables."""
     if not shared:
-        pool = PagePool(SimpleNamespace(num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float32), PAGES, PAGE,
-                        torch.device("cpu"))
+        pool = _Pool(pages, FreeList(pages, torch.device("cpu")), None)
         pool.free.stack[:len(free)] = torch.tensor(free)
         pool.free.num_free.fill_(len(free))
         return pool
-    cache = PrefixCache(PAGES, PAGE, torch.device("cpu"))
+    cache = PrefixCache(pages, PAGE, torch.device("cpu"))
     cache.kernels = KERNELS if kernels else None
     held = torch.arange(state.block_table.shape[1])[None, :] < state.pages_held[:, None]
     cache.refs.index_add_(0, state.block_table[held], torch.ones(int(held.sum()), dtype=torch.int64))
@@ -73,26 +90,23 @@ def _pool(free: list[int], state: Slots, shared: bool, kernels: bool):
     cache.stack[len(free):] = 0
     cache.empties.fill_(len(free))
     cache.num_free.fill_(len(free))
-    return PagePool(SimpleNamespace(num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float32), PAGES, PAGE,
-                    torch.device("cpu"), prefix_cache=cache)
+    return _Pool(pages, cache, cache)
 
 
 def _case(seed: int, S: int, shared: bool, kernels: bool = False):
-    rng = random.Random(seed)
-    state, resident, free = _state(rng, S)
+    rng, pages = random.Random(seed), 6 * S + 8  # room for every slot's pages
+    state, resident, free = _state(rng, S, pages)
     free = free[:rng.choice([0, 1, 3, len(free)])]  # short by a lot, a little, or not at all
     take = torch.where(resident & ~state.cancel, torch.tensor([rng.choice([0, 1, 1, 4, 9]) for _ in range(S)]), 0)
     precedence = torch.tensor(rng.sample(range(S), S))
-    return state, _pool(free, state, shared, kernels), resident, take, precedence, rng
+    return state, _pool(free, state, pages, shared, kernels), resident, take, precedence, rng
 
 
-@pytest.mark.parametrize("policy", POLICIES)
-@pytest.mark.parametrize("shared", [True, False], ids=["prefix-cache", "no-sharing"])
-@pytest.mark.parametrize("mirror", [False, True], ids=["no-mirror", "mirror"])
-def test_the_kernel_makes_room_as_the_reference_does(policy, shared, mirror):
+def _check(policy: str, shared: bool, mirror: bool, seeds: range, sizes: tuple[int, ...]) -> tuple[int, int]:
+    """The kernel against the reference on these cases; returns how many slots were evicted and how many cut."""
     evictions = short = 0
-    for seed in range(10):
-        S = 7 if seed % 2 else 8  # a power of two and not
+    for seed in seeds:
+        S = sizes[seed % len(sizes)]
         state, pool, resident, take, precedence, _ = _case(seed, S, shared)
         twin = copy.deepcopy(state)
         want = paging.make_room(state, pool, policy_named(policy), take, resident, precedence, mirror)
@@ -108,8 +122,22 @@ def test_the_kernel_makes_room_as_the_reference_does(policy, shared, mirror):
             assert bool((pool.prefix_cache.extremes[0] == AT_REST["amin"]).all())
             assert bool((pool.prefix_cache.extremes[1] == AT_REST["amax"]).all())
         evictions += int(want[2].sum())
-        short += int((want[1] < take).any())
+        short += int((want[1] < take).sum())
+    return evictions, short
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("shared", [True, False], ids=["prefix-cache", "no-sharing"])
+@pytest.mark.parametrize("mirror", [False, True], ids=["no-mirror", "mirror"])
+def test_the_kernel_makes_room_as_the_reference_does(policy, shared, mirror):
+    evictions, short = _check(policy, shared, mirror, range(10), (8, 7))  # a power of two and not
     assert evictions > 0 and short > 0  # the cases made room, not only found it
+
+
+@pytest.mark.parametrize("mirror", [False, True], ids=["no-mirror", "mirror"])
+def test_the_kernel_makes_room_for_one_slot_and_for_many(mirror):
+    evictions, short = _check("slo", True, mirror, range(6), (1, 37))
+    assert evictions > 0 and short > 0
 
 
 @pytest.mark.parametrize("policy", ["fcfs", "slo"])
