@@ -145,11 +145,7 @@ class Step:
                               count_outputs=features.penalties, prompt=scored, **settler)
 
     def _attention_batch(self, plan: StepPlan, shape: StepShape) -> AttentionBatch:
-        B, page = shape.tokens, self.pool.page_size
-        table = self.state.block_table
-        pages = table[plan.token_slot[:B]].gather(1, (plan.token_pos[:B] // page)[:, None])[:, 0]
-        write_rows = torch.where(plan.token_valid[:B], pages * page + plan.token_pos[:B] % page, 0)
-        return self.model.kernels.attention_batch(plan, shape, table, page, write_rows)
+        return self.model.kernels.attention_batch(plan, shape, self.state.block_table, self.pool.page_size)
 
 
 def sampling_rows(state: Slots, plan: StepPlan, rows_read: torch.Tensor, features: SamplerFeatures,

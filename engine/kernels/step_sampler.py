@@ -92,6 +92,12 @@ def _rows_kernel(sample_token, R, token_slot, token_pos, token_valid, B, num_com
 
 
 @triton.jit
+def _log_min_p(min_p):
+    """log(min_p), -inf for 0 (the reference's log), without taking the log of 0."""
+    return tl.where(min_p > 0.0, tl.log(tl.maximum(min_p, 1e-30)), float("-inf"))
+
+
+@triton.jit
 def _save(row, ids, saved, used):
     tl.store(saved, tl.load(row + ids, mask=used, other=0.0), mask=used)
 
@@ -163,7 +169,7 @@ def _step_kernel(
         tl.debug_barrier()
         T = tl.where(RANDOM, tl.load(temperature + slot), 0.0)
         key = _noise_key(tl.load(seed + slot), step_index)
-        token, n = _draw_row(row, V, tl.where(T >= GREEDY_BELOW, T, 0.0), tl.log(tl.load(min_p + slot)),
+        token, n = _draw_row(row, V, tl.where(T >= GREEDY_BELOW, T, 0.0), _log_min_p(tl.load(min_p + slot)),
                              tl.load(top_k + slot), tl.load(top_p + slot), key, BLOCK, PIVOTS)
         tl.debug_barrier()
         # 3: the row given back raw (repeated ids write the same value).

@@ -53,8 +53,8 @@ class KernelSet(Protocol):
     # A mixture-of-experts layer with no host read, so the device modes can capture it.
     moe_captures: bool
 
-    def attention_batch(self, plan: StepPlan, shape: StepShape, block_table: torch.Tensor, page_size: int,
-                        write_rows: torch.Tensor) -> AttentionBatch: ...
+    def attention_batch(self, plan: StepPlan, shape: StepShape, block_table: torch.Tensor,
+                        page_size: int) -> AttentionBatch: ...
 
     def rope(self, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]: ...
 
@@ -76,6 +76,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(x.dtype)
+
+
+def write_rows(plan: StepPlan, tokens: int, block_table: torch.Tensor, page_size: int) -> torch.Tensor:
+    """[tokens] the pool row each batch token's K/V goes to: its page at its slot and position, plus its offset
+    (0 for padding); blink.engine.kernels.cache_rows does it in one launch."""
+    slot, pos = plan.token_slot[:tokens], plan.token_pos[:tokens]
+    pages = block_table[slot].gather(1, (pos // page_size)[:, None])[:, 0]
+    return torch.where(plan.token_valid[:tokens], pages * page_size + pos % page_size, 0)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -104,14 +112,14 @@ class TorchKernels:
     def __init__(self, sliding_window: int | None):
         self.sliding_window = sliding_window
 
-    def attention_batch(self, plan: StepPlan, shape: StepShape, block_table: torch.Tensor, page_size: int,
-                        write_rows: torch.Tensor) -> AttentionBatch:
+    def attention_batch(self, plan: StepPlan, shape: StepShape, block_table: torch.Tensor,
+                        page_size: int) -> AttentionBatch:
         """Each row group gathered to the step's context bucket, at its exact row count (the host mode's)."""
         groups = [build_row_group(rows.head(n), block_table, page_size, queries, shape.context,
                                   self.sliding_window, shape.tokens)
                   for rows, n, queries in ((plan.decode_rows, shape.decode_rows, 1),
                                            (plan.chunk_rows, shape.chunk_rows, QUERY_BLOCK)) if n]
-        return AttentionBatch(write_rows, groups)
+        return AttentionBatch(write_rows(plan, shape.tokens, block_table, page_size), groups)
 
     def rope(self, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return step_rope(cos, sin, positions)
@@ -150,13 +158,13 @@ class CpuKernels(TorchKernels):
         super().__init__(sliding_window)
         self._ops = ops  # torch.ops.blink_cpu
 
-    def attention_batch(self, plan: StepPlan, shape: StepShape, block_table: torch.Tensor, page_size: int,
-                        write_rows: torch.Tensor) -> AttentionBatch:
+    def attention_batch(self, plan: StepPlan, shape: StepShape, block_table: torch.Tensor,
+                        page_size: int) -> AttentionBatch:
         """Decode rows as the plan lists them, for the kernel; prefill chunks gathered as the reference does."""
         chunks = [build_row_group(plan.chunk_rows.head(shape.chunk_rows), block_table, page_size, QUERY_BLOCK,
                                   shape.context, self.sliding_window, shape.tokens)] if shape.chunk_rows else []
         decodes = [(plan.decode_rows.head(shape.decode_rows), 1)] if shape.decode_rows else []
-        return AttentionBatch(write_rows, chunks, decodes, block_table)
+        return AttentionBatch(write_rows(plan, shape.tokens, block_table, page_size), chunks, decodes, block_table)
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self._ops.rms_norm(x, weight, eps)
@@ -195,23 +203,26 @@ class TritonKernels:
         # picked before a kernel is defined.
         if device.type != "cuda":
             os.environ.setdefault("TRITON_INTERPRET", "1")
-        from blink.engine.kernels import activation, attention, rms_norm
+        from blink.engine.kernels import activation, attention, cache_rows, rms_norm
         from blink.engine.kernels import moe as experts
         from blink.engine.kernels.step_sampler import FUSED_SAMPLER
 
         self._attention, self._norm, self._activation, self._experts = attention, rms_norm, activation, experts
+        self._cache_rows = cache_rows
         # A row pays for the features its request asked for, whatever the step was built to serve (a captured step
         # serves them all).
         self.sampler = FUSED_SAMPLER
         self.sliding_window = sliding_window
 
-    def attention_batch(self, plan: StepPlan, shape: StepShape, block_table: torch.Tensor, page_size: int,
-                        write_rows: torch.Tensor) -> AttentionBatch:
+    def attention_batch(self, plan: StepPlan, shape: StepShape, block_table: torch.Tensor,
+                        page_size: int) -> AttentionBatch:
         """The plan's row lists at the bucket's capacity: the kernels read each group's count on the device, and a
         row holds at least one token, so B rows cover every real one whatever the counts are."""
         B = shape.tokens
         rows = [(plan.decode_rows.head(B), 1), (plan.chunk_rows.head(B), QUERY_BLOCK)]
-        return AttentionBatch(write_rows, [], rows, block_table)
+        placed = self._cache_rows.write_rows(plan.token_slot[:B], plan.token_pos[:B], plan.token_valid[:B],
+                                             block_table, page_size)
+        return AttentionBatch(placed, [], rows, block_table)
 
     def rope(self, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return cos, sin  # the kernel reads each token's row itself
