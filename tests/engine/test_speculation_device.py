@@ -22,10 +22,11 @@ from tests.engine.test_speculation import PROMPTS, _spec
 # (tests/engine/test_speculation.py).
 ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=32, num_pages=64, page_size=8, max_model_len=96,
               dtype="float32")
-# Three speculating rows (two repeat their prompt: drafts accepted) and a penalised one, which never drafts.
+# Three speculating rows whose prompts repeat (drafts accepted), one of them sampled with a seed (its draws are plain
+# decoding's: each row's noise is its position's), and a penalised one, which never drafts.
 MIXED = {0: Request(PROMPTS[0], 20, temperature=0.0, ignore_eos=True, logprobs=2),
          1: Request(PROMPTS[1], 20, temperature=0.0, ignore_eos=True),
-         2: Request(PROMPTS[2], 9, temperature=0.0, ignore_eos=True),
+         2: Request(PROMPTS[0], 16, temperature=0.8, top_k=20, seed=7, ignore_eos=True),
          3: Request(PROMPTS[0], 12, temperature=0.0, ignore_eos=True, repetition_penalty=1.3)}
 
 
@@ -43,12 +44,15 @@ class Served:
 
 
 def _serve(spec: dict | None, requests: dict[int, Request], window: int = 8, cancel: tuple[int, int] | None = None,
-           max_steps: int = 200) -> tuple[Served, Engine]:
+           compiled: bool = False, max_steps: int = 200) -> tuple[Served, Engine]:
     """Serves `requests` through a device step over a table of `window`-token windows, reading after every step;
-    cancel: (slot, step) to cancel a slot at. Checks every page and draft came back."""
+    cancel: (slot, step) to cancel a slot at; compiled: the bookkeeping traced whole (aot_eager: a graph break
+    fails). Checks every page and draft came back."""
     engine = Engine(EngineConfig(model=str(ensure_tiny_model()), **ENGINE, speculative_config=spec))
     table = SlotTable.create(f"test-{uuid.uuid4().hex[:10]}", Geometry(4, 64, window, page_size=8))
     device = DeviceStep(engine, table)
+    if compiled:
+        device.step.compile_bookkeeping(backend="aot_eager")
     try:
         for slot, request in requests.items():
             table.publish(slot, request)
@@ -151,3 +155,11 @@ def test_the_device_modes_take_speculation_and_say_only_what_the_machine_lacks(s
         pytest.skip("the CPU's reason")
     with pytest.raises(RuntimeError, match="needs a CUDA device"):
         build("graph", engine, small_table)
+
+
+def test_the_compiled_bookkeeping_drafts_and_settles_as_the_eager_one(plain):
+    """Plan (drafts included) and commit (the runs' settle) traced whole by torch.compile, as a GPU may run them:
+    the same tokens."""
+    got, engine = _serve(_spec(4), MIXED, compiled=True)
+    assert {s: got.tokens(s) for s in MIXED} == {s: plain.tokens(s) for s in MIXED}
+    assert int(engine.state.spec_counts[2]) > 0
