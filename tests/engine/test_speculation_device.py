@@ -163,3 +163,43 @@ def test_the_compiled_bookkeeping_drafts_and_settles_as_the_eager_one(plain):
     got, engine = _serve(_spec(4), MIXED, compiled=True)
     assert {s: got.tokens(s) for s in MIXED} == {s: plain.tokens(s) for s in MIXED}
     assert int(engine.state.spec_counts[2]) > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["graph", "persistent"])
+def test_the_device_modes_serve_plain_decoding_s_tokens_with_drafts_accepted(mode):
+    """On a GPU, the captured step (graph replays, or the persistent loop) with drafts: the host mode's tokens
+    without them, drafts accepted, no page left behind."""
+    from blink.engine.drive.modes import build, unavailable
+
+    def serve(mode: str, spec: dict | None) -> tuple[dict[int, list[int]], Engine]:
+        engine = Engine(EngineConfig(model=str(ensure_tiny_model()), **ENGINE, speculative_config=spec))
+        table = SlotTable.create(f"test-{uuid.uuid4().hex[:10]}", Geometry(4, 64, 8, page_size=8))
+        try:
+            driver = build(mode, engine, table)
+            driver.start()
+            for slot, request in MIXED.items():
+                table.publish(slot, request)
+            tokens = {slot: [] for slot in MIXED}
+            deadline = time.monotonic() + 60
+            while not all(table.slots["state"][: len(MIXED)] == 3) and time.monotonic() < deadline:
+                time.sleep(0.001)
+                for slot in tokens:
+                    tokens[slot] += table.read(slot).tokens
+            for slot in tokens:
+                tokens[slot] += table.read(slot).tokens
+            driver.stop()
+            assert driver.failure is None and driver.resident == 0
+            driver.close()
+            assert int(engine.pool.num_free) == engine.pool.usable_pages
+            return tokens, engine
+        finally:
+            table.unlink()
+
+    why = unavailable(mode, torch.device("cuda"))
+    if why is not None:
+        pytest.skip(why)
+    want, _ = serve("host", None)
+    got, engine = serve(mode, _spec(4))
+    assert got == want
+    assert int(engine.state.spec_counts[2]) > 0
