@@ -76,6 +76,24 @@ def test_a_constrained_answer_keeps_its_think_block(engine):
     asyncio.run(run())
 
 
+def test_a_forced_tool_call_is_read_after_the_reasoning(engine):
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+    named = {"type": "function", "function": {"name": "get_weather"}}
+
+    async def run():
+        async with engine.ingress(reasoning_parser=PARSERS["qwen3"]) as (_, client):
+            engine.answer = '<think>Paris, surely.</think>{"city": "Paris"}'
+            whole = await client.chat.completions.create(model="m", messages=USER, tools=[weather], tool_choice=named)
+            assert engine.seen[-1].fields["reasoning_end_id"] == engine.tokenizer.raw.token_to_id("</think>")
+            choice = whole.choices[0]
+            assert choice.message.model_extra["reasoning_content"] == "Paris, surely."
+            assert [c.function.name for c in choice.message.tool_calls] == ["get_weather"]
+            assert json.loads(choice.message.tool_calls[0].function.arguments) == {"city": "Paris"}
+
+    asyncio.run(run())
+
+
 def test_a_marker_of_several_tokens_masks_from_the_first(tokenizer_dir, thinking_tokenizer):
     """The engine can only wait for one token: where `</think>` is several, the grammar masks from the first one (and
     the ingress leaves the answer unsplit, as before)."""
