@@ -21,7 +21,8 @@ def find_pages(state: Slots, pool: PagePool, policy: Policy, mirror: HostMirror 
                kernel: Callable | None = None):
     """Pages for the tokens taken: victims give theirs back when they run short, rotated out while the mirror has
     room; rotated requests come back when pages free. Returns (take, the page moves or None, [out, in] counts).
-    kernel: one of `make_room`'s arguments and results (the device step's), or None for it."""
+    kernel: a stand-in with `make_room`'s arguments and results (the device step's), or None for it; the mirror's
+    rotation out and back stays tensor ops either way (it runs only with a mirror)."""
     need, take, evicted, reserve, keep, victims = (kernel or make_room)(state, pool, policy, take, resident,
                                                                         precedence, mirror is not None)
     moves_out = _give_back(state, pool, mirror, evicted, victims)
