@@ -43,8 +43,9 @@ PICK_DEFINES = (*WANTS_A_STEP_DEFINES, f"-DNAP_MIN_NS={NAP_NS[0]}u", f"-DNAP_MAX
                 f"-DGRAMMAR_READY={READY}")
 
 # The loop's own part of DeviceDriver.idle's rule, in C (tests/engine/test_window_rule.py runs it on the host against
-# `due`): a submitted record is admissible only under the admission limit and, with a grammar, once the grammar gate
-# readied its block (engine/drive/device_grammars.py), so a record waiting at either does not make the loop step.
+# `idle` on the same table): a submitted record is admissible only under the admission limit and, with a grammar,
+# once the grammar gate readied its block (engine/drive/device_grammars.py), so a record waiting at either does not
+# make the loop step.
 DUE_C = r"""
 static __host__ __device__ __forceinline__ int due(unsigned int state, const unsigned char* record,
                                                    long long produced_at, long long consumed_at, long long cancel_at,
@@ -91,7 +92,6 @@ extern "C" __global__ void pick(
         volatile double* clock, double* origin_s, unsigned long long* origin_ns, const volatile long long* limit,
         const volatile int* grammar_ready, long long grammar_kind_at) {
     const long long want = demand[0];  // tokens the resident requests want, as the last step published
-    const bool under_limit = demand[1] < *limit;  // admission takes none past it (the host may move it any time)
     const bool fenced_now = *fenced != 0;  // a newer engine owns the table: idle until told to stop
     unsigned int ns = NAP_MIN_NS;
     for (;;) {
@@ -108,6 +108,7 @@ extern "C" __global__ void pick(
         // grammar's table is not in the arena yet, waits the same way.
         int work = want > 0;
         if (!work) {  // uniform: every thread read the same demand
+            const int under_limit = demand[1] < *limit;  // read each time round: the host may raise it during a nap
             for (long long s = threadIdx.x; s < num_slots; s += blockDim.x) {
                 const unsigned char* record = records + s * record_bytes;
                 const unsigned int state = *(const volatile unsigned int*)(record + state_at);
