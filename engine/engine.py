@@ -10,6 +10,7 @@ from functools import cached_property, partial
 
 import torch
 
+from blink.engine.core import kv_dtype
 from blink.engine.core.kv_cache import PagePool
 from blink.engine.core.policy import policy_named
 from blink.engine.core.prefix_cache import PrefixCache
@@ -50,6 +51,7 @@ class EngineConfig:
     seed: int = 0  # seeds requests that bring none
     load_format: str = "auto"  # auto: the checkpoint's safetensors; dummy: random weights of their shapes (vLLM's)
     quantization: str | None = None  # int8 | int4 | fp8 (quantized on load) | gguf (a GGUF's blocks): quant.py, fp8.py
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | fp8 | fp8_e4m3 | fp8_e5m2: engine/core/kv_dtype.py
     scheduling_policy: str = "slo"  # fcfs | priority | slo (blink.engine.core.policy)
     swap_space: float = 4.0  # GiB of host memory for KV rotation; 0: recompute preempted requests instead
     enable_prefix_caching: bool = True  # requests share the KV pages of equal prompt prefixes (vLLM's default)
@@ -73,6 +75,7 @@ class EngineConfig:
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a power of two, got {self.page_size}")
         policy_named(self.scheduling_policy)  # raises on an unknown name
+        kv_dtype.storage(self.kv_cache_dtype, torch.float32)  # raises on an unknown name
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
         if not 0 <= self.swap_space < float("inf"):
@@ -126,8 +129,13 @@ class Engine:
         if config.quantization != "fp8":  # the CPU's formats; FP8's rules are fp8.check's
             quant.check(config.quantization, self.device, config.load_format, config.tensor_parallel_size)
         fp8.check(config.quantization, cfg.fp8, config.tensor_parallel_size)
+        kv_dtype.check(config.kv_cache_dtype, self.device)  # before the weights load: minutes for a large model
+        self.kv_dtype = kv_dtype.storage(config.kv_cache_dtype, cfg.dtype)
         self.model = Transformer.from_checkpoint(self.model_dir, cfg, max_len, self.device, config.load_format,
                                                  self.shard, config.quantization)
+        if self.kv_dtype != cfg.dtype and self.model.kernels.name != "triton":  # never read FP8 pages wrong
+            raise ValueError(f"--kv-cache-dtype {config.kv_cache_dtype} needs the Triton kernels, not "
+                             f"{self.model.kernels.name}'s")
         if on_cuda:  # the loading's staging copies go back to the device before the KV pool is sized from what is free
             torch.cuda.empty_cache()
         pages_per_seq = -(-max_len // page)
@@ -145,11 +153,16 @@ class Engine:
             log.info("context limit lowered to %d tokens to fit the KV pool", max_len)
         self.max_model_len = max_len
         cache = PrefixCache(num_pages, page, self.device) if config.enable_prefix_caching else None
-        self.pool = PagePool(self.model.cfg, num_pages, page, self.device, cache)  # this rank's KV heads
+        scales = kv_dtype.checkpoint_scales(self.model_dir, cfg.num_layers) if self.kv_dtype != cfg.dtype else None
+        self.pool = PagePool(self.model.cfg, num_pages, page, self.device, cache, self.kv_dtype, scales)  # this rank's
+        if scales is not None:  # each layer's attention reads its own K and V scale (a view of the pool's)
+            for w, layer_scales in zip(self.model.layers, self.pool.scales, strict=True):
+                w.kv_scales = layer_scales
         # What the KV of a page depends on besides its tokens: the root of every page hash requests carry.
-        self.prefix_seed = prefix_seed(str(self.model_dir.resolve()), str(cfg.dtype), str(page))
+        stored = str(cfg.dtype) if self.kv_dtype == cfg.dtype else f"{cfg.dtype} as {self.kv_dtype}"
+        self.prefix_seed = prefix_seed(str(self.model_dir.resolve()), stored, str(page))
         self.state = Slots(num_slots, max_len, pages_per_seq, cfg.vocab_size, self.device)
-        mirror_pages = min(int(config.swap_space * 2**30) // PagePool.bytes_per_page(cfg, page),
+        mirror_pages = min(int(config.swap_space * 2**30) // self.pool.page_bytes,
                            num_slots * pages_per_seq) + 1
         self._mirror_pages = mirror_pages if config.swap_space > 0 and mirror_pages > 1 else 0
         spec = config.speculation
@@ -158,10 +171,12 @@ class Engine:
                          Speculation.of(spec, cfg, self.model.kernels.name == "cpu") if spec else None)
         if config.compile_bookkeeping:
             self.step.compile_bookkeeping()
-        log.info("engine ready: %s on %s in %s (dtype %s), %d slots, %d-token budget, %d KV pages of %d, context %d, "
-                 "%s scheduling, %d host pages for KV rotation, prefix caching %s, bookkeeping %s, speculation %s",
+        log.info("engine ready: %s on %s in %s (dtype %s), %d slots, %d-token budget, %d KV pages of %d in %s, "
+                 "context %d, %s scheduling, %d host pages for KV rotation, prefix caching %s, bookkeeping %s, "
+                 "speculation %s",
                  cfg.architecture, self.device, str(cfg.dtype).removeprefix("torch."), config.dtype, num_slots, budget,
-                 num_pages, page, max_len, config.scheduling_policy, max(0, self._mirror_pages - 1),
+                 num_pages, page, str(self.kv_dtype).removeprefix("torch."), max_len, config.scheduling_policy,
+                 max(0, self._mirror_pages - 1),
                  "on" if config.enable_prefix_caching else "off", "compiled" if config.compile_bookkeeping else "eager",
                  spec.model_dump(exclude_none=True) if spec else "off")
 
@@ -191,7 +206,7 @@ class Engine:
 
     def _pages_that_fit(self, cfg: ModelConfig, page: int, useful: int) -> int:
         fraction = self.config.kv_memory_fraction or (0.9 if self.device.type == "cuda" else 0.25)
-        per_page = PagePool.bytes_per_page(cfg, page)
+        per_page = PagePool.bytes_per_page(cfg, page, self.kv_dtype)
         return max(2, min(useful, int(available_memory(self.device) * fraction) // per_page))
 
 

@@ -3,6 +3,9 @@
 Page 0 is the null page: it is never handed out, block-table entries that point nowhere point at it,
 and padding tokens write their K/V there. Allocation and release are fixed-shape tensor work (masked
 scatters and prefix sums), so they run inside the step with no host sync.
+
+Pages are stored in the model's dtype or, with `--kv-cache-dtype fp8`, in float8 with a K and a V scale per layer
+(`scales`: blink.engine.core.kv_dtype), at half the bytes a page.
 """
 
 from __future__ import annotations
@@ -55,8 +58,11 @@ class FreeList:
 
 class PagePool:
     def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int, device: torch.device,
-                 prefix_cache: PrefixCache | None = None):
-        """prefix_cache: the pages' allocator with prefix caching (its pages shared and kept); else a FreeList."""
+                 prefix_cache: PrefixCache | None = None, kv_dtype: torch.dtype | None = None,
+                 scales: torch.Tensor | None = None):
+        """prefix_cache: the pages' allocator with prefix caching (its pages shared and kept); else a FreeList.
+        kv_dtype: what pages are stored in (None: the model's dtype); scales: float8 pages' [layers, 2] K and V
+        scales (None: 1.0)."""
         if num_pages < 2:
             raise ValueError(f"the KV pool needs at least 2 pages (one is the null page), got {num_pages}")
         self.num_pages = num_pages
@@ -64,8 +70,16 @@ class PagePool:
         shape = (cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
         # Zeroed so padding tokens that read never-written rows still see finite values; on the CPU in huge pages, as
         # decode attention streams them (blink.engine.model.huge_pages).
-        self.k = huge_pages.zeros(shape, cfg.dtype, device)
-        self.v = huge_pages.zeros(shape, cfg.dtype, device)
+        self.dtype = kv_dtype or cfg.dtype
+        self.k = huge_pages.zeros(shape, self.dtype, device)
+        self.v = huge_pages.zeros(shape, self.dtype, device)
+        self.page_bytes = self.bytes_per_page(cfg, page_size, self.dtype)
+        self.scales = None  # the model's dtype: no scales
+        if self.dtype.itemsize == 1:
+            ones = torch.ones(cfg.num_layers, 2, dtype=torch.float32)
+            self.scales = (ones if scales is None else scales.float()).to(device).contiguous()
+            if self.scales.shape != (cfg.num_layers, 2):
+                raise ValueError(f"KV scales must be [layers, 2] = [{cfg.num_layers}, 2], got {list(scales.shape)}")
         self.prefix_cache = prefix_cache
         self.free = prefix_cache or FreeList(num_pages, device)
 
@@ -78,8 +92,13 @@ class PagePool:
         return self.num_pages - 1
 
     @staticmethod
-    def bytes_per_page(cfg: ModelConfig, page_size: int) -> int:
-        return 2 * cfg.num_layers * page_size * cfg.kv_size * cfg.dtype.itemsize
+    def bytes_per_page(cfg: ModelConfig, page_size: int, kv_dtype: torch.dtype | None = None) -> int:
+        """A page's K and V over all layers, in kv_dtype (None: the model's dtype)."""
+        return 2 * cfg.num_layers * page_size * cfg.kv_size * (kv_dtype or cfg.dtype).itemsize
+
+    @property
+    def fp8(self) -> bool:
+        return self.scales is not None
 
     def allocate(self, need: torch.Tensor, block_table: torch.Tensor, pages_held: torch.Tensor,
                  max_new: int) -> None:

@@ -17,6 +17,10 @@ a GPU of 132 SMs, each reading the whole context alone. With SPLITS > 1 each row
 many spans its keys take (enough programs for twice the SMs over the live rows, MIN_SPAN keys a span at least,
 whole key tiles, no empty span); each writes its running maximum, sum and unnormalised output, takes a ticket on the
 row's lock, and the last to finish merges the spans into the output and leaves the lock at zero: no second kernel.
+
+FP8 pages (`--kv-cache-dtype fp8`, blink.engine.core.kv_dtype): K and V are stored as round(x / scale) in float8 with
+the layer's scales (`kv_scales`), and read back times the scale in the model's dtype; this step's keys, read from the
+projection, go through the same rounding, so a key attends the same whether it was computed now or read from a page.
 """
 
 from __future__ import annotations
@@ -46,6 +50,25 @@ def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _to_fp8(x, scale, DTYPE: tl.constexpr, FP8_MAX: tl.constexpr, ROUND_BITS: tl.constexpr):
+    """x / scale in float8 (DTYPE), saturated at its largest finite value. ROUND_BITS > 0 (the interpreter): rounded
+    to nearest-even in float32 first, dropping that many mantissa bits, as Triton 3.6's interpreter does not carry a
+    rounding into the exponent (1.97 -> 1.0 in E4M3); the float8 conversion of the rounded value is then exact."""
+    y = tl.clamp(x.to(tl.float32) / scale, -FP8_MAX, FP8_MAX)
+    if ROUND_BITS > 0:
+        bits = y.to(tl.int32, bitcast=True)
+        bits += (1 << (ROUND_BITS - 1)) - 1 + ((bits >> ROUND_BITS) & 1)
+        y = (bits & -(1 << ROUND_BITS)).to(tl.float32, bitcast=True)
+        y = tl.clamp(y, -FP8_MAX, FP8_MAX)
+    return y.to(DTYPE)
+
+
+@triton.jit
+def _from_fp8(x, scale, dtype: tl.constexpr):
+    return (x.to(tl.float32) * scale).to(dtype)
+
+
+@triton.jit
 def _roped(at, d, pos, mask, cos_ptr, sin_ptr, stride_cos, HALF: tl.constexpr):
     """RoPE (rotate-half) of a tile of head vectors: `at` [rows, 1] points at each row's head, d [1, D] the
     elements, pos [rows, 1] each row's position. Rounded as engine/kernels/rope_kv.py rounds (each product cast to
@@ -64,14 +87,15 @@ def _roped(at, d, pos, mask, cos_ptr, sin_ptr, stride_cos, HALF: tl.constexpr):
 def _sweep(q, k_ptr, v_ptr, table_ptr, slot, pos, lo, end, window, scale_log2,
            stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_table, kv_head, d, d_ok,
            start, first_pos, tokens, pos_ptr, write_ptr, k_new, v_new, stride_nkt, stride_nkh, stride_nvt,
-           stride_nvh, cos_ptr, sin_ptr, stride_cos,
+           stride_nvh, cos_ptr, sin_ptr, stride_cos, k_scale, v_scale,
            PAGE_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
            BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, ROPE: tl.constexpr,
-           HALF: tl.constexpr):
+           HALF: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr, ROUND_BITS: tl.constexpr):
     """The tile of queries `q` against the row's keys lo..end-1 with an online softmax: its running maximum, sum and
     unnormalised output. ROPE: this step's keys of the sequence (the batch tokens before the row's own, back to
     the first the step computes of it: a token of that position whose cache row is this one) are read from the
-    projection's output and roped here, not from the cache, which other programs of this launch may be writing."""
+    projection's output and roped here, not from the cache, which other programs of this launch may be writing.
+    FP8: the pages hold float8, read times k_scale / v_scale in q's dtype (this step's keys rounded as if stored)."""
     # A finite floor keeps rows that see no key in a tile (or padding rows) free of inf - inf.
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -95,12 +119,19 @@ def _sweep(q, k_ptr, v_ptr, table_ptr, slot, pos, lo, end, window, scale_log2,
                     mask=old, other=0.0)
         v = tl.load(v_ptr + (page * stride_vp + offset * stride_vs + kv_head * stride_vh)[:, None] + d[None, :],
                     mask=old, other=0.0)
+        if FP8:
+            k, v = _from_fp8(k, k_scale, q.dtype), _from_fp8(v, v_scale, q.dtype)
         if ROPE:
             new = kv_mask & fresh[:, None]
             k_fresh = _roped(k_new + (at * stride_nkt + kv_head * stride_nkh)[:, None], d[None, :], n[:, None], new,
                              cos_ptr, sin_ptr, stride_cos, HALF)
             v_fresh = tl.load(v_new + (at * stride_nvt + kv_head * stride_nvh)[:, None] + d[None, :], mask=new,
                               other=0.0)
+            if FP8:
+                k_fresh = _from_fp8(_to_fp8(k_fresh, k_scale, k_ptr.dtype.element_ty, FP8_MAX, ROUND_BITS), k_scale,
+                                    q.dtype)
+                v_fresh = _from_fp8(_to_fp8(v_fresh, v_scale, v_ptr.dtype.element_ty, FP8_MAX, ROUND_BITS), v_scale,
+                                    q.dtype)
             k = tl.where(new, k_fresh, k)
             v = tl.where(new, v_fresh, v)
         s = _dot(q, tl.trans(k), DOT_PRECISION, UPCAST) * scale_log2
@@ -125,11 +156,11 @@ def _attend_row(q_ptr, out_ptr, k_ptr, v_ptr, table_ptr, row, kv_head, hblock, s
                 stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_table,
                 scale_log2, window, span_max, span_sum, span_acc, locks, heads, programs, min_span,
                 tokens, pos_ptr, write_ptr, k_new, v_new, stride_nkt, stride_nkh, stride_nvt, stride_nvh,
-                cos_ptr, sin_ptr, stride_cos, writes,
+                cos_ptr, sin_ptr, stride_cos, writes, kv_scales,
                 GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr,
                 BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                 DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, SPLITS: tl.constexpr, ROPE: tl.constexpr,
-                HALF: tl.constexpr):
+                HALF: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr, ROUND_BITS: tl.constexpr):
     """One row's queries for one KV head's slice of query heads, or (SPLITS > 1, decode rows) one span of its keys.
     ROPE: q arrives unroped (roped here), and the program that `writes` puts the row's own keys (roped) and values
     into the cache for later steps."""
@@ -137,6 +168,9 @@ def _attend_row(q_ptr, out_ptr, k_ptr, v_ptr, table_ptr, row, kv_head, hblock, s
     length = tl.load(length_ptr + row)
     first_pos = tl.load(first_pos_ptr + row)
     slot = tl.load(slot_ptr + row)
+    k_scale, v_scale = 1.0, 1.0
+    if FP8:  # the layer's scales, read on the device: a captured step serves any checkpoint's
+        k_scale, v_scale = tl.load(kv_scales), tl.load(kv_scales + 1)
 
     # Tile row m is query m // BLOCK_H of the row, for query head (m % BLOCK_H) of this program's slice.
     m = tl.arange(0, BLOCK_M)
@@ -173,10 +207,13 @@ def _attend_row(q_ptr, out_ptr, k_ptr, v_ptr, table_ptr, row, kv_head, hblock, s
         page_of, offset_of = cache_row // PAGE_SIZE, cache_row % PAGE_SIZE
         k_own = _roped(k_new + ((start + m) * stride_nkt + kv_head * stride_nkh)[:, None], d[None, :],
                        (first_pos + m)[:, None], own, cos_ptr, sin_ptr, stride_cos, HALF)
-        tl.store(k_ptr + (page_of * stride_kp + offset_of * stride_ks + kv_head * stride_kh)[:, None] + d[None, :],
-                 k_own, mask=own)
         v_own = tl.load(v_new + ((start + m) * stride_nvt + kv_head * stride_nvh)[:, None] + d[None, :], mask=own,
                         other=0.0)
+        if FP8:
+            k_own = _to_fp8(k_own, k_scale, k_ptr.dtype.element_ty, FP8_MAX, ROUND_BITS)
+            v_own = _to_fp8(v_own, v_scale, v_ptr.dtype.element_ty, FP8_MAX, ROUND_BITS)
+        tl.store(k_ptr + (page_of * stride_kp + offset_of * stride_ks + kv_head * stride_kh)[:, None] + d[None, :],
+                 k_own, mask=own)
         tl.store(v_ptr + (page_of * stride_vp + offset_of * stride_vs + kv_head * stride_vh)[:, None] + d[None, :],
                  v_own, mask=own)
     if split < spans:
@@ -189,7 +226,8 @@ def _attend_row(q_ptr, out_ptr, k_ptr, v_ptr, table_ptr, row, kv_head, hblock, s
                                stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_table,
                                kv_head, d, d_ok, start, first_pos, tokens, pos_ptr, write_ptr, k_new, v_new,
                                stride_nkt, stride_nkh, stride_nvt, stride_nvh, cos_ptr, sin_ptr, stride_cos,
-                               PAGE_SIZE, HAS_WINDOW, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PRECISION, UPCAST, ROPE, HALF)
+                               k_scale, v_scale, PAGE_SIZE, HAS_WINDOW, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PRECISION,
+                               UPCAST, ROPE, HALF, FP8, FP8_MAX, ROUND_BITS)
         if spans == 1:
             acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
             tl.store(out_at, acc.to(out_ptr.dtype.element_ty), mask=q_mask)
@@ -231,12 +269,13 @@ def _paged_attention_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_table,
     scale_log2, window, span_max, span_sum, span_acc, locks, heads, programs, min_span,
-    pos_ptr, k_new, v_new, stride_nkt, stride_nkh, stride_nvt, stride_nvh, cos_ptr, sin_ptr, stride_cos,
+    pos_ptr, k_new, v_new, stride_nkt, stride_nkh, stride_nvt, stride_nvh, cos_ptr, sin_ptr, stride_cos, kv_scales,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     DECODES: tl.constexpr, D_BLOCK_H: tl.constexpr, D_BLOCK_M: tl.constexpr, SPLITS: tl.constexpr,
     CHUNKS: tl.constexpr, C_QUERIES: tl.constexpr, C_BLOCK_H: tl.constexpr, C_BLOCK_M: tl.constexpr,
-    ZERO_PADDING: tl.constexpr, ROPE: tl.constexpr, HALF: tl.constexpr,
+    ZERO_PADDING: tl.constexpr, ROPE: tl.constexpr, HALF: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr,
+    ROUND_BITS: tl.constexpr,
 ):
     """One launch for a step: along axis 0, first d_programs rows of decode programs (each a head slice and a span
     of keys: D_Z of them; they also zero the batch's padding tokens), then the prefill chunks' rows (blocks of
@@ -267,9 +306,9 @@ def _paged_attention_kernel(
                             stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_table,
                             scale_log2, window, span_max, span_sum, span_acc, locks, heads, programs, min_span,
                             tokens, pos_ptr, write_ptr, k_new, v_new, stride_nkt, stride_nkh, stride_nvt,
-                            stride_nvh, cos_ptr, sin_ptr, stride_cos, z == 0,
+                            stride_nvh, cos_ptr, sin_ptr, stride_cos, z == 0, kv_scales,
                             GROUP, HEAD_DIM, PAGE_SIZE, HAS_WINDOW, D_BLOCK_H, D_BLOCK_M, BLOCK_N, BLOCK_D,
-                            DOT_PRECISION, UPCAST, SPLITS, ROPE, HALF)
+                            DOT_PRECISION, UPCAST, SPLITS, ROPE, HALF, FP8, FP8_MAX, ROUND_BITS)
     elif CHUNKS:
         row = (tl.program_id(0) - d_programs * D_Z) // C_Z
         z = (tl.program_id(0) - d_programs * D_Z) % C_Z
@@ -281,9 +320,9 @@ def _paged_attention_kernel(
                         stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_table,
                         scale_log2, window, span_max, span_sum, span_acc, locks, heads, programs, min_span,
                         tokens, pos_ptr, write_ptr, k_new, v_new, stride_nkt, stride_nkh, stride_nvt, stride_nvh,
-                        cos_ptr, sin_ptr, stride_cos, z == 0,
+                        cos_ptr, sin_ptr, stride_cos, z == 0, kv_scales,
                         GROUP, HEAD_DIM, PAGE_SIZE, HAS_WINDOW, C_BLOCK_H, C_BLOCK_M, BLOCK_N, BLOCK_D,
-                        DOT_PRECISION, UPCAST, 1, ROPE, HALF)
+                        DOT_PRECISION, UPCAST, 1, ROPE, HALF, FP8, FP8_MAX, ROUND_BITS)
 
 
 @dataclass
@@ -340,7 +379,8 @@ def _locks(device: torch.device, n: int) -> torch.Tensor:
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
               groups: list[tuple[QueryRows, int]], block_table: torch.Tensor, scale: float,
               sliding_window: int | None, write_rows: torch.Tensor | None = None, out: torch.Tensor | None = None,
-              splits: int | None = None, min_span: int = MIN_SPAN, rope: Rope | None = None) -> torch.Tensor:
+              splits: int | None = None, min_span: int = MIN_SPAN, rope: Rope | None = None,
+              kv_scales: torch.Tensor | None = None) -> torch.Tensor:
     """Attention for the tokens of the row groups (decode rows: one query each; chunk rows: up to QUERY_BLOCK),
     in one launch, into `out` (new if None), returned.
 
@@ -352,6 +392,7 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     rope: this step's keys and values and the RoPE tables: q is then unroped, and the launch ropes q, writes the
     rows' K/V (roped) to the cache rows `write_rows` and reads this step's keys from `rope`, not from the cache
     (engine/kernels/rope_kv.py's work, in the same launch); None: q is roped and the cache already written.
+    kv_scales: float8 caches' K and V scales of this layer (float32 [2]; None: 1.0).
     """
     _, page_size, kv_heads, head_dim = k_cache.shape
     B, heads = q.shape[:2]
@@ -392,6 +433,11 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  rope.cos.stride(0))
     else:
         fresh = (q, q, q, 0, 0, 0, 0, q, q, 0)  # never read
+    fp8 = k_cache.element_size() == 1
+    if fp8:
+        assert v_cache.dtype == k_cache.dtype and q.dtype != k_cache.dtype
+        kv_scales = torch.ones(2, dtype=torch.float32, device=q.device) if kv_scales is None else kv_scales
+        assert kv_scales.dtype == torch.float32 and kv_scales.numel() == 2 and kv_scales.is_contiguous()
     grid = (d_programs * hblocks * splits + c_capacity * triton.cdiv(group, c_block_h), kv_heads)
     _paged_attention_kernel[grid](
         q, out, k_cache, v_cache, block_table, write_rows if zero_padding else d_rows.start, B,
@@ -400,6 +446,7 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         *k_cache.stride()[:3], *v_cache.stride()[:3], block_table.stride(0),
         scale * LOG2E, sliding_window or 0, *spans, locks, heads, _programs(q.device), min_span, *fresh,
+        kv_scales if fp8 else q,
         GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size, HAS_WINDOW=sliding_window is not None,
         BLOCK_N=KEY_TILE, BLOCK_D=block_d,
         # float32 through three TF32 products: about float32's accuracy on tensor cores (ieee spills on Hopper).
@@ -408,17 +455,26 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         DECODES=bool(decodes), D_BLOCK_H=d_block_h, D_BLOCK_M=d_block_m, SPLITS=splits,
         CHUNKS=bool(chunks), C_QUERIES=c_queries, C_BLOCK_H=c_block_h, C_BLOCK_M=c_block_m,
         ZERO_PADDING=zero_padding, ROPE=rope is not None, HALF=head_dim // 2,
+        FP8=fp8, FP8_MAX=torch.finfo(k_cache.dtype).max if fp8 else 0.0,
+        ROUND_BITS=fp8_round_bits(k_cache.dtype) if fp8 and q.device.type == "cpu" else 0,
         num_warps=4 if max(d_block_m, c_block_m if chunks else 0) * block_d <= ACCUMULATOR // 2 else 8,
     )
     return out
 
 
+def fp8_round_bits(dtype: torch.dtype) -> int:
+    """The float32 mantissa bits a float8 dtype drops (23 less its own): what `_to_fp8` rounds away itself in the
+    interpreter."""
+    return 23 - {torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}[dtype]
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: QueryRows,
                     queries_per_row: int, block_table: torch.Tensor, scale: float, sliding_window: int | None,
-                    out: torch.Tensor, splits: int | None = None, min_span: int = MIN_SPAN) -> torch.Tensor:
+                    out: torch.Tensor, splits: int | None = None, min_span: int = MIN_SPAN,
+                    kv_scales: torch.Tensor | None = None) -> torch.Tensor:
     """One row group's `attention` (every real row at most `queries_per_row` tokens long) written into out; other
     tokens of out are left alone."""
     if splits is not None:
         assert splits == 1 or queries_per_row == 1, "only decode rows split their keys"
     return attention(q, k_cache, v_cache, [(rows, queries_per_row)], block_table, scale, sliding_window,
-                     out=out, splits=splits, min_span=min_span)
+                     out=out, splits=splits, min_span=min_span, kv_scales=kv_scales)

@@ -35,6 +35,7 @@ class LayerWeights:
     gate_up: torch.Tensor | None  # gate and up projections fused: [2 * intermediate, hidden]; None in a MoE layer
     down: torch.Tensor | None
     moe: MoeWeights | None = None  # the layer's MLP is a mixture of experts
+    kv_scales: torch.Tensor | None = None  # float8 KV pages' K and V scales [2] (the pool's; engine/core/kv_dtype.py)
 
 
 def checkpoint_tensor_names(cfg: ModelConfig) -> list[str]:
