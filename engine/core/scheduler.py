@@ -92,6 +92,7 @@ class PlanKernels:
     """Kernels that stand in for parts of the plan, each with its torch reference's arguments and effects (the
     device step's, engine/kernels/); None: the reference runs."""
 
+    head: Callable | None = None  # _head
     hand_out: Callable | None = None  # _hand_out
     make_room: Callable | None = None  # paging._make_room
     lay_out: Callable[..., StepPlan] | None = None  # _lay_out
@@ -106,9 +107,9 @@ def plan(state: Slots, pool: PagePool, token_budget: int, policy: Policy, mirror
     """cost: the driver's step-time model; prompt_rows: the prompt logprobs one step may compute at most; kernels:
     the parts that run as kernels (the device step's); speculation: drafts for the decoding slots that may speculate
     (engine/core/speculation.py; the host mode's)."""
-    running, resident = _start_admitted(state)
-    precedence = lexsort(policy.keep_keys(state), first=torch.zeros_like(resident))  # the policy's order alone
-    live = _live(state, pool, policy, mirror, resident, precedence)
+    running, resident, precedence, live, starting = (kernels.head or _head)(state, policy, mirror)
+    if pool.prefix_cache is not None and not none_set(starting):
+        _reuse_prefix(state, pool.prefix_cache, starting)
     take, entries, order, cap = (kernels.hand_out or _hand_out)(state, policy, cost, token_budget, prompt_rows, live)
     if speculation is not None:  # drafts take what budget and pages the plan leaves, before pages are found
         take = take + speculation.draft(state, pool, policy, cost, take, live, order, cap)
@@ -124,6 +125,18 @@ def plan(state: Slots, pool: PagePool, token_budget: int, policy: Policy, mirror
     return (kernels.lay_out or _lay_out)(state, take, entries, moves, moved, token_budget, *drafts)
 
 
+def _head(state: Slots, policy: Policy, mirror: HostMirror | None):
+    """The plan's start: ADMITTED slots start RUNNING. Returns the running slots, the resident ones (not rotated
+    out), the policy's order alone (precedence: who keeps pages), the resident slots that may compute (live), and
+    those of them starting first, which take what the prefix cache holds of their prompt (starting)."""
+    running, resident = _start_admitted(state)
+    precedence = lexsort(policy.keep_keys(state), first=torch.zeros_like(resident))
+    fresh = resident & (state.num_computed == 0) & (state.pages_held == 0)
+    held_back = fresh & _hold_new(state, policy, mirror, precedence)
+    live = resident & ~state.paused & ~state.cancel & ~held_back
+    return running, resident, precedence, live, fresh & ~held_back & ~state.cancel
+
+
 def _start_admitted(state: Slots) -> tuple[torch.Tensor, torch.Tensor]:
     """ADMITTED slots start RUNNING. Returns the running slots and the resident ones (not rotated out)."""
     admitted = state.status_is(SlotStatus.ADMITTED)
@@ -131,16 +144,6 @@ def _start_admitted(state: Slots) -> tuple[torch.Tensor, torch.Tensor]:
     state.spec_rate.masked_fill_(admitted, 1.0)  # a new request trusts its drafts until they fail
     running = state.status_is(SlotStatus.RUNNING)
     return running, running & ~state.rotated
-
-
-def _live(state: Slots, pool: PagePool, policy: Policy, mirror: HostMirror | None, resident: torch.Tensor,
-          precedence: torch.Tensor) -> torch.Tensor:
-    """The resident slots that may compute; those starting first take what the prefix cache holds of their prompt."""
-    fresh = resident & (state.num_computed == 0) & (state.pages_held == 0)
-    held_back = fresh & _hold_new(state, policy, mirror, precedence)
-    if pool.prefix_cache is not None and not none_set(fresh):
-        _reuse_prefix(state, pool.prefix_cache, fresh & ~held_back & ~state.cancel)
-    return resident & ~state.paused & ~state.cancel & ~held_back
 
 
 def _hand_out(state: Slots, policy: Policy, cost: StepCost, token_budget: int, prompt_rows: int, live: torch.Tensor):

@@ -29,14 +29,14 @@ from blink.engine.engine import Engine
 from blink.engine.kernels import admission, page_release, step_cost
 from blink.engine.kernels import commit as commit_kernel
 from blink.engine.kernels.exchange import DeviceTable, Inbox, emit, report_demand, take_requests
-from blink.engine.kernels.hand_out import hand_out
+from blink.engine.kernels.hand_out import hand_out, head
 from blink.engine.kernels.lay_out import lay_out
 from blink.engine.kernels.make_room import make_room
 from blink.engine.kernels.rotation import copy_pages
 from blink.shared.slot_table import SlotState, SlotTable, slot_dtype, window_room
 
 # The plan's parts that run as kernels in the device step (unless the bookkeeping is compiled).
-PLAN_KERNELS = PlanKernels(hand_out=hand_out, make_room=make_room, lay_out=lay_out)
+PLAN_KERNELS = PlanKernels(head=head, hand_out=hand_out, make_room=make_room, lay_out=lay_out)
 
 # Every sampling feature is on: a captured step cannot branch on the requests it will meet (neutral parameters
 # leave tokens unchanged). The fused sampler branches per row on the device, so a row still pays only for its own.

@@ -1,9 +1,11 @@
-"""The plan's token hand-out as one Triton kernel: blink.engine.core.scheduler._hand_out (the torch reference: each
-slot's demand, the policy's budget order by a stable lexsort, its token cap, the budget handed out in that order and
-the prompt logprobs cut to the step's rows; about eighty small ops, a kernel each in a captured step) in one launch
-of one program over all slots. The stable sort is by ranks: a slot's rank is how many slots sort before it (its keys
-lexicographically less, or equal and its index less), counted in blocks of compares; the rest runs in the budget's
-order, gathered through the order the ranks scatter. tests/engine/test_hand_out_kernel.py holds it to the reference."""
+"""The plan's head as two Triton kernels, one program over all slots each, the prefix cache's reuse between them:
+`head` is blink.engine.core.scheduler._head (admitted slots start; the policy's order for pages; which slots may
+compute, and which start now), `hand_out` is scheduler._hand_out (each slot's demand, the policy's budget order by a
+stable lexsort, its token cap, the budget handed out in that order and the prompt logprobs cut to the step's rows);
+about a hundred small ops of the torch references, a kernel each in a captured step. A stable sort is by ranks: a
+slot's rank is how many slots sort before it (keys lexicographically less, or equal at a lower index), counted in
+blocks of compares, and order[rank] = slot; the hand-out then runs in that order, gathered through it.
+tests/engine/test_hand_out_kernel.py holds both to the references."""
 
 from __future__ import annotations
 
@@ -12,31 +14,102 @@ import triton
 import triton.language as tl
 
 from blink.engine.core.policy import MIN_CAPPED_TOKENS, POLICIES, PRIORITY, PRIORITY_BITS, Policy, StepCost
-from blink.engine.core.state import Slots
+from blink.engine.core.rotation import HostMirror
+from blink.engine.core.state import Slots, SlotStatus
 
 FCFS, BY_PRIORITY, SLO = (tl.constexpr(POLICIES.index(name)) for name in ("fcfs", "priority", "slo"))
+ADMITTED, RUNNING = tl.constexpr(int(SlotStatus.ADMITTED)), tl.constexpr(int(SlotStatus.RUNNING))
 COMPARE_BLOCK = 64  # slots compared against as many others at a time while ranking
 
 
 @triton.jit
-def _budget_keys(idx, real, demand_ptr, service_class, priority, ttft_deadline, arrival, prio_base,
-                 POLICY: tl.constexpr, PRIO_BITS: tl.constexpr):
-    """policy.budget_keys with lexsort's `first` (demand > 0) as lexsort sorts them: the small keys packed into one
-    int64 as it packs them, then (for slo) the TTFT deadline, then the arrival."""
-    demand = tl.load(demand_ptr + idx, mask=real, other=0)
-    later = (demand <= 0).to(tl.int64)  # ~first
-    prefill = (demand > 1).to(tl.int64)
+def _keys(idx, real, demand_ptr, service_class, priority, ttft_deadline, arrival, prio_base,
+          POLICY: tl.constexpr, PRIO_BITS: tl.constexpr, BUDGET: tl.constexpr):
+    """The policy's keys as lexsort sorts them: the small ones packed into one int64 as it packs them, then (slo) the
+    TTFT deadline, then the arrival. BUDGET: policy.budget_keys with `first` (demand > 0); else keep_keys (no first)."""
+    later = tl.full(idx.shape, 1, tl.int64)  # ~first, with no slot first
+    prefill = tl.zeros(idx.shape, tl.int64)
+    if BUDGET:
+        demand = tl.load(demand_ptr + idx, mask=real, other=0)
+        later = (demand <= 0).to(tl.int64)
+        prefill = (demand > 1).to(tl.int64)
+    head = later
     if POLICY == SLO:
-        cls = tl.load(service_class + idx, mask=real, other=0)
-        head = (later << 1 | cls) << 1 | prefill
-    else:
-        head = later << 1 | prefill
+        head = head << 1 | tl.load(service_class + idx, mask=real, other=0)
+    if BUDGET:
+        head = head << 1 | prefill
     if POLICY != FCFS:
         head = head << PRIO_BITS | (tl.load(priority + idx, mask=real, other=0) - prio_base)
     deadline = tl.zeros(idx.shape, tl.float64)  # fcfs and priority: no deadline
     if POLICY == SLO:
         deadline = tl.load(ttft_deadline + idx, mask=real, other=0.0)
     return head, deadline, tl.load(arrival + idx, mask=real, other=0)
+
+
+@triton.jit
+def _rank(order_ptr, rank_ptr, demand_ptr, service_class, priority, ttft_deadline, arrival, S, prio_base,
+          POLICY: tl.constexpr, PRIO_BITS: tl.constexpr, BUDGET: tl.constexpr, STORE_RANK: tl.constexpr,
+          BLOCK_S: tl.constexpr, BLOCK: tl.constexpr):
+    """The stable lexsort by ranks: order[rank] = slot (and rank[slot] = its rank, where STORE_RANK)."""
+    for i0 in range(0, BLOCK_S, BLOCK):
+        i = i0 + tl.arange(0, BLOCK)
+        head_i, deadline_i, arrival_i = _keys(i, i < S, demand_ptr, service_class, priority, ttft_deadline, arrival,
+                                              prio_base, POLICY, PRIO_BITS, BUDGET)
+        rank = tl.zeros((BLOCK,), tl.int32)
+        for j0 in range(0, BLOCK_S, BLOCK):
+            j = j0 + tl.arange(0, BLOCK)
+            head_j, deadline_j, arrival_j = _keys(j, j < S, demand_ptr, service_class, priority, ttft_deadline,
+                                                  arrival, prio_base, POLICY, PRIO_BITS, BUDGET)
+            hj, hi = head_j[:, None], head_i[None, :]
+            dj, di = deadline_j[:, None], deadline_i[None, :]
+            aj, ai = arrival_j[:, None], arrival_i[None, :]
+            tie = (aj < ai) | ((aj == ai) & (j[:, None] < i[None, :]))
+            if POLICY == SLO:
+                tie = (dj < di) | ((dj == di) & tie)
+            before = ((hj < hi) | ((hj == hi) & tie)) & (j < S)[:, None]
+            rank += tl.sum(before.to(tl.int32), 0)
+        tl.store(order_ptr + rank, i.to(tl.int64), mask=i < S)
+        if STORE_RANK:
+            tl.store(rank_ptr + i, rank.to(tl.int64), mask=i < S)
+
+
+@triton.jit(do_not_specialize=["S", "hold_below"])
+def _head(status_ptr, spec_rate_ptr, rotated_ptr, paused_ptr, cancel_ptr, computed_ptr, held_ptr,
+          service_class, priority, ttft_deadline, arrival, mirror_free,
+          running_ptr, resident_ptr, precedence_ptr, rank_ptr, live_ptr, starting_ptr,
+          S, hold_below, prio_base,
+          POLICY: tl.constexpr, PRIO_BITS: tl.constexpr, MIRROR: tl.constexpr,
+          BLOCK_S: tl.constexpr, BLOCK: tl.constexpr):
+    s = tl.arange(0, BLOCK_S)
+    real = s < S
+    status = tl.load(status_ptr + s, mask=real, other=0)
+    admitted = real & (status == ADMITTED)  # start RUNNING, trusting their drafts
+    tl.store(status_ptr + s, tl.full((BLOCK_S,), RUNNING, tl.int64), mask=admitted)
+    tl.store(spec_rate_ptr + s, tl.full((BLOCK_S,), 1.0, tl.float32), mask=admitted)
+    running = real & ((status == RUNNING) | admitted)
+    rotated = tl.load(rotated_ptr + s, mask=real, other=0) != 0
+    paused = tl.load(paused_ptr + s, mask=real, other=0) != 0
+    cancel = tl.load(cancel_ptr + s, mask=real, other=0) != 0
+    resident = running & ~rotated
+    _rank(precedence_ptr, rank_ptr, precedence_ptr, service_class, priority, ttft_deadline, arrival, S, prio_base,
+          POLICY, PRIO_BITS, False, MIRROR, BLOCK_S, BLOCK)  # the policy's order alone
+    fresh = resident & (tl.load(computed_ptr + s, mask=real, other=1) == 0) & (tl.load(held_ptr + s, mask=real,
+                                                                                       other=1) == 0)
+    held_back = tl.zeros((BLOCK_S,), tl.int1)
+    if MIRROR:  # scheduler._hold_new
+        tl.debug_barrier()  # every slot's rank is stored
+        rank = tl.load(rank_ptr + s, mask=real, other=0)
+        waiting = rotated & running & ~cancel & ~paused
+        behind = rank > tl.min(tl.where(waiting, rank, S), 0)
+        nearly_full = tl.load(mirror_free) < hold_below
+        held = (nearly_full & (tl.max(waiting.to(tl.int32), 0) > 0)) | behind
+        if POLICY == SLO:
+            held = held & (tl.load(service_class + s, mask=real, other=0) != 0)  # the latency-sensitive start
+        held_back = fresh & held
+    tl.store(running_ptr + s, running, mask=real)
+    tl.store(resident_ptr + s, resident, mask=real)
+    tl.store(live_ptr + s, resident & ~paused & ~cancel & ~held_back, mask=real)
+    tl.store(starting_ptr + s, fresh & ~held_back & ~cancel, mask=real)
 
 
 @triton.jit(do_not_specialize=["S", "budget", "floor", "prompt_rows"])  # no recompile for a value of 1
@@ -68,24 +141,8 @@ def _hand_out(live_ptr, seq_len_ptr, computed_ptr, prompt_logprobs_ptr, scored_p
     tl.store(cap_ptr, cap)
     tl.debug_barrier()  # the demands stored are every block's keys below
 
-    for i0 in range(0, BLOCK_S, BLOCK):  # each slot's rank in the budget's order; order[rank] = slot
-        i = i0 + tl.arange(0, BLOCK)
-        head_i, deadline_i, arrival_i = _budget_keys(i, i < S, demand_ptr, service_class, priority, ttft_deadline,
-                                                     arrival, prio_base, POLICY, PRIO_BITS)
-        rank = tl.zeros((BLOCK,), tl.int32)
-        for j0 in range(0, BLOCK_S, BLOCK):
-            j = j0 + tl.arange(0, BLOCK)
-            head_j, deadline_j, arrival_j = _budget_keys(j, j < S, demand_ptr, service_class, priority,
-                                                         ttft_deadline, arrival, prio_base, POLICY, PRIO_BITS)
-            hj, hi = head_j[:, None], head_i[None, :]
-            dj, di = deadline_j[:, None], deadline_i[None, :]
-            aj, ai = arrival_j[:, None], arrival_i[None, :]
-            tie = (aj < ai) | ((aj == ai) & (j[:, None] < i[None, :]))
-            if POLICY == SLO:
-                tie = (dj < di) | ((dj == di) & tie)
-            before = ((hj < hi) | ((hj == hi) & tie)) & (j < S)[:, None]
-            rank += tl.sum(before.to(tl.int32), 0)
-        tl.store(order_ptr + rank, i.to(tl.int64), mask=i < S)
+    _rank(order_ptr, order_ptr, demand_ptr, service_class, priority, ttft_deadline, arrival, S, prio_base,
+          POLICY, PRIO_BITS, True, False, BLOCK_S, BLOCK)  # the budget's order
     tl.debug_barrier()  # the whole order is stored before any slot reads it back
 
     # In the budget's order: each slot takes what the cap leaves after those before it.
@@ -123,3 +180,18 @@ def hand_out(state: Slots, policy: Policy, cost: StepCost, token_budget: int, pr
         POLICY=POLICIES.index(policy.name), SCORING=bool(prompt_rows), PRIO_BITS=PRIORITY_BITS,
         BLOCK_S=block_s, BLOCK=min(block_s, COMPARE_BLOCK))
     return take, entries, order, cap
+
+
+def head(state: Slots, policy: Policy, mirror: HostMirror | None):
+    """scheduler._head's arguments and results: (running, resident, precedence, live, starting)."""
+    S, device = state.num_slots, state.status.device
+    running, resident, live, starting = (torch.empty(S, dtype=torch.bool, device=device) for _ in range(4))
+    precedence, rank = (torch.empty(S, dtype=torch.int64, device=device) for _ in range(2))
+    block_s = triton.next_power_of_2(S)
+    _head[(1,)](
+        state.status, state.spec_rate, state.rotated, state.paused, state.cancel, state.num_computed,
+        state.pages_held, state.service_class, state.priority, state.ttft_deadline, state.arrival,
+        rank if mirror is None else mirror.free.num_free, running, resident, precedence, rank, live, starting,
+        S, 0 if mirror is None else mirror.hold_below, PRIORITY.ge, POLICY=POLICIES.index(policy.name),
+        PRIO_BITS=PRIORITY_BITS, MIRROR=mirror is not None, BLOCK_S=block_s, BLOCK=min(block_s, COMPARE_BLOCK))
+    return running, resident, precedence, live, starting

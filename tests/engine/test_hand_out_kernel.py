@@ -10,15 +10,18 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: the CPU runs the kernel
 
+import copy
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from blink.engine.core.policy import POLICIES, StepCost, policy_named
-from blink.engine.core.scheduler import _hand_out
-from blink.engine.core.state import Slots
-from blink.engine.kernels.hand_out import COMPARE_BLOCK, hand_out
+from blink.engine.core.rotation import HostMirror
+from blink.engine.core.scheduler import _hand_out, _head
+from blink.engine.core.state import Slots, SlotStatus
+from blink.engine.kernels.hand_out import COMPARE_BLOCK, hand_out, head
 
 
 def _state(rng: random.Random, S: int) -> tuple[Slots, torch.Tensor]:
@@ -87,3 +90,37 @@ def test_a_binding_tpot_cap_and_ties_in_arrival_order_as_the_reference():
     for got, want in zip((take, order, cap), (lambda r: (r[0], r[2], r[3]))(
             _hand_out(state, policy_named("slo"), cost, 4096, 0, live)), strict=True):
         assert torch.equal(got, want)
+
+
+def _mirror(num_free: int, hold_below: int) -> SimpleNamespace:
+    """What the plan's head reads of a host mirror: its free pages' count, and when it is nearly full (its own
+    rule)."""
+    mirror = SimpleNamespace(free=SimpleNamespace(num_free=torch.tensor(num_free)), hold_below=hold_below)
+    mirror.nearly_full = lambda: HostMirror.nearly_full(mirror)
+    return mirror
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_the_head_kernel_starts_the_plan_as_the_reference_does(name):
+    """_head's results (running, resident, precedence, live, starting) and its effects (the admitted slots' status
+    and draft rate), with and without a host mirror (nearly full or not, rotated requests waiting or not)."""
+    rng = random.Random(10 + POLICIES.index(name))
+    policy = policy_named(name)
+    for S in (1, 6, COMPARE_BLOCK + 3):
+        for trial in range(4):
+            state, _ = _state(rng, S)
+            state.status.copy_(torch.tensor([rng.choice(list(SlotStatus)) for _ in range(S)]))
+            state.spec_rate.copy_(torch.rand(S))
+            for field, p in (("rotated", 0.2), ("paused", 0.1), ("cancel", 0.1)):
+                getattr(state, field).copy_(torch.tensor([rng.random() < p for _ in range(S)]))
+            state.num_computed.masked_fill_(torch.tensor([rng.random() < 0.4 for _ in range(S)]), 0)
+            state.pages_held.copy_(torch.tensor([rng.choice([0, 0, 2]) for _ in range(S)]))
+            for mirror in (None, _mirror(10, 4), _mirror(3, 4)):
+                want_state, have_state = copy.deepcopy(state), copy.deepcopy(state)
+                want = _head(want_state, policy, mirror)
+                have = head(have_state, policy, mirror)
+                for field, w, h in zip(("running", "resident", "precedence", "live", "starting"), want, have,
+                                       strict=True):
+                    assert h.dtype == w.dtype and torch.equal(h, w), (name, S, trial, mirror, field, h, w)
+                for field in ("status", "spec_rate"):
+                    assert torch.equal(getattr(have_state, field), getattr(want_state, field)), field
