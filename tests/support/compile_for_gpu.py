@@ -58,13 +58,19 @@ attention_args = {**pointers("bf16", "q_ptr", "out_ptr", "k_ptr", "v_ptr"),
                                                                 for field in ("start", "length", "first_pos", "slot",
                                                                               "count"))),
                   **pointers("fp32", "span_max", "span_sum", "span_acc"), "locks": "*i32", "scale_log2": "fp32",
-                  **pointers("bf16", "k_new", "v_new", "cos_ptr", "sin_ptr"), "pos_ptr": "*i64"}
+                  **pointers("bf16", "k_new", "v_new", "cos_ptr", "sin_ptr"), "pos_ptr": "*i64", "kv_scales": "*fp32"}
 # A step's one launch: RoPE and the cache write, decode rows splitting their keys beside prefill chunks; chunks
 # alone over a written cache, with a window.
 both = dict(GROUP=4, HEAD_DIM=64, PAGE_SIZE=16, HAS_WINDOW=False, BLOCK_N=64, BLOCK_D=64, DOT_PRECISION="tf32",
             UPCAST=False, DECODES=True, D_BLOCK_H=4, D_BLOCK_M=16, SPLITS=8, CHUNKS=True, C_QUERIES=64, C_BLOCK_H=4,
-            C_BLOCK_M=256, ZERO_PADDING=True, ROPE=True, HALF=32)
+            C_BLOCK_M=256, ZERO_PADDING=True, ROPE=True, HALF=32, FP8=False, FP8_MAX=0.0, ROUND_BITS=0)
 chunks = both | dict(HAS_WINDOW=True, DECODES=False, SPLITS=1, ZERO_PADDING=False, ROPE=False)
+# FP8 pages (--kv-cache-dtype fp8 / fp8_e5m2): the same launch over float8 caches with the layer's scales.
+fp8_pages = both | dict(FP8=True, FP8_MAX=448.0)
+rope_kv_args = (pointers("bf16", "q_ptr", "k_ptr", "v_ptr", "q_out_ptr", "cos_ptr", "sin_ptr")
+                | pointers("i64", "pos_ptr", "write_ptr") | {"kv_scales": "*fp32"})
+rope_kv_sizes = dict(Q_HEADS=32, KV_HEADS=8, HALF=32, BLOCK_T=4, BLOCK_HQ=32, BLOCK_HKV=8, BLOCK_HALF=32,
+                     FP8=False, FP8_MAX=0.0, ROUND_BITS=0)
 logits = {"logits": "*fp32", "tokens": "*i64", "passes": "*i32"}
 results = [
     build(sampler._sample_kernel, "sampler: draw", dict(GREEDY_BELOW=1e-5, BLOCK=1024, PIVOTS=16),
@@ -90,14 +96,18 @@ results = [
     build(attention._paged_attention_kernel, "attention: rope, cache write, split decodes, chunks, padding", both,
           attention_args),
     build(attention._paged_attention_kernel, "attention: prefill chunks, a window", chunks, attention_args),
+    build(attention._paged_attention_kernel, "attention: FP8 E4M3 pages", fp8_pages,
+          attention_args | pointers("fp8e4nv", "k_ptr", "v_ptr")),
+    build(attention._paged_attention_kernel, "attention: FP8 E5M2 pages", fp8_pages | dict(FP8_MAX=57344.0),
+          attention_args | pointers("fp8e5", "k_ptr", "v_ptr")),
     build(activation._silu_and_mul_kernel, "silu(gate) * up", dict(N=8192, BLOCK_R=1, BLOCK=4096),
           pointers("bf16", "x_ptr", "out_ptr")),
     build(rms_norm._rms_norm_kernel, "rms_norm with the residual add", dict(N=2048, BLOCK_R=2, BLOCK=2048, ADD=True),
           pointers("bf16", "x_ptr", "delta_ptr", "sum_ptr", "w_ptr", "out_ptr") | {"eps": "fp32"}),
-    build(rope_kv._rope_and_cache_kernel, "rope and the cache write",
-          dict(Q_HEADS=32, KV_HEADS=8, HALF=32, BLOCK_T=4, BLOCK_HQ=32, BLOCK_HKV=8, BLOCK_HALF=32),
-          pointers("bf16", "q_ptr", "k_ptr", "v_ptr", "q_out_ptr", "k_cache_ptr", "v_cache_ptr", "cos_ptr", "sin_ptr")
-          | pointers("i64", "pos_ptr", "write_ptr")),
+    build(rope_kv._rope_and_cache_kernel, "rope and the cache write", rope_kv_sizes,
+          rope_kv_args | pointers("bf16", "k_cache_ptr", "v_cache_ptr")),
+    build(rope_kv._rope_and_cache_kernel, "rope and the cache write, FP8 pages", rope_kv_sizes | dict(FP8=True,
+          FP8_MAX=448.0), rope_kv_args | pointers("fp8e4nv", "k_cache_ptr", "v_cache_ptr")),
     build(moe._expert_product_kernel, "experts: gated products",
           dict(N=768, K=2048, GATHER=True, GATED=True, BLOCK_M=moe.BLOCK_M, BLOCK_N=moe.BLOCK_N, BLOCK_K=moe.BLOCK_K,
                PRECISION="tf32", UPCAST=False),
