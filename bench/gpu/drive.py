@@ -76,7 +76,8 @@ def engine_options(dry_run: bool) -> dict:
     # The variable `blink serve` reads too (shared.settings), read as its settings read it, so the phases that
     # start engines here and those that start servers agree.
     compiled = {"compile_bookkeeping": TypeAdapter(bool).validate_python(
-        os.environ.get("BLINK_COMPILE_BOOKKEEPING") or "false"), "quantization": os.environ.get("BLINK_QUANTIZATION")}
+        os.environ.get("BLINK_COMPILE_BOOKKEEPING") or "false"), "quantization": os.environ.get("BLINK_QUANTIZATION"),
+        "kv_cache_dtype": os.environ.get("BLINK_KV_CACHE_DTYPE") or "auto"}
     if dry_run:
         return {"dtype": "float32", "max_num_seqs": 8, "max_num_batched_tokens": 64, "max_model_len": 256,
                 "swap_space": 0, **compiled}

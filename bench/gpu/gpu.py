@@ -24,16 +24,18 @@ from pathlib import Path
 
 # name: its own timeout in seconds, in the order they run (the cheap, telling ones first)
 PHASES = {"env": 90, "model-llama3-1b": 150, "parity": 120, "persistent": 90, "model-llama3-8b": 200,
-          "model-llama3-8b-fp8": 150, "model-qwen3-30b-a3b-24l": 200, "interference": 300, "kv-pressure": 300,
-          "tests": 240}
+          "model-llama3-8b-fp8": 150, "model-llama3-8b-kv-fp8": 120, "model-qwen3-30b-a3b-24l": 200,
+          "interference": 300, "kv-pressure": 300, "tests": 240}
 
 
 # Named selections for one short device call: what each runs unless its own flags say otherwise.
 PROFILES = {
     # Issue 39's check in at most 7.5 minutes: the ceilings, both Llama shapes' captured steps (no host cells) at
     # batch 1 and 256 with their kernel counts and floors, greedy parity across the modes, and the kernel tests;
-    # then issue 43's: the 8B shape in FP8 at batch 1 and 256 (graph mode), last, so it takes only what is left.
-    "quick": {"phases": ["env", "model-llama3-1b", "model-llama3-8b", "parity", "tests", "model-llama3-8b-fp8"],
+    # then issue 43's: the 8B shape in FP8 at batch 1 and 256 (graph mode), and at 256 with FP8 KV pages beside bf16
+    # ones, last, so they take only what is left.
+    "quick": {"phases": ["env", "model-llama3-1b", "model-llama3-8b", "parity", "tests", "model-llama3-8b-fp8",
+                         "model-llama3-8b-kv-fp8"],
               "modes": ["graph", "persistent"], "batches": [1, 256], "budget_s": 450},
 }
 MODES = ("host", "graph", "persistent")
@@ -146,6 +148,9 @@ def summary(phases: dict[str, dict]) -> str:
                 over = ", ".join(f"{m} {x:.2f}x" for m, x in p["batch1_over_floor"].items())
                 lines.append(f"  batch-1 floor {p['floor_ms']:.2f} ms ({p['floor_bytes'] / 1e9:.2f} GB over "
                              f"{p['floor_bandwidth']}); measured over it: {over}")
+            if "fp8_over_auto_ms_per_step" in p:  # the KV-pages phase: rows auto and fp8 above, in one mode
+                lines.append(f"  {p['mode']}, batch {p['batch']}: FP8 KV pages take "
+                             f"{p['fp8_over_auto_ms_per_step']:.2f}x the step time of the model dtype's")
             if "profile_ms" in p:
                 lines.append("  eager step GPU ms: " + ", ".join(f"{k} {v:.3f}" for k, v in p["profile_ms"].items()))
     if against := phases.get("parity", {}).get("against_host"):

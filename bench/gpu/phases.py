@@ -151,6 +151,32 @@ def fp8_model(out: dict, dry_run: bool, shape: str) -> None:
     model(out, dry_run, shape)
 
 
+def fp8_kv(out: dict, dry_run: bool, shape: str) -> None:
+    """A shape's decode at the KV-heavy batch (the largest asked, 256 by default) with pages in the model's dtype,
+    then in FP8 (`--kv-cache-dtype fp8`, issue 43), side by side in the graph mode: each one's step time and their
+    ratio. Only where FP8 pages run (the Triton kernels on CUDA, compute capability 8.9+ for float8 conversions)."""
+    if dry_run or not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)):
+        out["skipped"] = "no GPU with float8 conversions (CUDA, compute capability 8.9+): FP8 KV pages need one"
+        return
+    directory = model_dir(shape, dry_run)
+    modes = drive_modes(dry_run)
+    mode = "graph" if "graph" in modes else modes[0]
+    batch = max(_SELECTION["batches"] or [256])
+    out.update(mode=mode, batch=batch, steps={})
+    for kv in ("auto", "fp8"):
+        os.environ["BLINK_KV_CACHE_DTYPE"] = kv  # engine_options reads it, as `blink serve`'s settings would
+        try:
+            out["steps"][kv] = step_times(directory, dry_run, mode, [batch])
+        except Exception as e:  # the other still runs
+            out["steps"][kv] = {"error": failure(e)}
+        _save(out)
+        _free()
+    os.environ.pop("BLINK_KV_CACHE_DTYPE", None)
+    times = [out["steps"][kv].get(str(batch), {}).get("ms_per_step") for kv in ("auto", "fp8")]
+    if all(times):
+        out["fp8_over_auto_ms_per_step"] = times[1] / times[0]
+
+
 def failure(e: BaseException, limit: int = 4000) -> str:
     """What failed, for a phase's JSON: the exception and the end of its traceback, its cause's included (a lent
     GPU's run is read afterwards, so the frame that failed must be in it)."""
@@ -268,8 +294,7 @@ def _first_divergence(a: list[int], b: list[int]) -> int | None:
 
 
 def _kv_bytes_per_token(engine) -> int:
-    cfg = engine.model_config
-    return 2 * cfg.num_layers * cfg.kv_size * cfg.dtype.itemsize
+    return engine.pool.page_bytes // engine.pool.page_size  # in the pages' dtype (FP8 with --kv-cache-dtype fp8)
 
 
 def _median_seconds(fn, repeats: int) -> float:
@@ -325,6 +350,7 @@ def _env_result() -> dict:
 PHASES = {"env": env, "model-llama3-1b": lambda o, d: model(o, d, SHAPES[0]),
           "model-llama3-8b": lambda o, d: model(o, d, SHAPES[1]),
           "model-llama3-8b-fp8": lambda o, d: fp8_model(o, d, SHAPES[1]), "parity": parity, "persistent": persistent,
+          "model-llama3-8b-kv-fp8": lambda o, d: fp8_kv(o, d, SHAPES[1]),
           "model-qwen3-30b-a3b-24l": lambda o, d: model(o, d, SHAPES[2]),
           "interference": lambda o, d: interference(o, d, _save), "kv-pressure": lambda o, d: kv_pressure(o, d, _save),
           "tests": tests}

@@ -486,7 +486,8 @@ def test_bench_gpu_dry_run_runs_every_phase_and_says_what_it_skipped(tmp_path, c
     result = json.loads(path.read_text())
     phases = result["phases"]
     assert list(phases) == ["env", "model-llama3-1b", "parity", "persistent", "model-llama3-8b",
-                            "model-llama3-8b-fp8", "model-qwen3-30b-a3b-24l", "interference", "kv-pressure", "tests"]
+                            "model-llama3-8b-fp8", "model-llama3-8b-kv-fp8", "model-qwen3-30b-a3b-24l",
+                            "interference", "kv-pressure", "tests"]
     assert all(p["status"] == "ok" for p in phases.values()), {n: p.get("output_tail") for n, p in phases.items()}
     assert result["machine"]["logical_cores"] >= 1 and phases["env"]["modes"] == ["host"]
     steps = phases["model-llama3-1b"]["steps"]["host"]
@@ -497,6 +498,7 @@ def test_bench_gpu_dry_run_runs_every_phase_and_says_what_it_skipped(tmp_path, c
     assert host["mixed_teacher_forced_gap"] < 1e-3
     assert "skipped" in phases["persistent"] and "skipped" in phases["tests"]
     assert "skipped" in phases["model-llama3-8b-fp8"]  # FP8 products need a GPU
+    assert "skipped" in phases["model-llama3-8b-kv-fp8"]  # and FP8 KV pages
     pressure = phases["kv-pressure"]["runs"]["host"]
     assert set(pressure) == {"rotation", "recompute"}
     assert all(r["completed"] == 16 and r["latency_sensitive"]["completed"] for r in pressure.values())
