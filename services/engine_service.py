@@ -92,7 +92,7 @@ class EngineService:
             drive=self.driver.mode, pid=os.getpid(), rank_pids=self.ranks.pids if self.ranks else [],
             scheduling_policy=settings.scheduling_policy,
             kv_host_pages=self.driver.mirror.num_pages - 1 if self.driver.mirror else 0,
-            prefix_caching=settings.enable_prefix_caching,
+            prefix_caching=settings.enable_prefix_caching, kv_cache_dtype=settings.kv_cache_dtype,
             limitations=list(self.driver.limitations),
             max_grammar_bytes=geometry.max_grammar_bytes,
         )

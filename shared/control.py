@@ -133,6 +133,7 @@ class EngineInfo(BaseModel):
     scheduling_policy: str = "slo"
     kv_host_pages: int = 0  # the host mirror KV pages rotate to; 0: recompute only
     prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"  # how KV pages are stored (--kv-cache-dtype)
     limitations: list[str] = []  # what the drive mode does not do yet (blink.engine.drive.driver.Driver)
     max_grammar_bytes: int = 0  # the largest structured-output spec a record holds; 0: none
 
@@ -144,7 +145,7 @@ class EngineInfo(BaseModel):
     def policies(self) -> dict[str, str]:
         """How the engine schedules, in words: the start-up log and blink:engine_info's labels say it."""
         return {"scheduling_policy": self.scheduling_policy, "kv_rotation": "on" if self.kv_host_pages else "off",
-                "prefix_caching": "on" if self.prefix_caching else "off"}
+                "prefix_caching": "on" if self.prefix_caching else "off", "kv_cache_dtype": self.kv_cache_dtype}
 
 
 class EngineStatus(BaseModel):
