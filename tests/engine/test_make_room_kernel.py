@@ -2,8 +2,8 @@
 (blink.engine.core.paging.make_room) does, field by field (new pages, tokens, evicted, reserve, the keep and victim
 orders, the evicted's counts): random states with prefix pages shared at the same columns (as hits map them), pools
 short by a little and by a lot, cancelled slots, latency-sensitive and best-effort mixes with ties in priority and
-arrival, every policy, with and without prefix caching and a mirror; and find_pages with and without it leaves the
-same pages, tables and counts."""
+arrival, every policy, with and without prefix caching and a mirror; find_pages with and without it leaves the
+same pages, tables and counts; and a device step short of pages with no mirror serves what the host mode serves."""
 
 from __future__ import annotations
 
@@ -159,3 +159,55 @@ def test_find_pages_with_the_kernel_leaves_what_the_reference_leaves(policy):
         assert bool((state.block_table[held] != NULL_PAGE).all())
         preempted += int(state.num_preemptions)
     assert preempted > 0
+
+
+def test_the_device_step_makes_room_without_a_mirror_as_the_host_does(checkpoint, small_table):
+    """Requests sharing a prompt prefix in a pool far too small and no mirror: the device step (its make-room kernel
+    evicting and counting the evicted) serves the tokens, finishes and preemptions the host mode serves."""
+    import dataclasses
+
+    from blink.engine.drive.device_step import DeviceStep
+    from blink.engine.drive.host import HostDriver
+    from blink.engine.engine import Engine, EngineConfig
+    from blink.shared.slot_table import Request
+
+    prefix = list(range(10, 26))  # two pages of 8
+    requests = {slot: Request([*prefix, *range(30 + 9 * slot, 36 + 9 * slot)], 18, temperature=0.0, ignore_eos=True)
+                for slot in range(4)}
+
+    def serve(device: bool) -> dict:
+        engine = Engine(EngineConfig(model=str(checkpoint("qwen3")), max_num_seqs=4, max_num_batched_tokens=32,
+                                     num_pages=11, page_size=8, max_model_len=64, swap_space=0))
+        assert engine.mirror is None and engine.pool.prefix_cache is not None
+        if device:
+            stepper = DeviceStep(engine, small_table)
+            step = lambda: stepper.run(stepper.buckets[-1])  # noqa: E731 - the whole budget, as the host plans
+        else:
+            step = HostDriver(engine, small_table).step
+        for slot, request in requests.items():
+            small_table.publish(slot, request)
+        got = {slot: ([], None, None) for slot in requests}
+        try:
+            for i in range(400):
+                step()
+                if i % 2:
+                    for slot in requests:
+                        out = small_table.read(slot)
+                        tokens, finish, stats = got[slot]
+                        got[slot] = (tokens + out.tokens, out.finish or finish, out.stats or stats)
+                if all(finish for _, finish, _ in got.values()):
+                    break
+            else:
+                raise AssertionError(f"not finished: {got}")
+            assert int(engine.pool.num_free) == engine.pool.usable_pages
+        finally:
+            if device:
+                stepper.close()
+            for slot in requests:
+                small_table.free(slot)
+        return {slot: (tokens, finish, dataclasses.replace(stats, wait_ms=0)) for slot, (tokens, finish, stats)
+                in got.items()}
+
+    host = serve(device=False)
+    assert sum(stats.preemptions for *_, stats in host.values()) > 0  # the pool ran short
+    assert serve(device=True) == host
