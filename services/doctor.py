@@ -58,7 +58,18 @@ def _features() -> list[Capability]:
     prefix = Capability("feature", "prefix-cache", True, "every drive mode: the step looks prompts' page hashes up on "
                         "the engine's device and shares cached KV pages; on unless --no-enable-prefix-caching")
     features = [prefix, _structured_outputs()]
-    return [*features, *_cpu_kernels(), _huge_pages()] if importlib.util.find_spec("torch") else features
+    return [*features, *_cpu_kernels(), _huge_pages(), _fp8_kv_cache()] if importlib.util.find_spec("torch") \
+        else features
+
+
+def _fp8_kv_cache() -> Capability:
+    """Whether --kv-cache-dtype fp8 runs here: the Triton kernels' float8 pages (blink.engine.core.kv_dtype)."""
+    import torch
+
+    here = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+    return Capability("feature", "fp8-kv-cache", here, "--kv-cache-dtype fp8 / fp8_e5m2: KV pages in float8 with "
+                      "per-layer scales, half the bytes, read by the Triton kernels" + ("" if here else
+                      " on a GPU of compute capability 8.9+ (none here: the flag is refused at start)"))
 
 
 def _structured_outputs() -> Capability:

@@ -33,11 +33,17 @@ def storage(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
 
 def check(kv_cache_dtype: str, device: torch.device) -> None:
     """Refuses FP8 pages where the kernels that would run cannot read them (before the model loads): the Triton
-    kernels run on CUDA unless BLINK_KERNELS names another set, and on the CPU only when it names triton."""
+    kernels run on CUDA (8.9+: float8 conversions) unless BLINK_KERNELS names another set, and on the CPU only when
+    it names triton (the interpreter)."""
     if kv_cache_dtype == "auto":
         return
     chosen = os.environ.get("BLINK_KERNELS")
-    if chosen == "triton" or (device.type == "cuda" and chosen is None):
+    if device.type == "cuda" and chosen in (None, "triton"):
+        if torch.cuda.get_device_capability(device) < (8, 9):  # Triton converts to float8 from Ada/Hopper on
+            raise ValueError(f"--kv-cache-dtype {kv_cache_dtype} needs a GPU of compute capability 8.9+ (float8 "
+                             f"conversions), not {torch.cuda.get_device_name(device)}")
+        return
+    if chosen == "triton":
         return
     runs = chosen or "the C++ CPU kernels or the torch reference"
     raise ValueError(f"--kv-cache-dtype {kv_cache_dtype} stores KV pages in FP8, which only the Triton kernels read: "

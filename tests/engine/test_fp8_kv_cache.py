@@ -176,7 +176,14 @@ def test_the_choice_is_checked_and_the_default_device_refuses_it_without_a_gpu(m
     monkeypatch.delenv("BLINK_KERNELS", raising=False)
     with pytest.raises(ValueError, match="fp8_e5m2"):
         kv_dtype.check("fp8_e5m2", torch.device("cpu"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     kv_dtype.check("fp8", torch.device("cuda"))  # the Triton kernels run there
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "an A100")
+    with pytest.raises(ValueError, match=r"compute capability 8\.9\+"):
+        kv_dtype.check("fp8", torch.device("cuda"))
+    monkeypatch.setenv("BLINK_KERNELS", "triton")
+    kv_dtype.check("fp8", torch.device("cpu"))  # the interpreter, for tests
     kv_dtype.check("auto", torch.device("cpu"))
     assert kv_dtype.storage("fp8", torch.bfloat16) == kv_dtype.storage("fp8_e4m3", torch.float32)
     assert kv_dtype.storage("auto", torch.bfloat16) == torch.bfloat16
