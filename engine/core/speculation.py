@@ -19,7 +19,8 @@ accepted as tensor work on the engine's device, with no host read.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -50,6 +51,9 @@ class Speculation:
     # What a draft's logits row costs besides its token's forward, as a share of that forward (the step-cost fit's
     # per-token cost is the layers' alone: prefill tokens compute no logits): the output embedding over the layers.
     row_share: float = 0.0
+    # settle's kernel (blink.engine.kernels.commit.settle_runs, the device step's), taking the speculation first;
+    # None: the torch reference.
+    settle_kernel: Callable | None = field(default=None, compare=False)
 
     @classmethod
     def of(cls, config: SpeculativeConfig, model: ModelConfig | None = None, decode_runs: bool = False) -> Speculation:
@@ -115,7 +119,8 @@ class Speculation:
         occurrence of the sequence's last n tokens, the longest n in [lookup_min, lookup_max] that has one. Only
         the history the slots that want drafts have is searched, where the host knows its length for free."""
         tokens, seq = state.tokens, state.seq_len
-        W = host_bound(torch.where(wants, seq, 0).amax(), tokens.shape[1] - 1)  # the trash column is no history
+        # The trash column is no history; one column at least, should the skip before (none_set) not have looked.
+        W = max(host_bound(torch.where(wants, seq, 0).amax(), tokens.shape[1] - 1), 1)
         history = tokens[:, :W]
         j = torch.arange(W, device=seq.device)  # where a match ends (its last token)
         matched = j[None, :] < (seq - 1)[:, None]  # an earlier occurrence ends before the last token
@@ -156,6 +161,8 @@ class Speculation:
                count_outputs: bool) -> StepOutput:
         """commit.settle for steps with drafts: each slot's rows, in position order, accepted up to the first whose
         token differs from the draft after it; emitted up to the first that ends the request."""
+        if self.settle_kernel is not None and not torch.compiler.is_compiling():
+            return self.settle_kernel(self, state, plan, rows, out, logits, eos_ids, count_outputs)
         S, K = state.num_slots, self.k
         slot, sampled = plan.sample_slot[:rows], plan.sample_valid[:rows]
         seq = state.seq_len[slot]

@@ -11,6 +11,7 @@ when it likes, to pick the next bucket.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 
 import numpy as np
@@ -89,6 +90,9 @@ class DeviceStep:
         self.cost_model = StepCostModel(self.step.cost)  # fed from the clock the steps read: the TPOT cap's fit
         if self.step.committer is commit:  # the commit's per-slot part in one kernel, unless it was compiled
             self.step.committer = functools.partial(commit, settler=commit_kernel.settle)
+            if self.step.speculation is not None:  # and its settle of runs with drafts
+                self.step.speculation = dataclasses.replace(self.step.speculation,
+                                                            settle_kernel=commit_kernel.settle_runs)
 
     @property
     def fenced(self) -> bool:
