@@ -19,7 +19,6 @@ import torch
 
 from blink.engine.core.admission import admit, field_views
 from blink.engine.core.commit import commit
-from blink.engine.core.kv_cache import PagePool
 from blink.engine.core.policy import StepCostModel
 from blink.engine.core.sampler import SamplerFeatures
 from blink.engine.core.scheduler import PlanKernels, max_chunk_rows, plan
@@ -77,7 +76,7 @@ class DeviceStep:
         self._record = slot_dtype(table.geometry)
         self._demand = device_alias(self.demand, device)
         self.buckets = self.step.token_buckets
-        self.page_bytes = PagePool.bytes_per_page(engine.model_config, engine.pool.page_size)
+        self.page_bytes = engine.pool.page_bytes  # in the pages' dtype (FP8 pages: half)
         # KV rotation (--swap-space): the plan lays out page moves on the device and the step copies them between
         # the pool and the mirror's pinned memory, which the device addresses directly.
         self.mirror = engine.mirror

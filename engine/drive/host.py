@@ -23,7 +23,6 @@ import torch
 from blink.engine.core.admission import Admitted, admit_records
 from blink.engine.core.commit import PromptScores, StepOutput
 from blink.engine.core.grammar import SlotGrammars
-from blink.engine.core.kv_cache import PagePool
 from blink.engine.core.policy import StepCostModel
 from blink.engine.core.sampler import SamplerFeatures, features_asked
 from blink.engine.core.state import Slots
@@ -124,7 +123,7 @@ class HostRank:
         self.last_output: StepOutput | None = None  # kept for inspection (tests, debugging)
         self.ran = False  # whether the last step ran the model (False: nothing resident, or all paused)
         self.cost_model = StepCostModel(engine.step.cost, device=torch.device("cpu"))  # timed on the host's clock
-        self.page_bytes = PagePool.bytes_per_page(engine.model_config, engine.pool.page_size)
+        self.page_bytes = engine.pool.page_bytes  # in the pages' dtype (FP8 pages: half)
         self._planned_at: float | None = None
         self._arrivals = 0
         self.grammars = SlotGrammars(engine.tokenizer.raw, engine.model_config.vocab_size,
