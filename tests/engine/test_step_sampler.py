@@ -129,3 +129,34 @@ def test_each_row_pays_for_what_it_asked():
     assert passes[0] == 1  # greedy, no logprobs
     assert 1 + 2 + 6 <= passes[1] <= 1 + 2 + 9  # plain sampling, and logprobs
     assert passes[2] == 2  # min-p: the maximum, then the draw
+
+
+def test_the_triton_step_serves_every_feature_as_the_torch_one(checkpoint, monkeypatch):
+    """Whole steps: the Triton kernel set (the step kernels) and the torch one (gathers and `sample`) give the same
+    tokens, logprobs and prompt logprobs to requests that use every sampling feature side by side."""
+    from blink.engine import LLM, SamplingParams
+
+    # The second request's bias would pick token 100 at once, but 100 stops it, held back for min_tokens.
+    prompts = [list(range(3, 12)), [*range(20, 45), 483, 537, 340, 727], [7] * 6]
+    params = [SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.02, seed=5, max_tokens=5, logprobs=3,
+                             repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.3,
+                             logit_bias={30: 3.0, 31: -2.0}, prompt_logprobs=2),
+              SamplingParams(temperature=0, max_tokens=6, min_tokens=4, stop_token_ids=[100, 41], logprobs=0,
+                             repetition_penalty=3.0, presence_penalty=2.0, logit_bias={100: 6.0}),
+              SamplingParams(temperature=1.2, seed=9, max_tokens=5, repetition_penalty=0.8)]
+    results = {}
+    for kernels in ("torch", "triton"):
+        monkeypatch.setenv("BLINK_KERNELS", kernels)
+        llm = LLM(str(checkpoint("mistral")), max_num_seqs=4, max_num_batched_tokens=32, num_pages=40, page_size=8,
+                  max_model_len=64)
+        assert (llm.engine.step.sampler.step is not None) == (kernels == "triton")
+        results[kernels] = llm.generate(prompts, params)
+    for expected, got in zip(results["torch"], results["triton"], strict=True):
+        assert got.token_ids == expected.token_ids
+        for want, have in zip([*(expected.logprobs or []), *(expected.prompt_logprobs or [])[1:]],
+                              [*(got.logprobs or []), *(got.prompt_logprobs or [])[1:]], strict=True):
+            assert have.keys() == want.keys()
+            for token, logprob in want.items():
+                assert have[token] == pytest.approx(logprob, abs=1e-4)
+    assert len(results["torch"][0].prompt_logprobs) == len(prompts[0])
+    assert results["torch"][1].token_ids[-1] == 100 and len(results["torch"][1].token_ids) == 5  # held, then stopped
