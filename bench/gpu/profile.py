@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import time
+import types
 import uuid
 from contextlib import contextmanager
 
@@ -97,7 +98,10 @@ def _stages(core_step: Step):
     for (owner, name, stage), (_, _, original) in zip(targets, saved, strict=True):
         setattr(owner, name, _ranged(original, f"blink.{stage}"))
     sampler = core_step.sampler
-    core_step.sampler = Sampler(_ranged(sampler.sample, "blink.sample"), _ranged(sampler.logprobs, "blink.sample"))
+    kernels = sampler.step and types.SimpleNamespace(rows_read=sampler.step.rows_read,  # the step's own, if any
+                                                     sample=_ranged(sampler.step.sample, "blink.sample"))
+    core_step.sampler = Sampler(_ranged(sampler.sample, "blink.sample"), _ranged(sampler.logprobs, "blink.sample"),
+                                kernels)
     try:
         yield
     finally:
