@@ -73,7 +73,7 @@ class PagePool:
         self.dtype = kv_dtype or cfg.dtype
         self.k = huge_pages.zeros(shape, self.dtype, device)
         self.v = huge_pages.zeros(shape, self.dtype, device)
-        self.page_bytes = self.bytes_per_page(cfg, page_size, self.dtype)
+        self.page_bytes = self.k[:, 0].nbytes * 2  # a page's K and V over all layers
         self.scales = None  # the model's dtype: no scales
         if self.dtype.itemsize == 1:
             ones = torch.ones(cfg.num_layers, 2, dtype=torch.float32)

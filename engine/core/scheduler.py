@@ -94,7 +94,7 @@ class PlanKernels:
 
     head: Callable | None = None  # _head
     hand_out: Callable | None = None  # _hand_out
-    make_room: Callable | None = None  # paging._make_room
+    make_room: Callable | None = None  # paging.make_room
     lay_out: Callable[..., StepPlan] | None = None  # _lay_out
 
 
@@ -106,7 +106,7 @@ def plan(state: Slots, pool: PagePool, token_budget: int, policy: Policy, mirror
          speculation: Speculation | None = None) -> StepPlan:
     """cost: the driver's step-time model; prompt_rows: the prompt logprobs one step may compute at most; kernels:
     the parts that run as kernels (the device step's); speculation: drafts for the decoding slots that may speculate
-    (engine/core/speculation.py; the host mode's)."""
+    (engine/core/speculation.py)."""
     running, resident, precedence, live, starting = (kernels.head or _head)(state, policy, mirror)
     if pool.prefix_cache is not None and not none_set(starting):
         _reuse_prefix(state, pool.prefix_cache, starting)

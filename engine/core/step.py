@@ -53,7 +53,7 @@ class Step:
                  token_budget: int, policy: Policy, shard: Shard | None = None,
                  speculation: Speculation | None = None):
         """shard: this rank's, with tensor parallelism: every rank plans with rank 0's step-cost inputs;
-        speculation: drafts verified in the step (engine/core/speculation.py), the host mode's."""
+        speculation: drafts verified in the step (engine/core/speculation.py)."""
         self.model, self.pool, self.state, self.shard = model, pool, state, shard
         self.speculation = speculation
         self.token_budget, self.policy = token_budget, policy

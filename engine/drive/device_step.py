@@ -238,7 +238,7 @@ class DeviceDriver:
     def idle(self) -> bool:
         """Nothing to step for (a read of host memory): the device wants no tokens, and no slot of this epoch
         `wants_a_step` (a constrained one once the grammar gate readied it). The persistent loop's `pick` makes the
-        same check on the device, but for the limit and the gate."""
+        same check on the device (persistent.DUE_C)."""
         wanted, resident = self.step.demand.tolist()
         if wanted:
             return False

@@ -23,6 +23,16 @@ ABORT = tl.constexpr(int(Finish.ABORT))
 
 
 @triton.jit
+def _rows_of(s, r, sample_slot, sample_valid, row_slot, R):
+    """Which of the rows `r` slot `s` sampled; program 0 also marks the rows that sampled nothing as no slot's."""
+    rows = r < R
+    row_sampled = tl.load(sample_valid + r, mask=rows, other=0) != 0
+    if s == 0:
+        tl.store(row_slot + r, -1, mask=rows & ~row_sampled)
+    return row_sampled & (tl.load(sample_slot + r, mask=rows, other=-1) == s)
+
+
+@triton.jit
 def _settle(sample_slot, sample_valid, sampled_tokens, tokens, tokens_stride, seq_len, output_counts, vocab,
             max_tokens, prompt_len, stop_ids, ignore_eos, eos_ids, status, cancel, finish_reason,
             logprob, top_ids, top_logprobs, top_stride,
@@ -31,11 +41,7 @@ def _settle(sample_slot, sample_valid, sampled_tokens, tokens, tokens_stride, se
             BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_TOP: tl.constexpr):
     s = tl.program_id(0)
     r = tl.arange(0, BLOCK_R)
-    rows = r < R
-    row_sampled = tl.load(sample_valid + r, mask=rows, other=0) != 0
-    if s == 0:  # the rows that sampled nothing belong to no slot
-        tl.store(row_slot + r, -1, mask=rows & ~row_sampled)
-    mine = row_sampled & (tl.load(sample_slot + r, mask=rows, other=-1) == s)
+    mine = _rows_of(s, r, sample_slot, sample_valid, row_slot, R)
     sampled = tl.max(mine.to(tl.int32), 0) != 0
     row = tl.sum(tl.where(mine, r, 0), 0)
     tok = tl.load(sampled_tokens + row, mask=sampled, other=0)
@@ -114,11 +120,7 @@ def _settle_runs(sample_slot, sample_valid, sample_token, token_pos, sampled_tok
     the draft after it, emitted up to the first that ends the request (Speculation.settle)."""
     s = tl.program_id(0)
     r = tl.arange(0, BLOCK_R)
-    rows = r < R
-    row_sampled = tl.load(sample_valid + r, mask=rows, other=0) != 0
-    if s == 0:  # the rows that sampled nothing belong to no slot
-        tl.store(row_slot + r, -1, mask=rows & ~row_sampled)
-    mine = row_sampled & (tl.load(sample_slot + r, mask=rows, other=-1) == s)
+    mine = _rows_of(s, r, sample_slot, sample_valid, row_slot, R)
     seq = tl.load(seq_len + s)
     k = tl.load(draft_len + s)
     i = tl.load(token_pos + tl.load(sample_token + r, mask=mine, other=0), mask=mine, other=0) - (seq - 1)

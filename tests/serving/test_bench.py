@@ -366,11 +366,10 @@ def test_bench_step_counts_what_a_step_does_outside_the_model(tmp_path, capsys):
                  "128", "--requests", "greedy", "mixed", "--result-dir", str(tmp_path)]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("llama3-1b")]
     assert len(lines) == 4
-    gigabytes = {(line.split()[4], line.split()[9]): float(line.split(" GB outside")[0].rsplit(",", 1)[1])
-                 for line in lines}
-    assert gigabytes[("8", "greedy")] > gigabytes[("2", "greedy")]
-    assert gigabytes[("8", "mixed")] > gigabytes[("8", "greedy")]
     rows = json.loads(next(tmp_path.glob("step-*.json")).read_text())["rows"]
+    nbytes = {(row["slots"], row["requests"]): row["bytes"] for row in rows if row["shape"] == "llama3-1b"}
+    assert nbytes[(8, "greedy")] > nbytes[(2, "greedy")]
+    assert nbytes[(8, "mixed")] > nbytes[(8, "greedy")]
     assert len(rows) == 8 and len({row["ops"] for row in rows}) == 1 and rows[0]["ops"] > 100
     for row in rows:
         assert row["layers"] == {"llama3-1b": 16, "llama3-8b": 32}[row["shape"]]
@@ -379,12 +378,14 @@ def test_bench_step_counts_what_a_step_does_outside_the_model(tmp_path, capsys):
         # A layer launches at least its two norms, its four projections, RoPE and the attention; no host read.
         layer = row["kernel_ops"]["layer"]
         assert layer["cublas.linear"] == 4 and layer["triton._rms_norm_kernel"] == 2
-        assert row["kernels_forward_per_layer"] >= 8 and row["kernels_bookkeeping"] > 100 and not row["host_reads"]
-        # The device step's bookkeeping kernels are what it runs, not their torch references (a keyword that
-        # overrode the commit kernel once cost 53 kernels a step unseen).
+        assert row["kernels_forward_per_layer"] >= 8 and not row["host_reads"]
+        # Issue 39's bound on the bookkeeping, whatever the requests ask: a torch op slipping back into the device
+        # step is a kernel more (a keyword that overrode the commit kernel once cost 53 a step unseen).
+        assert 20 < row["kernels_bookkeeping"] <= 60
         launched = {op for op in row["kernel_ops"]["bookkeeping"] if op.startswith("triton.")}
-        assert {"triton._admit", "triton._lay_out", "triton._settle", "triton._observe_since", "triton._emit",
-                "triton._sample_kernel"} <= launched
+        assert {"triton._admit", "triton._head", "triton._hand_out", "triton._order", "triton._lay_out",
+                "triton._rows_kernel", "triton._step_kernel", "triton._settle", "triton._observe_since",
+                "triton._emit"} <= launched
     assert len({(row["kernels_forward_per_layer"], row["kernels_bookkeeping"]) for row in rows}) == 1
 
 
