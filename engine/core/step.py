@@ -14,11 +14,11 @@ from dataclasses import dataclass
 import torch
 
 from blink.engine.core.admission import admit
-from blink.engine.core.commit import StepOutput, commit, score_prompt
+from blink.engine.core.commit import PromptScores, StepOutput, commit, score_prompt
 from blink.engine.core.kv_cache import PagePool
 from blink.engine.core.policy import Policy, StepCost
 from blink.engine.core.rotation import HostMirror
-from blink.engine.core.sampler import SamplerFeatures, SamplingRows, hash32
+from blink.engine.core.sampler import SampleOutput, SamplerFeatures, SamplingRows, hash32
 from blink.engine.core.scheduler import PlanSizes, StepPlan, plan
 from blink.engine.core.speculation import Speculation
 from blink.engine.core.state import Slots, pack
@@ -62,6 +62,7 @@ class Step:
         self.eos_ids = torch.tensor(eos_ids or [-1], dtype=torch.int64, device=device)
         self.vocab_hash = hash32(torch.arange(model.cfg.vocab_size, dtype=torch.int64, device=device)).to(torch.int32)
         self.sampler = model.kernels.sampler
+        self.gathered = GatheredSampling(self)  # the sampling of a sampler without step kernels
         # The bookkeeping's tensor functions (admit: the device modes' admission, in every step they run);
         # compile_bookkeeping may swap in compiled ones.
         self.admitter, self.planner, self.committer = admit, plan, commit
@@ -118,27 +119,15 @@ class Step:
         B, R = shape.tokens, shape.rows
         batch = self._attention_batch(plan, shape)
         hidden = model.forward(plan.input_ids[:B], plan.token_pos[:B], batch, pool.k, pool.v)
-        kernels = self.sampler.step  # the step's sampling straight from the state (the fused sampler's), or None
+        # The step's sampling straight from the state (the fused sampler's kernels), or from gathered rows.
+        sampling = self.sampler.step or self.gathered
         # One pass over the output embedding for the sampling and the prompt rows together.
-        if kernels is not None:
-            rows_read, prompt = kernels.rows_read(state, plan, B, R, shape.prompt_rows)
-        else:
-            rows_read = plan.sample_token[:R]
-            if shape.prompt_rows:
-                prompt = _prompt_tokens(state, plan, B, shape.prompt_rows)
-                rows_read = torch.cat([rows_read, prompt])
+        rows_read, prompt = sampling.rows_read(state, plan, B, R, shape.prompt_rows)
         logits = model.logits(hidden[rows_read])
         if self.grammar is not None:  # structured outputs: -inf where a constrained row's grammar says no
             self.grammar.mask(logits[:R], plan.sample_slot[:R])
-        if kernels is not None:
-            out, scored = kernels.sample(logits, state, plan, R, prompt, features, self.eos_ids)
-            logits = logits[:R]
-        else:
-            logits, prompt_logits = logits[:R], logits[R:]
-            rows = sampling_rows(state, plan, rows_read[:R], features, self.eos_ids)
-            out = self.sampler.sample(logits, rows, features, self.vocab_hash,
-                                      *(_seen_tokens(state, plan.sample_slot[:R]) if features.penalties else ()))
-            scored = score_prompt(state, plan, prompt, prompt_logits, self.sampler) if shape.prompt_rows else None
+        out, scored = sampling.sample(logits, state, plan, R, prompt, features, self.eos_ids)
+        logits = logits[:R]
         # With drafts the speculation settles; else the committer's own settler (the device step's kernel).
         settler = {} if self.speculation is None else {"settler": self.speculation.settle}
         return self.committer(state, pool, mirror, plan, R, out, logits, self.eos_ids,
@@ -146,6 +135,34 @@ class Step:
 
     def _attention_batch(self, plan: StepPlan, shape: StepShape) -> AttentionBatch:
         return self.model.kernels.attention_batch(plan, shape, self.state.block_table, self.pool.page_size)
+
+
+class GatheredSampling:
+    """The step's sampling from rows gathered out of the slot state, through the step's `Sampler` (the torch
+    reference, the CPU's): the interface of the fused sampler's step kernels (engine/kernels/step_sampler.py
+    StepKernels), which read the state in place."""
+
+    def __init__(self, step: Step):
+        self.step = step  # its sampler is read at each call: a benchmark may swap it
+
+    def rows_read(self, state: Slots, plan: StepPlan, tokens: int, rows: int,
+                  prompt_rows: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The batch rows whose logits the step computes (the sampling rows', then the prompt tokens scored), and the
+        prompt tokens' batch indices."""
+        if not prompt_rows:
+            return plan.sample_token[:rows], None
+        prompt = _prompt_tokens(state, plan, tokens, prompt_rows)
+        return torch.cat([plan.sample_token[:rows], prompt]), prompt
+
+    def sample(self, logits: torch.Tensor, state: Slots, plan: StepPlan, rows: int, prompt: torch.Tensor | None,
+               features: SamplerFeatures, eos_ids: torch.Tensor) -> tuple[SampleOutput, PromptScores | None]:
+        sampler = self.step.sampler
+        sampled, prompt_logits = logits[:rows], logits[rows:]
+        gathered = sampling_rows(state, plan, plan.sample_token[:rows], features, eos_ids)
+        seen = _seen_tokens(state, plan.sample_slot[:rows]) if features.penalties else ()
+        out = sampler.sample(sampled, gathered, features, self.step.vocab_hash, *seen)
+        scored = score_prompt(state, plan, prompt, prompt_logits, sampler) if prompt is not None else None
+        return out, scored
 
 
 def sampling_rows(state: Slots, plan: StepPlan, rows_read: torch.Tensor, features: SamplerFeatures,

@@ -82,6 +82,17 @@ def _settle(sample_slot, sample_valid, sampled_tokens, tokens, tokens_stride, se
         tl.store(top_logprobs_out + s * TOP + k, lps, mask=inside)
 
 
+def _logprob_outputs(out: SampleOutput, shape: tuple[int, ...]):
+    """The top's width, and where the rows' logprob ([*shape]), top ids and top logprobs ([*shape, top]) land per
+    slot; (1, None, None, None) when the step computed no logprobs."""
+    if out.logprob is None:
+        return 1, None, None, None
+    assert out.top_ids.stride() == out.top_logprobs.stride() and out.top_ids.stride(1) == 1
+    top = out.top_ids.shape[1]
+    return (top, out.logprob.new_empty(shape), out.top_ids.new_empty(*shape, top),
+            out.top_logprobs.new_empty(*shape, top))
+
+
 def settle(state: Slots, plan: StepPlan, rows: int, out: SampleOutput, logits: torch.Tensor, eos_ids: torch.Tensor,
            count_outputs: bool) -> StepOutput:
     """blink.engine.core.commit.settle's arguments, effects and output."""
@@ -89,13 +100,7 @@ def settle(state: Slots, plan: StepPlan, rows: int, out: SampleOutput, logits: t
     token, reason = torch.empty(S, dtype=out.tokens.dtype, device=device), torch.empty_like(state.finish_reason)
     row_slot = torch.empty(rows, dtype=plan.sample_slot.dtype, device=device)
     logprobs = out.logprob is not None
-    top = out.top_ids.shape[1] if logprobs else 1
-    if logprobs:
-        assert out.top_ids.stride() == out.top_logprobs.stride() and out.top_ids.stride(1) == 1
-        logprob, top_ids = torch.empty(S, dtype=out.logprob.dtype, device=device), out.top_ids.new_empty(S, top)
-        top_logprobs = out.top_logprobs.new_empty(S, top)
-    else:
-        logprob = top_ids = top_logprobs = None
+    top, logprob, top_ids, top_logprobs = _logprob_outputs(out, (S,))
     _settle[(S,)](plan.sample_slot, plan.sample_valid, out.tokens, state.tokens, state.tokens.stride(0), state.seq_len,
                   state.output_counts, state.output_counts.shape[1], state.max_tokens, state.prompt_len,
                   state.stop_ids, state.ignore_eos, eos_ids, state.status, state.cancel, state.finish_reason,
@@ -207,13 +212,7 @@ def settle_runs(speculation, state: Slots, plan: StepPlan, rows: int, out: Sampl
     first, reason = torch.empty(S, dtype=out.tokens.dtype, device=device), torch.empty_like(state.finish_reason)
     row_slot = torch.empty(rows, dtype=plan.sample_slot.dtype, device=device)
     logprobs = out.logprob is not None
-    top = out.top_ids.shape[1] if logprobs else 1
-    if logprobs:
-        assert out.top_ids.stride() == out.top_logprobs.stride() and out.top_ids.stride(1) == 1
-        logprob = torch.empty(S, run, dtype=out.logprob.dtype, device=device)
-        top_ids, top_logprobs = out.top_ids.new_empty(S, run, top), out.top_logprobs.new_empty(S, run, top)
-    else:
-        logprob = top_ids = top_logprobs = None
+    top, logprob, top_ids, top_logprobs = _logprob_outputs(out, (S, run))
     positions = state.spec_accepted_per_pos.shape[0]
     _settle_runs[(S,)](plan.sample_slot, plan.sample_valid, plan.sample_token, plan.token_pos, out.tokens,
                        state.tokens, state.tokens.stride(0), state.seq_len, state.num_computed, state.draft_len,
