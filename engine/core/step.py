@@ -68,10 +68,9 @@ class Step:
         self.admitter, self.planner, self.committer = admit, plan, commit
         self.grammar = None  # the host mode's constrained slots (engine/core/grammar.py SlotGrammars), masked in run
         # The device modes capture a graph per token bucket: few, from 16. The host mode captures nothing, so its
-        # forward runs on the next power of two of the live tokens: a lone decode is a matrix-vector product, not
-        # 16 rows of padding (on a CPU, where the matmuls are compute-bound, that padding cost 16x the work).
+        # forward runs on the live tokens alone, no padding: on a CPU a product's cost grows with its rows (a lone
+        # decode padded to 16 cost 16x the work; a 5-token verification padded to 8, 1.4x its own).
         self.token_buckets = ladder(token_budget, 16)
-        self.host_buckets = ladder(token_budget, 1)
         # Context and row counts only shape the torch attention reference, which the host mode runs as it is,
         # so they are fine-grained (contexts) or exact (rows); the device loops' kernels do not use them.
         page = pool.page_size
@@ -87,10 +86,10 @@ class Step:
         with the bucket's sizes left symbolic."""
         if backend == "inductor" and self.state.status.device.type == "cpu":
             _check_cpp_compiler()
-        # Recompiles past dynamo's limit are a hard failure with fullgraph: room for one per bucket, should the
-        # sizes not go symbolic.
+        # Recompiles past dynamo's limit are a hard failure with fullgraph: room for one per power of two of the
+        # budget, should the sizes not go symbolic.
         config = torch._dynamo.config
-        config.recompile_limit = max(config.recompile_limit, 2 * len(self.host_buckets))
+        config.recompile_limit = max(config.recompile_limit, 2 * len(ladder(self.token_budget, 1)))
         self.admitter, self.planner, self.committer = (torch.compile(f, fullgraph=True, backend=backend)
                                                        for f in (admit, plan, commit))
 
@@ -103,7 +102,7 @@ class Step:
                             speculation=self.speculation)
 
     def shape_for(self, sizes: PlanSizes) -> StepShape:
-        tokens = _bucket(self.host_buckets, sizes.tokens)
+        tokens = max(sizes.tokens, 1)
         return StepShape(
             tokens=tokens,
             context=_bucket(self.context_buckets, sizes.max_context),
@@ -111,7 +110,7 @@ class Step:
             chunk_rows=sizes.chunk_rows,
             rows=(self.speculation.rows(self.state.num_slots, tokens) if self.speculation
                   else min(self.state.num_slots, tokens)),
-            prompt_rows=_bucket(self.host_buckets, sizes.prompt_entries) if sizes.prompt_entries else 0,
+            prompt_rows=sizes.prompt_entries,
         )
 
     def run(self, plan: StepPlan, shape: StepShape, features: SamplerFeatures, mirror: HostMirror | None) -> StepOutput:
