@@ -54,6 +54,9 @@ class Speculation:
     # settle's kernel (blink.engine.kernels.commit.settle_runs, the device step's), taking the speculation first;
     # None: the torch reference.
     settle_kernel: Callable | None = field(default=None, compare=False)
+    # draft's kernels (blink.engine.kernels.draft.draft, the device step's), taking the speculation first; None: the
+    # torch reference.
+    draft_kernel: Callable | None = field(default=None, compare=False)
 
     @classmethod
     def of(cls, config: SpeculativeConfig, model: ModelConfig | None = None, decode_runs: bool = False) -> Speculation:
@@ -74,6 +77,8 @@ class Speculation:
               live: torch.Tensor, order: torch.Tensor, cap: torch.Tensor) -> torch.Tensor:
         """[S] draft tokens each slot computes on top of `take` (written into state.tokens); order: the budget's,
         cap: the most tokens the step may run."""
+        if self.draft_kernel is not None and not torch.compiler.is_compiling():
+            return self.draft_kernel(self, state, pool, policy, cost, take, live, order, cap)
         seq = state.seq_len
         state.draft_len.zero_()
         decoding = live & (take == 1) & (seq - state.num_computed == 1) & (state.max_tokens > 0)

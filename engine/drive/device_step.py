@@ -28,6 +28,7 @@ from blink.engine.drive.table_memory import TableMemory, device_alias
 from blink.engine.engine import Engine
 from blink.engine.kernels import admission, page_release, step_cost
 from blink.engine.kernels import commit as commit_kernel
+from blink.engine.kernels import draft as draft_kernels
 from blink.engine.kernels.exchange import DeviceTable, Inbox, emit, report_demand, take_requests
 from blink.engine.kernels.hand_out import hand_out, head
 from blink.engine.kernels.lay_out import lay_out
@@ -92,6 +93,8 @@ class DeviceStep:
             if self.step.speculation is not None:  # and its settle of runs with drafts
                 self.step.speculation = dataclasses.replace(self.step.speculation,
                                                             settle_kernel=commit_kernel.settle_runs)
+        if self.step.speculation is not None and self.step.planner is plan:  # the drafts' proposal in two kernels
+            self.step.speculation = dataclasses.replace(self.step.speculation, draft_kernel=draft_kernels.draft)
 
     @property
     def fenced(self) -> bool:

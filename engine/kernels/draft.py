@@ -1,0 +1,157 @@
+"""The drafts' proposal as two Triton kernels: blink.engine.core.speculation.Speculation.draft (the torch reference:
+which slots may and want to draft by the step-cost fit, the n-gram search over each slot's history, the drafts cut to
+the budget and the free pages in the budget's order; about 170 small ops, a kernel each in a captured step) in two
+launches. `_propose`, a program per slot: the step's sums (every program reads the slots' few words: no second
+launch to share them), the slot's threshold, retry and earned cap, and the search over its own history, in blocks up
+to its own length (the latest earlier occurrence of its last n tokens, the longest n in [lookup_min, lookup_max]).
+`_fit`, one program: the budget's order, the tokens and pages left, the drafts copied after each sequence.
+tests/engine/test_draft_kernel.py holds them to the reference."""
+
+from __future__ import annotations
+
+import struct
+
+import torch
+import triton
+import triton.language as tl
+
+from blink.engine.core.kv_cache import PagePool
+from blink.engine.core.policy import POLICIES, Policy, StepCost
+from blink.engine.core.state import Slots
+
+SLO = tl.constexpr(POLICIES.index("slo"))  # the one policy with latency-sensitive slots (Policy.latency_sensitive)
+HISTORY_BLOCK = 256  # history positions a program compares at a time
+
+
+@triton.jit
+def _able(i, real, live, take, seq_len, computed, max_tokens, repetition, presence, frequency, prompt_logprobs,
+          scored, prompt_len, draft_off):
+    """Speculation.draft's `able`: decoding one token, with no penalty, no prompt left to score, not held off."""
+    seq = tl.load(seq_len + i, mask=real, other=0)
+    decoding = ((tl.load(live + i, mask=real, other=0) != 0) & (tl.load(take + i, mask=real, other=0) == 1)
+                & (seq - tl.load(computed + i, mask=real, other=0) == 1) & (tl.load(max_tokens + i, mask=real,
+                                                                                     other=0) > 0))
+    penalised = ((tl.load(repetition + i, mask=real, other=1.0) != 1) | (tl.load(presence + i, mask=real, other=0.0)
+                                                                         != 0)
+                 | (tl.load(frequency + i, mask=real, other=0.0) != 0))
+    scoring = ((tl.load(prompt_logprobs + i, mask=real, other=-1) >= 0)
+               & (tl.load(scored + i, mask=real, other=0) < tl.load(prompt_len + i, mask=real, other=0) - 1))
+    return real & decoding & ~penalised & ~scoring & (tl.load(draft_off + i, mask=real, other=1) == 0)
+
+
+@triton.jit(do_not_specialize=["S", "max_len", "share_bits", "lookup_min"])
+def _propose(live, take, seq_len, computed, max_tokens, repetition, presence, frequency, prompt_logprobs, scored,
+             prompt_len, draft_off, service_class, spec_rate, room, cost, tokens, tokens_stride,
+             wanted_out, start_out, S, max_len, share_bits, lookup_min, RETRY, EARN, MIN_RATE,
+             K: tl.constexpr, LOOKUP_MAX: tl.constexpr, POLICY: tl.constexpr, BLOCK_S: tl.constexpr,
+             BLOCK_J: tl.constexpr, BLOCK_N: tl.constexpr):
+    s = tl.program_id(0)
+    able = _able(s, s < S, live, take, seq_len, computed, max_tokens, repetition, presence, frequency,
+                 prompt_logprobs, scored, prompt_len, draft_off)
+    # Speculation.threshold: what a draft costs by the fit, times the drafts its kind's slots would add.
+    i = tl.arange(0, BLOCK_S)
+    real = i < S
+    takes = tl.load(take + i, mask=real, other=0)
+    ends = tl.load(computed + i, mask=real, other=0) + takes
+    sampling = tl.sum(((takes > 0) & (ends == tl.load(seq_len + i, mask=real, other=0))).to(tl.int64), 0)
+    per_step, per_token = tl.load(cost), tl.load(cost + 1)
+    step = per_step + per_token * tl.sum(takes, 0).to(tl.float64)
+    share = share_bits.to(tl.float64, bitcast=True)  # 1 + row_share, a float64 passed bit for bit
+    per_draft = tl.where(step > 0, per_token * share / tl.maximum(step, tl.full((), 1e-12, tl.float64)), 0.0)
+    drafting = sampling
+    if POLICY == SLO:  # a latency-sensitive slot counts the able slots of its kind, not the batch
+        sensitive = tl.load(service_class + i, mask=real, other=1) == 0
+        mates = _able(i, real, live, take, seq_len, computed, max_tokens, repetition, presence, frequency,
+                      prompt_logprobs, scored, prompt_len, draft_off) & sensitive
+        own = tl.load(service_class + s) == 0
+        drafting = tl.where(own, tl.sum(mates.to(tl.int64), 0), sampling)
+    need = per_draft * tl.maximum(drafting.to(tl.float64), 1.0)
+    rate = tl.load(spec_rate + s)
+    wants = able & (rate >= tl.maximum(need.to(tl.float32), MIN_RATE))
+    if able & ~wants:  # a slot not drafting regains some rate, so it tries again after a while
+        tl.store(spec_rate + s, rate + RETRY * (1 - rate))
+
+    # Speculation.propose: latest[n - 1], the last j < seq - 1 where the sequence's last n tokens end too.
+    seq = tl.load(seq_len + s)
+    history = tokens + s.to(tl.int64) * tokens_stride
+    n = tl.arange(0, BLOCK_N) + 1
+    latest = tl.full((BLOCK_N,), -1, tl.int64)
+    # Its own history only, in blocks (a while loop: Triton 3.6's interpreter takes no loaded bound in a range).
+    end = tl.where(wants, seq - 1, 0)
+    j0 = 0
+    while j0 < end:
+        j = j0 + tl.arange(0, BLOCK_J)
+        run = j < seq - 1
+        length = tl.zeros((BLOCK_J,), tl.int32)  # how many of the last tokens match, ending at j
+        for d in tl.static_range(LOOKUP_MAX):
+            last = tl.load(history + tl.maximum(seq - 1 - d, 0))
+            run = run & (j >= d)
+            run = run & (tl.load(history + j - d, mask=run, other=0) == last)
+            length += run.to(tl.int32)
+        at = tl.where(length[:, None] >= n[None, :], j[:, None].to(tl.int64), -1)
+        latest = tl.maximum(latest, tl.max(at, 0))
+        j0 += BLOCK_J
+    # The longest n in range with an earlier occurrence wins; the draft is what followed it, K tokens at most.
+    fits = (n >= lookup_min) & (n <= LOOKUP_MAX) & (latest >= 0) & (seq >= n)
+    best = tl.max(tl.where(fits, n, 0), 0)
+    end = tl.sum(tl.where(n == best, latest, 0), 0)
+    found = tl.where(best > 0, tl.minimum(seq - end - 1, K), 0)
+    k = tl.minimum(found, tl.load(max_tokens + s) - (seq - tl.load(prompt_len + s)) - 1)
+    k = tl.minimum(k, max_len - seq - 1)
+    # As long as the slot's acceptance earns: a retrying slot risks one or two tokens, not K.
+    earned = tl.minimum(tl.maximum(tl.ceil(rate * EARN).to(tl.int64), 1), K)
+    k = tl.minimum(tl.minimum(k, tl.load(room + s) - 1), earned)
+    k = tl.minimum(tl.maximum(tl.where(wants, k, 0), 0), K)
+    tl.store(wanted_out + s, k)
+    tl.store(start_out + s, tl.where(best > 0, end + 1, 0))
+
+
+@triton.jit(do_not_specialize=["S", "page"])
+def _fit(order, wanted, start, take, seq_len, computed, pages_held, num_free, cap, tokens, tokens_stride,
+         draft_len, k_out, S, page, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Speculation._fit, in the budget's order, then the drafts copied after each sequence."""
+    o = tl.arange(0, BLOCK_S)
+    real = o < S
+    slot = tl.load(order + o, mask=real, other=0)
+    want = tl.load(wanted + slot, mask=real, other=0)
+    takes = tl.load(take + slot, mask=real, other=0)
+    left = tl.load(cap) - tl.sum(takes, 0)
+    k = tl.minimum(tl.maximum(left - (tl.cumsum(want, 0) - want), 0), want)
+    ends = tl.load(computed + slot, mask=real, other=0) + takes
+    had = tl.load(pages_held + slot, mask=real, other=0)
+    held = tl.maximum(had, (ends + page - 1) // page)
+    base = tl.sum(tl.where(takes > 0, held - had, 0), 0)
+    extra = tl.maximum((ends + k + page - 1) // page - held, 0)
+    k = tl.where(tl.cumsum(extra, 0) + base <= tl.load(num_free), k, 0)
+    tl.store(k_out + slot, k, mask=real)
+    tl.store(draft_len + slot, k, mask=real)
+    # The drafts follow an earlier occurrence, so they are read before the sequence's end, written after it.
+    c = tl.arange(0, BLOCK_K)[None, :]
+    copy = real[:, None] & (c < k[:, None])
+    history = tokens + slot.to(tl.int64)[:, None] * tokens_stride
+    drafts = tl.load(history + tl.load(start + slot, mask=real, other=0)[:, None] + c, mask=copy, other=0)
+    tl.store(history + tl.load(seq_len + slot, mask=real, other=0)[:, None] + c, drafts, mask=copy)
+
+
+def draft(speculation, state: Slots, pool: PagePool, policy: Policy, cost: StepCost, take: torch.Tensor,
+          live: torch.Tensor, order: torch.Tensor, cap: torch.Tensor) -> torch.Tensor:
+    """Speculation.draft's arguments (the speculation first), effects and result: [S] draft tokens each slot
+    computes on top of `take`, written after its sequence in state.tokens, with state.draft_len and the retrying
+    slots' state.spec_rate."""
+    from blink.engine.core.speculation import MIN_RATE, RETRY, TRUSTED
+
+    S, device = state.num_slots, take.device
+    wanted, start, k = (torch.empty(S, dtype=torch.int64, device=device) for _ in range(3))
+    block_s = triton.next_power_of_2(S)
+    share_bits = struct.unpack("<q", struct.pack("<d", 1 + speculation.row_share))[0]
+    _propose[(S,)](live, take, state.seq_len, state.num_computed, state.max_tokens, state.repetition_penalty,
+                   state.presence_penalty, state.frequency_penalty, state.prompt_logprobs, state.scored,
+                   state.prompt_len, state.draft_off, state.service_class, state.spec_rate, state.room, cost.values,
+                   state.tokens, state.tokens.stride(0), wanted, start, S, state.max_len, share_bits,
+                   speculation.lookup_min, RETRY, speculation.k / TRUSTED, MIN_RATE, K=speculation.k,
+                   LOOKUP_MAX=speculation.lookup_max, POLICY=POLICIES.index(policy.name), BLOCK_S=block_s,
+                   BLOCK_J=HISTORY_BLOCK, BLOCK_N=triton.next_power_of_2(speculation.lookup_max))
+    _fit[(1,)](order, wanted, start, take, state.seq_len, state.num_computed, state.pages_held, pool.num_free, cap,
+               state.tokens, state.tokens.stride(0), state.draft_len, k, S, pool.page_size, BLOCK_S=block_s,
+               BLOCK_K=triton.next_power_of_2(speculation.k))
+    return k
