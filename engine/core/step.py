@@ -9,11 +9,14 @@ the demand it published, and reads the sizes on the device.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
 
 from blink.engine.core.admission import admit
+from blink.engine.core.bookkeeping import TORCH_BOOKKEEPING, Bookkeeping
 from blink.engine.core.commit import PromptScores, StepOutput, commit, score_prompt
 from blink.engine.core.kv_cache import PagePool
 from blink.engine.core.policy import Policy, StepCost
@@ -66,6 +69,7 @@ class Step:
         # The bookkeeping's tensor functions (admit: the device modes' admission, in every step they run);
         # compile_bookkeeping may swap in compiled ones.
         self.admitter, self.planner, self.committer = admit, plan, commit
+        self.use(model.kernels.bookkeeping)
         self.grammar = None  # the host mode's constrained slots (engine/core/grammar.py SlotGrammars), masked in run
         # The device modes capture a graph per token bucket: few, from 16. The host mode captures nothing, so its
         # forward runs on the live tokens alone, no padding: on a CPU a product's cost grows with its rows (a lone
@@ -90,8 +94,17 @@ class Step:
         # budget, should the sizes not go symbolic.
         config = torch._dynamo.config
         config.recompile_limit = max(config.recompile_limit, 2 * len(ladder(self.token_budget, 1)))
+        self.use(TORCH_BOOKKEEPING)  # what is compiled is the references, whole
         self.admitter, self.planner, self.committer = (torch.compile(f, fullgraph=True, backend=backend)
                                                        for f in (admit, plan, commit))
+
+    def use(self, kernels: Bookkeeping) -> None:
+        """Binds the kernels that stand in for the bookkeeping's references (engine/core/bookkeeping.py)."""
+        self.plan_kernels = kernels.plan
+        self.committer = functools.partial(commit, settler=kernels.settle) if kernels.settle else commit
+        if self.speculation is not None:
+            self.speculation = dataclasses.replace(self.speculation, settle_kernel=kernels.settle_runs,
+                                                   draft_kernel=kernels.draft)
 
     def plan(self, features: SamplerFeatures, mirror: HostMirror | None) -> StepPlan:
         """mirror: where KV pages rotate (the host drive mode's); None: preempted requests are recomputed."""
@@ -99,7 +112,7 @@ class Step:
         if self.shard is not None:  # the host-timed inputs: every rank must make rank 0's decisions
             self.shard.from_first(self.cost.values)
         return self.planner(self.state, self.pool, self.token_budget, self.policy, mirror, self.cost, prompt_rows,
-                            speculation=self.speculation)
+                            self.plan_kernels, speculation=self.speculation)
 
     def shape_for(self, sizes: PlanSizes) -> StepShape:
         tokens = max(sizes.tokens, 1)

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 import torch.nn.functional as F
 
+from blink.engine.core.bookkeeping import TORCH_BOOKKEEPING, Bookkeeping
 from blink.engine.core.sampler import TORCH_SAMPLER, Sampler
 from blink.engine.core.scheduler import QUERY_BLOCK, StepPlan
 from blink.engine.model import moe
@@ -50,6 +51,7 @@ class Tokens:
 class KernelSet(Protocol):
     name: str
     sampler: Sampler
+    bookkeeping: Bookkeeping  # engine/core/bookkeeping.py
     # A mixture-of-experts layer with no host read, so the device modes can capture it.
     moe_captures: bool
 
@@ -107,6 +109,7 @@ def split_heads(qkv: torch.Tensor, w: LayerWeights, cfg: ModelConfig,
 class TorchKernels:
     name = "torch"
     sampler = TORCH_SAMPLER
+    bookkeeping = TORCH_BOOKKEEPING
     moe_captures = False  # moe.moe_mlp reads on the host which experts run
 
     def __init__(self, sliding_window: int | None):
@@ -197,6 +200,8 @@ class CpuKernels(TorchKernels):
 class TritonKernels:
     name = "triton"
     moe_captures = True
+    # The host mode on a GPU keeps the references; the device step binds its own Triton bookkeeping.
+    bookkeeping = TORCH_BOOKKEEPING
 
     def __init__(self, sliding_window: int | None, device: torch.device):
         # Imported only when chosen: Triton is a Linux-only dependency, and without CUDA its interpreter must be
