@@ -26,7 +26,9 @@ kernels count their own passes over the logits, each pass counted as reading a r
 counts the step as the CPU's torch reference runs it: the torch attention's gathers and the torch sampler.
 `--requests` picks what the resident requests ask for: `greedy`, or `mixed` (half greedy, half sampling with
 temperature, top-k, top-p, min-p, penalties, a logit bias and logprobs): the captured step is the same code for
-both; what it costs is not.
+both; what it costs is not. `drafting` counts a step with n-gram drafts (the engine built with DRAFTING's
+`--speculative-config`): greedy slots whose output repeats their prompt, each drafting in the step counted (checked;
+the captured step's kernels are the same whatever a draft's length), its bucket widened to every slot's 1 + K tokens.
 """
 
 from __future__ import annotations
@@ -71,18 +73,19 @@ def run(args: argparse.Namespace) -> None:
     for vocab in vocabs:
         with _stand_in(vocab, args.context) as model_dir:
             for slots, requests in ((s, r) for s in args.slots for r in args.requests):
-                counted = count_step(model_dir, slots, args.context, args.bucket, args.kernels, requests)
+                bucket = bucket_for(requests, slots, args.bucket)
+                counted = count_step(model_dir, slots, args.context, bucket, args.kernels, requests)
                 for shape in args.shape:
                     if (args.vocab or SHAPES[shape]["vocab"]) != vocab:
                         continue
                     share = counted["bytes"] / SHAPES[shape]["weight_bytes"]
                     figures = kernel_figures(counted, SHAPES[shape]["layers"])
                     rows.append({"shape": shape, "vocab": vocab, "slots": slots, "context": args.context,
-                                 "bucket": args.bucket, "kernels": args.kernels, "requests": requests,
+                                 "bucket": bucket, "kernels": args.kernels, "requests": requests,
                                  "layers": SHAPES[shape]["layers"], **figures, **counted,
                                  "weight_bytes": SHAPES[shape]["weight_bytes"], "bytes_over_weights": share})
                     print(f"{shape:10s} vocab {vocab:6d} slots {slots:4d} context {args.context:6d} bucket "
-                          f"{args.bucket:3d} {requests:6s} ({args.kernels}): {figures['kernels_per_step']:5d} "
+                          f"{bucket:3d} {requests:6s} ({args.kernels}): {figures['kernels_per_step']:5d} "
                           f"kernels a step = {figures['kernels_forward_per_layer']} a layer x "
                           f"{SHAPES[shape]['layers']} + {figures['kernels_forward_rest']} + "
                           f"{figures['kernels_logits']} logits + {figures['kernels_bookkeeping']} bookkeeping; "
@@ -101,7 +104,27 @@ REQUESTS = {
     "mixed": lambda slot: dict(temperature=0.0) if slot % 2 else dict(
         temperature=0.8, top_k=50, top_p=0.95, min_p=0.02, repetition_penalty=1.1, frequency_penalty=0.2,
         logprobs=5, seed=slot, logit_bias=((13, 2.0),)),
+    # Greedy, held by a bias to the token its prompt repeats (random weights follow no prompt): each step's last
+    # tokens are found just before them, so every slot drafts (one token: what follows them) and it is accepted.
+    "drafting": lambda slot: dict(temperature=0.0, logit_bias=((_repeated(slot), 100.0),)),
 }
+# `drafting`'s speculation: vLLM's n-gram method, as its docs show it.
+DRAFTING = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
+
+
+def _repeated(slot: int) -> int:
+    return 10 + slot % 50
+
+
+def prompt_for(requests: str, slot: int) -> list[int]:
+    if requests == "drafting":
+        return [_repeated(slot)] * 4
+    return [1 + slot % 50, 2, 3]
+
+
+def bucket_for(requests: str, slots: int, bucket: int) -> int:
+    """The token bucket counted: a drafting step's holds every slot's run of 1 + K tokens."""
+    return max(bucket, slots * (1 + DRAFTING["num_speculative_tokens"])) if requests == "drafting" else bucket
 
 
 def count_step(model_dir: Path, slots: int, context: int, bucket: int, kernels: str = "triton",
@@ -122,9 +145,11 @@ def count_step(model_dir: Path, slots: int, context: int, bucket: int, kernels: 
     from blink.engine.model import model as model_module
     from blink.shared.slot_table import Request, SlotTable
 
+    drafting = requests == "drafting"
     with environment(BLINK_KERNELS=kernels):
         engine = Engine(EngineConfig(model=str(model_dir), device="cpu", max_num_seqs=slots,
-                                     max_num_batched_tokens=max(bucket, slots), max_model_len=context, swap_space=0))
+                                     max_num_batched_tokens=max(bucket, slots), max_model_len=context, swap_space=0,
+                                     speculative_config=DRAFTING if drafting else None))
     counted_sampler = engine.step.sampler
     if kernels == "triton":  # interpreted, a wide block runs faster; the passes counted do not depend on it
         wide = dict(block=4096)
@@ -137,12 +162,16 @@ def count_step(model_dir: Path, slots: int, context: int, bucket: int, kernels: 
     try:
         device = DeviceStep(engine, table)
         for slot in range(slots):
-            table.publish(slot, Request([1 + slot % 50, 2, 3], max_tokens=context - 8, **REQUESTS[requests](slot)))
+            table.publish(slot, Request(prompt_for(requests, slot), max_tokens=context - 8,
+                                        **REQUESTS[requests](slot)))
+        # The clock stands still: the step-cost fit learns nothing from interpreted steps (seconds, not a GPU's
+        # milliseconds), and its zero fit lets drafts pay, as a GPU's fixed cost of a step does.
+        device.clock[0] = time.monotonic()
         with torch.inference_mode(), _as_on_a_gpu():
             for _ in range(3):  # admission and prefill, then decodes
-                device.clock[0] = time.monotonic()
                 device.run(device.buckets[-1])
             engine.step.sampler = counted_sampler
+            drafts_before = int(engine.state.spec_counts[0])  # read before the count: a host read is counted
             counter = kc.KernelCounter()
             with counter, kc.triton_launches(counter), \
                     kc.as_one_kernel(counter, model_module, "linear", "cublas.linear"), \
@@ -152,9 +181,9 @@ def count_step(model_dir: Path, slots: int, context: int, bucket: int, kernels: 
                     kc.bytes_paused(counter, device_step, ("take_requests", "emit", "report_demand")), \
                     _kernel_passes(counter, sampler_kernels):
                 started = time.perf_counter()
-                device.clock[0] = time.monotonic()
                 device.run(bucket)
                 seconds = time.perf_counter() - started
+            drafted = int(engine.state.spec_counts[0]) - drafts_before  # slots that drafted in the step counted
         device.close()
     finally:
         table.unlink()
@@ -162,7 +191,10 @@ def count_step(model_dir: Path, slots: int, context: int, bucket: int, kernels: 
     summary = counter.summary()
     if summary["kernels"].get("layer", 0) and len(model.layers) != 1:
         raise AssertionError("the stand-in must have one layer: its layer's kernels are counted per layer")
-    return {"ops": counter.ops, "bytes": counter.bytes, "seconds": seconds, "top": top, **summary}
+    if drafting and drafted < slots:
+        raise AssertionError(f"only {drafted} of {slots} slots drafted in the step counted: it counts no drafting step")
+    return {"ops": counter.ops, "bytes": counter.bytes, "seconds": seconds, "top": top, "slots_drafting": drafted,
+            **summary}
 
 
 def kernel_figures(counted: dict, layers: int) -> dict[str, int]:

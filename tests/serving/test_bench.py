@@ -359,18 +359,22 @@ def test_bench_step_counts_what_a_step_does_outside_the_model(tmp_path, capsys):
     """The dry run of `blink bench step`: a small vocabulary, a few slots; it counts the step's kernels (a layer's
     times the shape's layers, the rest once) and the ops and bytes outside the model; more slots cost more bytes
     (the per-slot state it walks), and requests that sample, filter and ask for logprobs cost the fused sampler's
-    kernels more passes than greedy ones, in the same captured step (the same ops, the same kernels)."""
+    kernels more passes than greedy ones, in the same captured step (the same ops, the same kernels); a step whose
+    every slot drafts (n-gram speculation) keeps the same bound."""
     from blink.bench.cli import main
 
     assert main(["step", "--shape", "llama3-1b", "llama3-8b", "--slots", "2", "8", "--vocab", "4096", "--context",
-                 "128", "--requests", "greedy", "mixed", "--result-dir", str(tmp_path)]) == 0
+                 "128", "--requests", "greedy", "mixed", "drafting", "--result-dir", str(tmp_path)]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("llama3-1b")]
-    assert len(lines) == 4
+    assert len(lines) == 6
     rows = json.loads(next(tmp_path.glob("step-*.json")).read_text())["rows"]
     nbytes = {(row["slots"], row["requests"]): row["bytes"] for row in rows if row["shape"] == "llama3-1b"}
     assert nbytes[(8, "greedy")] > nbytes[(2, "greedy")]
     assert nbytes[(8, "mixed")] > nbytes[(8, "greedy")]
-    assert len(rows) == 8 and len({row["ops"] for row in rows}) == 1 and rows[0]["ops"] > 100
+    plain = [row for row in rows if row["requests"] != "drafting"]
+    drafting = [row for row in rows if row["requests"] == "drafting"]
+    assert len(rows) == 12 and len({row["ops"] for row in plain}) == 1 and rows[0]["ops"] > 100
+    assert all(row["slots_drafting"] == (row["slots"] if row in drafting else 0) for row in rows)
     for row in rows:
         assert row["layers"] == {"llama3-1b": 16, "llama3-8b": 32}[row["shape"]]
         assert row["kernels_per_step"] == (row["kernels_forward_per_layer"] * row["layers"] + row["kernels_bookkeeping"]
@@ -383,10 +387,12 @@ def test_bench_step_counts_what_a_step_does_outside_the_model(tmp_path, capsys):
         # step is a kernel more (a keyword that overrode the commit kernel once cost 53 a step unseen).
         assert 20 < row["kernels_bookkeeping"] <= 60
         launched = {op for op in row["kernel_ops"]["bookkeeping"] if op.startswith("triton.")}
-        assert {"triton._admit", "triton._head", "triton._hand_out", "triton._order", "triton._lay_out",
-                "triton._rows_kernel", "triton._step_kernel", "triton._settle", "triton._observe_since",
-                "triton._emit"} <= launched
-    assert len({(row["kernels_forward_per_layer"], row["kernels_bookkeeping"]) for row in rows}) == 1
+        settle = {"triton._propose", "triton._fit", "triton._settle_runs"} if row in drafting else {"triton._settle"}
+        assert settle | {"triton._admit", "triton._head", "triton._hand_out", "triton._order", "triton._lay_out",
+                         "triton._rows_kernel", "triton._step_kernel", "triton._observe_since",
+                         "triton._emit"} <= launched
+    for same in (plain, drafting):
+        assert len({(row["kernels_forward_per_layer"], row["kernels_bookkeeping"]) for row in same}) == 1
 
 
 def test_bench_projections_times_every_form_this_machine_has(tmp_path, capsys):
