@@ -23,7 +23,7 @@ import torch
 from blink.engine.core.admission import Admitted, admit_records
 from blink.engine.core.commit import PromptScores, StepOutput
 from blink.engine.core.grammar import SlotGrammars
-from blink.engine.core.policy import StepCostModel
+from blink.engine.core.policy import HostStepCostModel
 from blink.engine.core.sampler import SamplerFeatures, features_asked
 from blink.engine.core.state import Slots
 from blink.engine.drive.driver import Fenced
@@ -122,7 +122,7 @@ class HostRank:
         self.asked: dict[int, Asked] = {}  # resident slot -> what its request asked
         self.last_output: StepOutput | None = None  # kept for inspection (tests, debugging)
         self.ran = False  # whether the last step ran the model (False: nothing resident, or all paused)
-        self.cost_model = StepCostModel(engine.step.cost, device=torch.device("cpu"))  # timed on the host's clock
+        self.cost_model = HostStepCostModel(engine.step.cost)  # timed on the host's clock
         self.page_bytes = engine.pool.page_bytes  # in the pages' dtype (FP8 pages: half)
         self._planned_at: float | None = None
         self._arrivals = 0

@@ -1,6 +1,6 @@
 """The device step's step-cost fit kernel (blink.engine.kernels.step_cost, in Triton's interpreter) keeps the same fit
 as its torch reference (StepCostModel.observe_since) over a run of steps: the first, empty ones, naps, a clock that
-does not move."""
+does not move; and the host loop's fit on Python floats (HostStepCostModel) is the reference's, bit for bit."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import random
 
 import torch
 
-from blink.engine.core.policy import StepCost, StepCostModel
+from blink.engine.core.policy import HostStepCostModel, StepCost, StepCostModel
 from blink.engine.kernels import step_cost
 
 
@@ -34,3 +34,17 @@ def test_the_kernel_fits_as_the_reference_does():
         assert torch.allclose(got.cost.values, expected.cost.values, rtol=1e-9, atol=1e-15), i
         assert torch.equal(clocks[0][0], clocks[1][0])
     assert models[0].sums[0] > 3 and models[0].cost.per_token > 0  # it learnt something
+
+
+def test_the_host_loops_fit_is_the_references():
+    rng = random.Random(5)
+    reference, host = StepCostModel(StepCost(torch.device("cpu"))), HostStepCostModel(StepCost(torch.device("cpu")))
+    for i in range(80):
+        tokens = rng.choice([1, 2, 5, 16, 64])
+        seconds = 0.006 + 0.0002 * tokens * rng.uniform(0.8, 1.2)
+        valid = rng.random() > 0.1
+        reference.observe(tokens, seconds, valid)
+        host.observe(tokens, seconds, valid)
+        assert reference.sums.tolist() == host.sums, i
+        assert torch.equal(reference.cost.values, host.cost.values), i
+    assert host.cost.per_token > 0 and host.cost.per_step > 0  # it learnt something
