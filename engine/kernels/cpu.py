@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu.cpp", "blocked_linear.cpp", "amx_linear.cpp",
                                                           "quant_linear.cpp", "pool.cpp", "cpu_draft.cpp",
                                                           "cpu_hand_out.cpp", "cpu_make_room.cpp",
-                                                          "cpu_commit.cpp")]
+                                                          "cpu_commit.cpp", "cpu_lay_out.cpp")]
 # OpenMP: torch's threads' runtime, which pool.cpp quiets and falls back on. No contraction: a * b + c * d as two
 # products and a sum, rounded where torch's separate ops round.
 # decode_attention's float row of a key or value lives on the stack. 256 covers Llama, Qwen, Mistral and Gemma; a
