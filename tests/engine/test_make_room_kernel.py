@@ -1,9 +1,11 @@
-"""The make-room kernel (blink.engine.kernels.make_room, in Triton's interpreter) decides as the torch reference
-(blink.engine.core.paging.make_room) does, field by field (new pages, tokens, evicted, reserve, the keep and victim
-orders, the evicted's counts): random states with prefix pages shared at the same columns (as hits map them), pools
-short by a little and by a lot, cancelled slots, latency-sensitive and best-effort mixes with ties in priority and
-arrival, every policy, with and without prefix caching and a mirror; find_pages with and without it leaves the
-same pages, tables and counts; and a device step short of pages with no mirror serves what the host mode serves."""
+"""The make-room kernels (blink.engine.kernels.make_room, in Triton's interpreter; the CPU's C++ twin,
+blink.engine.kernels.cpu_make_room) decide as the torch reference (blink.engine.core.paging.make_room) does, field by
+field (new pages, tokens, evicted, reserve, the keep and victim orders, the evicted's counts): random states with
+prefix pages shared at the same columns (as hits map them), pools short by a little and by a lot, cancelled slots,
+latency-sensitive and best-effort mixes with ties in priority and arrival, every policy, with and without prefix
+caching and a mirror; find_pages with and without them leaves the same pages, tables and counts; a device step short
+of pages with no mirror serves what the host mode serves; and the host mode with the C++ kernel bound serves what it
+serves with the reference."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from blink.engine.core.kv_cache import NULL_PAGE, FreeList
 from blink.engine.core.policy import POLICIES, lexsort, policy_named
 from blink.engine.core.prefix_cache import PrefixCache
 from blink.engine.core.state import Slots, SlotStatus
+from blink.engine.kernels import cpu, cpu_make_room
 from blink.engine.kernels.make_room import make_room
 from blink.engine.kernels.page_release import KERNELS
 from blink.engine.kernels.page_sharing import AT_REST
@@ -102,7 +105,19 @@ def _case(seed: int, S: int, shared: bool, kernels: bool = False):
     return state, _pool(free, state, pages, shared, kernels), resident, take, precedence, rng
 
 
-def _check(policy: str, shared: bool, mirror: bool, seeds: range, sizes: tuple[int, ...]) -> tuple[int, int]:
+@pytest.fixture(params=["triton", "cpp"])
+def kernel(request):
+    """Each twin of paging.make_room: the device step's, and the CPU's where its C++ builds."""
+    if request.param == "triton":
+        return make_room
+    try:
+        cpu.ops()
+    except cpu.Unavailable as e:
+        pytest.skip(f"the CPU kernels are unavailable here: {e}")
+    return cpu_make_room.make_room
+
+
+def _check(kernel, policy: str, shared: bool, mirror: bool, seeds: range, sizes: tuple[int, ...]) -> tuple[int, int]:
     """The kernel against the reference on these cases; returns how many slots were evicted and how many cut."""
     evictions = short = 0
     for seed in seeds:
@@ -110,12 +125,15 @@ def _check(policy: str, shared: bool, mirror: bool, seeds: range, sizes: tuple[i
         state, pool, resident, take, precedence, _ = _case(seed, S, shared)
         twin = copy.deepcopy(state)
         want = paging.make_room(state, pool, policy_named(policy), take, resident, precedence, mirror)
-        got = make_room(twin, pool, policy_named(policy), take, resident, precedence, mirror)
+        got = kernel(twin, pool, policy_named(policy), take, resident, precedence, mirror)
         names = ("need", "take", "evicted", "reserve", "keep")
         for name, w, g in zip(names, want, got, strict=False):
-            assert torch.equal(w, g), (seed, name, w, g)
-        victims = lexsort(policy_named(policy).victim_keys(state), first=resident & state.cancel)
-        assert torch.equal(got[5], victims if want[5] is None else want[5]), seed
+            assert w.dtype == g.dtype and torch.equal(w, g), (seed, name, w, g)
+        if got[5] is None:  # the C++'s, as the reference's: nobody gives any back
+            assert want[5] is None, seed
+        else:  # the Triton kernel's order whether or not anyone gives back
+            victims = lexsort(policy_named(policy).victim_keys(state), first=resident & state.cancel)
+            assert torch.equal(got[5], victims if want[5] is None else want[5]), seed
         for name in STATE_FIELDS:
             assert torch.equal(getattr(state, name), getattr(twin, name)), (seed, name)
         if shared:
@@ -129,28 +147,29 @@ def _check(policy: str, shared: bool, mirror: bool, seeds: range, sizes: tuple[i
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("shared", [True, False], ids=["prefix-cache", "no-sharing"])
 @pytest.mark.parametrize("mirror", [False, True], ids=["no-mirror", "mirror"])
-def test_the_kernel_makes_room_as_the_reference_does(policy, shared, mirror):
-    evictions, short = _check(policy, shared, mirror, range(10), (8, 7))  # a power of two and not
+def test_the_kernel_makes_room_as_the_reference_does(kernel, policy, shared, mirror):
+    evictions, short = _check(kernel, policy, shared, mirror, range(10), (8, 7))  # a power of two and not
     assert evictions > 0 and short > 0  # the cases made room, not only found it
 
 
 @pytest.mark.parametrize("mirror", [False, True], ids=["no-mirror", "mirror"])
-def test_the_kernel_makes_room_for_one_slot_and_for_many(mirror):
-    evictions, short = _check("slo", True, mirror, range(6), (1, 37))
+def test_the_kernel_makes_room_for_one_slot_and_for_many(kernel, mirror):
+    evictions, short = _check(kernel, "slo", True, mirror, range(6), (1, 37))
     assert evictions > 0 and short > 0
 
 
 @pytest.mark.parametrize("policy", ["fcfs", "slo"])
-def test_find_pages_with_the_kernel_leaves_what_the_reference_leaves(policy):
-    """The whole second half of the plan, pages given back and taken included, with the pool's own kernels."""
+def test_find_pages_with_the_kernel_leaves_what_the_reference_leaves(kernel, policy):
+    """The whole second half of the plan, pages given back and taken included, with the pool's own kernels (the
+    device step's with its kernel; the host mode's torch with the C++)."""
     preempted = 0
     for seed in range(8):
-        state, pool, resident, take, precedence, _ = _case(100 + seed, 8, shared=True, kernels=True)
+        state, pool, resident, take, precedence, _ = _case(100 + seed, 8, shared=True, kernels=kernel is make_room)
         twin, twin_pool = copy.deepcopy(state), copy.deepcopy(pool)
         running = state.status == SlotStatus.RUNNING
         args = (policy_named(policy), None, 16)
         want = paging.find_pages(state, pool, *args, take, running, resident, precedence)
-        got = paging.find_pages(twin, twin_pool, *args, take, running, resident, precedence, make_room)
+        got = paging.find_pages(twin, twin_pool, *args, take, running, resident, precedence, kernel)
         assert torch.equal(want[0], got[0]) and torch.equal(want[2], got[2]), seed
         for name in STATE_FIELDS:
             assert torch.equal(getattr(state, name), getattr(twin, name)), (seed, name)
@@ -211,3 +230,50 @@ def test_the_device_step_makes_room_without_a_mirror_as_the_host_does(checkpoint
     host = serve(device=False)
     assert sum(stats.preemptions for *_, stats in host.values()) > 0  # the pool ran short
     assert serve(device=True) == host
+
+
+@pytest.mark.parametrize("swap_space", [0, 1], ids=["recompute", "rotation"])
+def test_the_host_mode_with_the_cpp_kernel_serves_what_the_reference_serves(checkpoint, swap_space):
+    """A pool far too small for requests of different lengths (some sharing a prompt prefix), greedy and seeded, one
+    ended by a stop id and one by max_tokens: the host mode with the C++ make_room bound generates the reference's
+    tokens, logprobs and finishes, and preempts, recomputes and rotates as often."""
+    try:
+        cpu.ops()
+    except cpu.Unavailable as e:
+        pytest.skip(f"the CPU kernels are unavailable here: {e}")
+    from blink.engine import LLM, SamplingParams
+    from blink.engine.core.bookkeeping import TORCH_BOOKKEEPING, Bookkeeping
+    from blink.engine.core.scheduler import PlanKernels
+
+    model = str(checkpoint("qwen3"))
+    gen = torch.Generator().manual_seed(3)
+    shared = list(range(3, 20))
+    prompts = [shared + list(range(40, 40 + n)) if i % 2 else torch.randint(3, 1174, (n,), generator=gen).tolist()
+               for i, n in enumerate((5, 40, 9, 23, 2, 30, 14, 51))]
+    greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=1)
+    stop = LLM(model, max_num_seqs=1, max_num_batched_tokens=32, num_pages=40, page_size=8,
+               max_model_len=104).generate([prompts[0]], greedy)[0].token_ids[6]
+    seeded = dict(temperature=0.8, top_k=8, max_tokens=30, ignore_eos=True, logprobs=1)
+    params = [SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop], logprobs=1),
+              SamplingParams(**{**seeded, "max_tokens": 4}, seed=1), greedy,
+              *(SamplingParams(**seeded, seed=i) if i % 2 else greedy for i in range(5))]
+    calls = []
+
+    def spy(*args):
+        calls.append(args[3].shape[0])
+        return cpu_make_room.make_room(*args)
+
+    served = []
+    for bookkeeping in (TORCH_BOOKKEEPING, Bookkeeping(plan=PlanKernels(make_room=spy))):
+        llm = LLM(model, max_num_seqs=6, max_num_batched_tokens=32, num_pages=14, page_size=8, max_model_len=104,
+                  swap_space=swap_space)
+        llm.engine.step.use(bookkeeping)
+        outputs = [(o.token_ids, o.logprobs, o.finish_reason) for o in llm.generate(prompts, params)]
+        engine = llm.engine
+        moved = engine.mirror.pages_moved.tolist() if engine.mirror else None
+        served.append((outputs, int(engine.state.num_preemptions), int(engine.state.num_recomputes), moved))
+        assert int(engine.pool.num_free) == engine.pool.usable_pages  # every page came back
+    assert served[1] == served[0]
+    outputs, preemptions, recomputes, moved = served[0]
+    assert calls and preemptions > 0 and (moved[0] > 0 if swap_space else recomputes > 0)  # the pool ran short
+    assert outputs[0][2] == "stop" and len(outputs[0][0]) == 7 and len(outputs[1][0]) == 4
