@@ -1,7 +1,8 @@
-"""The commit kernel (blink.engine.kernels.commit, in Triton's interpreter) settles a step as the torch reference
-(blink.engine.core.commit.settle) does: the same state after it (the token history but its trash column) and the same
-outputs, over random steps: rows that sample nothing, max_tokens 0, stop ids, eos (ignored or not), the length
-limits, cancellations of running and of finished slots, with and without logprobs and output counts."""
+"""The commit kernels settle a step as the torch reference (blink.engine.core.commit.settle) does: the Triton one
+(blink.engine.kernels.commit, in Triton's interpreter) and the CPU's C++ one (blink.engine.kernels.cpu_commit). The
+same state after it (the token history but its trash column for Triton's; the C++ writes the trash too) and the same
+outputs, dtypes included, over random steps: rows that sample nothing, max_tokens 0, stop ids, eos (ignored or not),
+the length limits, cancellations of running and of finished slots, with and without logprobs and output counts."""
 
 from __future__ import annotations
 
@@ -13,12 +14,14 @@ import dataclasses
 import random
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from blink.engine.core.commit import settle
 from blink.engine.core.sampler import SampleOutput
 from blink.engine.core.state import Slots, SlotStatus
 from blink.engine.kernels import commit as commit_kernel
+from blink.engine.kernels import cpu, cpu_commit
 
 S, MAX_LEN, VOCAB, TOP = 8, 40, 30, 5
 
@@ -40,12 +43,24 @@ def _state(rng: random.Random) -> Slots:
     return state
 
 
-def test_the_kernel_settles_as_the_reference_does():
+def cpp_settle():
+    """The C++ settle, or a skip saying why the CPU's kernels are not here."""
+    try:
+        cpu.ops()
+    except cpu.Unavailable as e:
+        pytest.skip(str(e))
+    return cpu_commit.settle
+
+
+@pytest.mark.parametrize(("kernel", "trials"), [("triton", 12), ("cpp", 200)])  # the C++ is cheap: more steps
+def test_the_kernel_settles_as_the_reference_does(kernel, trials):
+    settle_kernel = commit_kernel.settle if kernel == "triton" else cpp_settle()
+    cut = -1 if kernel == "triton" else None  # the Triton kernel leaves the trash column be
     rng = random.Random(11)
-    for trial in range(12):
-        rows = rng.choice([S, 4, 1])
+    for trial in range(trials):
+        rows = rng.choice([S, 4, 1] + ([0] if kernel == "cpp" else []))  # a step that samples nothing
         sampling = rng.sample(range(S), rng.randrange(0, rows + 1))
-        slot = torch.tensor(sampling + [0] * (rows - len(sampling)))
+        slot = torch.tensor(sampling + [0] * (rows - len(sampling)), dtype=torch.int64)
         plan = SimpleNamespace(sample_slot=slot, sample_valid=torch.arange(rows) < len(sampling))
         logprobs, count = trial % 2 == 0, trial % 3 != 0
         out = SampleOutput(torch.randint(0, VOCAB, (rows,)), torch.randn(rows) if logprobs else None,
@@ -56,12 +71,12 @@ def test_the_kernel_settles_as_the_reference_does():
         seed = rng.randrange(1000)
         expected, got = _state(random.Random(seed)), _state(random.Random(seed))
         want = settle(expected, plan, rows, out, logits, eos, count)
-        have = commit_kernel.settle(got, plan, rows, out, logits, eos, count)
+        have = settle_kernel(got, plan, rows, out, logits, eos, count)
         for field in dataclasses.fields(want):
             a, b = getattr(want, field.name), getattr(have, field.name)
-            assert (a is None and b is None) or torch.equal(a, b), (trial, field.name, a, b)
+            assert (a is None and b is None) or (torch.equal(a, b) and a.dtype == b.dtype), (trial, field.name, a, b)
         for name, value in vars(expected).items():
             if isinstance(value, torch.Tensor):
-                value, other = (value[:, :-1], getattr(got, name)[:, :-1]) if name == "tokens" else (
+                value, other = (value[:, :cut], getattr(got, name)[:, :cut]) if name == "tokens" else (
                     value, getattr(got, name))
                 assert torch.equal(other, value), (trial, name)
