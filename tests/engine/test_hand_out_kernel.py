@@ -2,7 +2,8 @@
 the torch reference (blink.engine.core.scheduler._hand_out) does, field by field (tokens, prompt logprobs, the
 order, the cap), for every policy: random states with ties in arrival, priority and deadline, latency-sensitive and
 best-effort mixes, TPOT caps that bind and that do not, prompt logprobs cut by the step's rows and by the window,
-slot counts that are and are not a power of two, and more slots than one block of compares."""
+slot counts that are and are not a power of two, and more slots than one block of compares. The CPU's C++ twins
+(blink.engine.kernels.cpu_hand_out) are held to the same references on the same states."""
 
 from __future__ import annotations
 
@@ -21,7 +22,22 @@ from blink.engine.core.policy import POLICIES, StepCost, policy_named
 from blink.engine.core.rotation import HostMirror
 from blink.engine.core.scheduler import _hand_out, _head
 from blink.engine.core.state import Slots, SlotStatus
-from blink.engine.kernels.hand_out import COMPARE_BLOCK, hand_out, head
+from blink.engine.kernels import cpu, cpu_hand_out
+from blink.engine.kernels import hand_out as triton_hand_out
+from blink.engine.kernels.hand_out import COMPARE_BLOCK
+
+
+@pytest.fixture(params=["triton", "cpu"])
+def kernels(request):
+    """The module whose `head` and `hand_out` stand in for the references: the device step's Triton kernels, or the
+    CPU's C++ ones."""
+    if request.param == "cpu":
+        try:
+            cpu.ops()
+        except cpu.Unavailable as e:
+            pytest.skip(f"the CPU kernels are not built here: {e}")
+        return cpu_hand_out
+    return triton_hand_out
 
 
 def _state(rng: random.Random, S: int) -> tuple[Slots, torch.Tensor]:
@@ -52,7 +68,7 @@ COSTS = ([0.0, 0.0], [0.01, 0.0001], [0.01, 0.0], [0.03, 0.001], [0.001, 1e-6]) 
 
 @pytest.mark.filterwarnings("ignore:divide by zero")  # the interpreter's numpy, for a fit with no per-token cost
 @pytest.mark.parametrize("name", POLICIES)
-def test_the_kernel_hands_out_the_budget_as_the_reference_does(name):
+def test_the_kernel_hands_out_the_budget_as_the_reference_does(kernels, name):
     rng = random.Random(POLICIES.index(name))
     policy = policy_named(name)
     cost = StepCost(torch.device("cpu"))
@@ -62,7 +78,7 @@ def test_the_kernel_hands_out_the_budget_as_the_reference_does(name):
             cost.fit.copy_(torch.tensor(COSTS[trial % len(COSTS)], dtype=torch.float64))
             for prompt_rows in (0, 1, 37):
                 want = _hand_out(state, policy, cost, budget, prompt_rows, live)
-                have = hand_out(state, policy, cost, budget, prompt_rows, live)
+                have = kernels.hand_out(state, policy, cost, budget, prompt_rows, live)
                 for field, w, h in zip(("take", "entries", "order", "cap"), want, have, strict=True):
                     if w is None:
                         assert h is None, field
@@ -71,7 +87,7 @@ def test_the_kernel_hands_out_the_budget_as_the_reference_does(name):
                     assert torch.equal(h, w), (name, S, budget, trial, prompt_rows, field, h, w)
 
 
-def test_a_binding_tpot_cap_and_ties_in_arrival_order_as_the_reference():
+def test_a_binding_tpot_cap_and_ties_in_arrival_order_as_the_reference(kernels):
     """Every key tied but the index (the sort is stable), and a decode's TPOT SLO that leaves the prefills less than
     they ask: the cap binds, and the order is the slots' own."""
     S = 6
@@ -83,7 +99,7 @@ def test_a_binding_tpot_cap_and_ties_in_arrival_order_as_the_reference():
     cost = StepCost(torch.device("cpu"))
     cost.fit.copy_(torch.tensor([0.25, 2**-12], dtype=torch.float64))  # 0.5 s: 1024 tokens
     live = torch.ones(S, dtype=torch.bool)
-    take, _, order, cap = hand_out(state, policy_named("slo"), cost, 4096, 0, live)
+    take, _, order, cap = kernels.hand_out(state, policy_named("slo"), cost, 4096, 0, live)
     assert int(cap) == 1024
     assert order.tolist() == [0, 1, 2, 3, 4, 5]
     assert take.tolist() == [1, 500, 500, 23, 0, 0]
@@ -101,7 +117,7 @@ def _mirror(num_free: int, hold_below: int) -> SimpleNamespace:
 
 
 @pytest.mark.parametrize("name", POLICIES)
-def test_the_head_kernel_starts_the_plan_as_the_reference_does(name):
+def test_the_head_kernel_starts_the_plan_as_the_reference_does(kernels, name):
     """_head's results (running, resident, precedence, live, starting) and its effects (the admitted slots' status
     and draft rate), with and without a host mirror (nearly full or not, rotated requests waiting or not)."""
     rng = random.Random(10 + POLICIES.index(name))
@@ -118,7 +134,7 @@ def test_the_head_kernel_starts_the_plan_as_the_reference_does(name):
             for mirror in (None, _mirror(10, 4), _mirror(3, 4)):
                 want_state, have_state = copy.deepcopy(state), copy.deepcopy(state)
                 want = _head(want_state, policy, mirror)
-                have = head(have_state, policy, mirror)
+                have = kernels.head(have_state, policy, mirror)
                 for field, w, h in zip(("running", "resident", "precedence", "live", "starting"), want, have,
                                        strict=True):
                     assert h.dtype == w.dtype and torch.equal(h, w), (name, S, trial, mirror, field, h, w)
