@@ -1,5 +1,6 @@
-"""The plan's lay-out kernel (blink.engine.kernels.lay_out, in Triton's interpreter) gives the plan the torch reference
-(blink.engine.core.scheduler._lay_out) gives, field by field, padding included: steps of decodes, prompt chunks
+"""The plan's lay-out kernels (blink.engine.kernels.lay_out, in Triton's interpreter, and the CPU's C++ twin,
+blink.engine.kernels.cpu_lay_out) give the plan the torch reference (blink.engine.core.scheduler._lay_out) gives, field
+by field, padding included: steps of decodes, prompt chunks
 longer than a query block, slots that compute nothing, an empty step, a full budget, with and without prompt
 logprobs; and steps with drafts (runs of 1 + k tokens beside prompt chunks), their runs laid out as prefill chunks or as
 decode rows."""
@@ -13,11 +14,25 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: the
 import dataclasses
 import random
 
+import pytest
 import torch
 
 from blink.engine.core.scheduler import QueryRows, _lay_out
 from blink.engine.core.state import Slots
-from blink.engine.kernels.lay_out import lay_out
+from blink.engine.kernels import cpu, cpu_lay_out
+from blink.engine.kernels import lay_out as triton_lay_out
+
+
+@pytest.fixture(params=["triton", "cpp"])
+def lay_out(request):
+    """The kernel under test, with the reference's arguments and plan."""
+    if request.param == "cpp":
+        try:
+            cpu.ops()
+        except cpu.Unavailable as e:
+            pytest.skip(f"the CPU kernels are not built here: {e}")
+        return cpu_lay_out.lay_out
+    return triton_lay_out.lay_out
 
 
 def _takes(rng: random.Random, S: int, T: int):
@@ -43,7 +58,7 @@ def _same(expected, got, *where) -> None:
             assert have is want, field.name
 
 
-def test_the_kernel_lays_out_the_plan_as_the_reference_does():
+def test_the_kernel_lays_out_the_plan_as_the_reference_does(lay_out):
     rng = random.Random(5)
     for S, T in ((4, 16), (8, 256), (5, 200)):
         state = Slots(S, 512, 40, 100, torch.device("cpu"))
@@ -87,7 +102,7 @@ def _with_drafts(rng: random.Random, state: Slots, T: int, K: int) -> torch.Tens
     return torch.tensor(take)
 
 
-def test_the_kernel_lays_out_steps_with_drafts_as_the_reference_does():
+def test_the_kernel_lays_out_steps_with_drafts_as_the_reference_does(lay_out):
     """A sampling row per token of each run with drafts, in batch order (padding: batch token 0's slot); the runs
     either in prefill chunks (a GPU's attention) or each token a decode row (the CPU's), the chunks the rest."""
     rng = random.Random(11)
