@@ -43,18 +43,18 @@ def _state(rng: random.Random) -> Slots:
     return state
 
 
-def cpp_settle():
-    """The C++ settle, or a skip saying why the CPU's kernels are not here."""
+def cpp_kernels():
+    """blink.engine.kernels.cpu_commit, or a skip saying why the CPU's kernels are not here."""
     try:
         cpu.ops()
     except cpu.Unavailable as e:
         pytest.skip(str(e))
-    return cpu_commit.settle
+    return cpu_commit
 
 
 @pytest.mark.parametrize(("kernel", "trials"), [("triton", 12), ("cpp", 200)])  # the C++ is cheap: more steps
 def test_the_kernel_settles_as_the_reference_does(kernel, trials):
-    settle_kernel = commit_kernel.settle if kernel == "triton" else cpp_settle()
+    settle_kernel = commit_kernel.settle if kernel == "triton" else cpp_kernels().settle
     cut = -1 if kernel == "triton" else None  # the Triton kernel leaves the trash column be
     rng = random.Random(11)
     for trial in range(trials):

@@ -1,5 +1,6 @@
-"""The commit's settle with drafts as one kernel (blink.engine.kernels.commit.settle_runs, in Triton's interpreter)
-against its torch reference (Speculation.settle): the same state after it (tokens, lengths, KV rolled back, finishes,
+"""The commit's settle with drafts as one kernel, the Triton one (blink.engine.kernels.commit.settle_runs, in Triton's
+interpreter) and the CPU's C++ one (blink.engine.kernels.cpu_commit.settle_runs), against its torch reference
+(Speculation.settle): the same state after it (tokens, lengths, KV rolled back, finishes,
 counts, vLLM's counters, acceptance rates) and the same output, for steps mixing runs accepted whole, in part or not at
 all, plain decodes and prompt chunks, with stop ids, eos, max_tokens and the context limit meeting a run, cancels, and
 with and without logprobs and output counts."""
@@ -20,7 +21,8 @@ from blink.engine.core.sampler import SampleOutput
 from blink.engine.core.scheduler import _lay_out
 from blink.engine.core.speculation import Speculation
 from blink.engine.core.state import Slots, SlotStatus
-from blink.engine.kernels.commit import settle_runs
+from blink.engine.kernels import commit
+from tests.engine.test_commit_kernel import cpp_kernels
 
 VOCAB, MAX_LEN = 40, 64
 STATE = ("tokens", "seq_len", "num_computed", "draft_len", "output_counts", "status", "finish_reason", "spec_rate",
@@ -64,12 +66,15 @@ def _step(rng: random.Random, S: int, K: int):
     return state, plan, rows, out, eos
 
 
+@pytest.mark.parametrize(("kernel", "cases"), [("triton", 24), ("cpp", 150)])  # the C++ is cheap: more steps
 @pytest.mark.parametrize("K", [3, 4])  # runs of a power of two, and not
-def test_the_kernel_settles_runs_as_the_reference_does(K):
+def test_the_kernel_settles_runs_as_the_reference_does(kernel, cases, K):
+    settle_runs = commit.settle_runs if kernel == "triton" else cpp_kernels().settle_runs
+    cut = MAX_LEN if kernel == "triton" else None  # the C++ writes the trash column as the reference does
     rng = random.Random(K)
     speculation = Speculation(K, 1, 3)
     accepted = ended = 0
-    for case in range(24):
+    for case in range(cases):
         S = rng.choice([1, 4, 7])
         state, plan, rows, out, eos = _step(rng, S, K)
         with_logprobs = case % 2 == 0
@@ -83,13 +88,13 @@ def test_the_kernel_settles_runs_as_the_reference_does(K):
         for name in STATE:
             a, b = getattr(theirs, name), getattr(state, name)
             if name == "tokens":  # the reference writes its invalid rows into the trash column
-                a, b = a[:, :MAX_LEN], b[:, :MAX_LEN]
+                a, b = a[:, :cut], b[:, :cut]
             assert torch.equal(a, b), (case, name, a, b)
         for name in ("token", "finish_reason", "row_slot"):
             assert torch.equal(getattr(got, name), getattr(want, name)), (case, name)
         for name in ("token", "count", "logprob", "top_ids", "top_logprobs"):
             a, b = getattr(want.runs, name), getattr(got.runs, name)
-            assert (a is None and b is None) or torch.equal(a, b), (case, name, a, b)
+            assert (a is None and b is None) or (torch.equal(a, b) and a.dtype == b.dtype), (case, name, a, b)
         assert got.row_logits is logits
         accepted += int(state.spec_counts[2])
         ended += int((want.finish_reason != 0).sum())
