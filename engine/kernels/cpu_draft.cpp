@@ -17,6 +17,10 @@
 #include <cstdint>
 #include <vector>
 
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 constexpr int64_t MAX_DRAFT = 64;  // the drafts a slot copies, read before written (MAX_SPECULATIVE_TOKENS is less)
@@ -42,6 +46,24 @@ Vec<T> vec(const at::Tensor& t, int64_t n, const char* name) {
 int64_t floor_div(int64_t a, int64_t b) {  // Python's //, which the reference's page counts use
   int64_t q = a / b;
   return (a % b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q;
+}
+
+// Bit b set where block[b] == key, b < 16: the search's candidates (where a match's last token is), 16 at a time.
+inline uint32_t equal16(const int32_t* block, int32_t key) {
+#if defined(__AVX512F__)
+  return _mm512_cmpeq_epi32_mask(_mm512_loadu_si512(block), _mm512_set1_epi32(key));
+#elif defined(__AVX2__)
+  const __m256i k = _mm256_set1_epi32(key);
+  const auto half = [&](const int32_t* p) {
+    const __m256i eq = _mm256_cmpeq_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), k);
+    return static_cast<uint32_t>(_mm256_movemask_ps(_mm256_castsi256_ps(eq)));
+  };
+  return half(block) | half(block + 8) << 8;
+#else
+  uint32_t mask = 0;
+  for (int b = 0; b < 16; ++b) mask |= static_cast<uint32_t>(block[b] == key) << b;
+  return mask;
+#endif
 }
 
 // torch's clamp(min=lo): a NaN stays NaN.
@@ -138,12 +160,28 @@ at::Tensor draft_ngram(const at::Tensor& live_t, const at::Tensor& take_t, const
     TORCH_CHECK(seq >= 1 && seq <= max_len, "blink_cpu::draft_ngram: slot ", s, "'s seq_len ", seq,
                 " is outside its tokens [1, ", max_len, "]");
     const int32_t* history = tokens + s * row;
-    // Backwards from the latest possible end (j < seq - 1), so the first match of n tokens is the latest.
+    // Backwards from the latest possible end (j < seq - 1), so the first match of n tokens is the latest; only where
+    // the last token is (16 compared at a time) is the match's length counted.
     std::fill(latest.begin(), latest.end(), -1);
-    for (int64_t j = seq - 2; j >= 0 && latest[lookup_max] < 0; --j) {
-      int64_t n = 0;
+    const auto done = [&](int64_t j) {  // j ends a match of one token at least
+      int64_t n = 1;
       while (n < lookup_max && j - n >= 0 && history[j - n] == history[seq - 1 - n]) ++n;
       for (int64_t m = n; m >= 1 && latest[m] < 0; --m) latest[m] = j;
+      return latest[lookup_max] >= 0;  // none longer counts, nor any earlier
+    };
+    const int32_t key = history[seq - 1];
+    bool over = false;
+    int64_t j = seq - 2;
+    for (; j >= 15 && !over; j -= 16) {
+      uint32_t mask = equal16(history + j - 15, key);
+      while (mask != 0 && !over) {
+        const int b = 31 - __builtin_clz(mask);  // the latest candidate first
+        over = done(j - 15 + b);
+        mask &= ~(1u << b);
+      }
+    }
+    for (; j >= 0 && !over; --j) {
+      if (history[j] == key) over = done(j);
     }
     int64_t found = 0;
     for (int64_t n = lookup_max; n >= lookup_min; --n) {
