@@ -5,11 +5,14 @@ test_commit_kernel.py and test_settle_runs_kernel.py hold them to the references
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from blink.engine import LLM, SamplingParams
 from blink.engine.core.bookkeeping import TORCH_BOOKKEEPING, Bookkeeping
+from blink.engine.core.sampler import SampleOutput
 from blink.engine.core.state import Slots
 from blink.engine.model.tiny_model import ensure_tiny_model
 from tests.engine.test_commit_kernel import cpp_kernels
@@ -60,8 +63,8 @@ def test_bad_state_is_refused_by_name():
     kernels = cpp_kernels()
     state = Slots(2, 8, 2, 10, torch.device("cpu"))
     state.seq_len = state.seq_len.int()
-    plan = type("Plan", (), dict(sample_slot=torch.tensor([0, 1]), sample_valid=torch.tensor([True, False])))
-    out = type("Out", (), dict(tokens=torch.tensor([3, 4]), logprob=None, top_ids=None, top_logprobs=None))
+    plan = SimpleNamespace(sample_slot=torch.tensor([0, 1]), sample_valid=torch.tensor([True, False]))
+    out = SampleOutput(torch.tensor([3, 4]), None, None, None)
     with pytest.raises(RuntimeError, match="seq_len must be Long"):
         kernels.settle(state, plan, 2, out, torch.zeros(2, 10), torch.tensor([1]), False)
     state.seq_len = state.seq_len.long()
