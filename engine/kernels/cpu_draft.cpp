@@ -2,11 +2,11 @@
 // blink.engine.kernels.cpu into torch.ops.blink_cpu): Speculation.draft, the torch reference, is ~170 small ops, a
 // few microseconds of dispatch each; engine/kernels/draft.py is its Triton twin for the device step.
 //
-// Plain scalar loops over the slots: which may draft (decoding one token, no penalty, no prompt left to score, not
-// held off), the step-cost fit's threshold on their acceptance rate (a retry for those below it), the latest earlier
+// Plain loops over the slots: which may draft (decoding one token, no penalty, no prompt left to score, not held
+// off), the step-cost fit's threshold on their acceptance rate (a retry for those below it), the latest earlier
 // occurrence of each drafting slot's last n tokens (the longest n in [lookup_min, lookup_max]) found by scanning its
-// own history backwards, the earned and room caps, then the fit to the budget and the free pages in the budget's
-// order, and the drafts copied after each sequence. Floats are computed in the reference's dtypes and order (the
+// own history backwards (16 positions compared with its last token at a time), the earned and room caps, then the
+// fit to the budget and the free pages in the budget's order, and the drafts copied after each sequence. Floats are computed in the reference's dtypes and order (the
 // threshold in float64, then rounded to float32; the rates in float32), so every output equals the reference's.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/zeros.h>
