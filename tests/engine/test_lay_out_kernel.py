@@ -122,3 +122,45 @@ def test_the_kernel_lays_out_steps_with_drafts_as_the_reference_does(lay_out):
                     _same(expected, got, S, T, take, state.draft_len, decode_runs)
                     several += int(got.sample_valid.sum()) > int((take > 0).sum())
     assert several > 0
+
+
+@pytest.fixture
+def cpp_lay_out():
+    try:
+        cpu.ops()
+    except cpu.Unavailable as e:
+        pytest.skip(f"the CPU kernels are not built here: {e}")
+    return cpu_lay_out.lay_out
+
+
+@pytest.mark.parametrize("S, T", [(1, 1), (1, 64), (16, 8), (300, 4096)])
+def test_the_c_plus_plus_kernel_lays_out_any_slots_and_budget_as_the_reference_does(cpp_lay_out, S, T):
+    """One slot, a budget of one token, fewer tokens than slots, many slots (the C++ twin's loops; the interpreted
+    Triton kernel is held to the shapes above)."""
+    rng = random.Random(S * T)
+    state = Slots(S, T + 320, 40, 100, torch.device("cpu"))
+    state.tokens.copy_(torch.randint(0, 100, state.tokens.shape, dtype=torch.int32))
+    moved = torch.tensor([1, 2])
+    for take in _takes(rng, S, T):
+        take = torch.tensor(take)
+        state.num_computed.copy_(torch.tensor([rng.randrange(0, 300) for _ in range(S)]))
+        state.seq_len.copy_(state.num_computed + take + torch.tensor([rng.choice([0, 0, 1]) for _ in range(S)]))
+        state.draft_len.zero_()
+        for entries in (None, torch.tensor([rng.randrange(3) for _ in range(S)])):
+            _same(_lay_out(state, take, entries, None, moved, T), cpp_lay_out(state, take, entries, None, moved, T),
+                  S, T, take)
+    for _ in range(5):
+        take, rows = _with_drafts(rng, state, T, 4), min(S * 5, T)
+        for decode_runs in (False, True):
+            _same(_lay_out(state, take, None, None, moved, T, rows, decode_runs),
+                  cpp_lay_out(state, take, None, None, moved, T, rows, decode_runs), S, T, take, decode_runs)
+
+
+def test_the_c_plus_plus_kernel_refuses_state_it_cannot_read(cpp_lay_out):
+    state = Slots(4, 64, 8, 100, torch.device("cpu"))
+    moved = torch.zeros(2, dtype=torch.int64)
+    with pytest.raises(RuntimeError, match="take must be a contiguous int64 CPU tensor"):
+        cpp_lay_out(state, torch.ones(4, dtype=torch.int32), None, None, moved, 16)
+    state.num_computed[2] = 64  # its second token past the history's 65 columns
+    with pytest.raises(RuntimeError, match="slot 2's position 65 is outside its tokens"):
+        cpp_lay_out(state, torch.tensor([0, 1, 2, 0]), None, None, moved, 16)
