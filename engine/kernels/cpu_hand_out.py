@@ -1,7 +1,8 @@
 """The plan's head and token hand-out as the CPU's C++ kernels (cpu_hand_out.cpp), one call each in place of the
 torch references' dozens of small ops in the host mode: `head` is blink.engine.core.scheduler._head, `hand_out` is
 scheduler._hand_out, each with its reference's arguments, results and effects (blink.engine.kernels.hand_out holds
-the device step's Triton twins). tests/engine/test_hand_out_kernel.py holds both to the references."""
+the device step's Triton twins). tests/engine/test_hand_out_kernel.py and test_cpu_hand_out.py hold them to the
+references."""
 
 from __future__ import annotations
 
