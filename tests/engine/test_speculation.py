@@ -279,6 +279,9 @@ def test_drafts_pay_by_the_step_cost_fit_and_a_slot_whose_drafts_fail_stops_then
 
     llm = LLM(str(ensure_tiny_model()), **ENGINE, speculative_config=_spec(4))
     driver, state = llm._driver, llm.engine.state
+    # A fit of the steps' cost that the machine's load cannot move: a draft token costs 2% of a step.
+    driver.rank.cost_model.observe = lambda *timed: None
+    llm.engine.step.cost.fit.copy_(torch.tensor([0.010, 0.0002], dtype=torch.float64))
     driver.add_request("0", PROMPTS[0], SamplingParams(temperature=0, max_tokens=60), 60)
     driver.step()
     state.spec_rate[0] = 0.0  # as after drafts that all failed
