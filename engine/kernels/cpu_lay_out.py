@@ -1,8 +1,8 @@
 """The plan's last part for the CPU's host mode in one C++ call (cpu_lay_out.cpp, torch.ops.blink_cpu.lay_out_plan):
 blink.engine.core.scheduler._lay_out (the torch reference: the batch's tokens flat, the decode, chunk and sampling
 rows, the sizes; about seventy small ops) with its arguments and its plan, drafts and decode_runs included.
-tests/engine/test_lay_out_kernel.py holds it to the reference, as it does the device step's Triton twin
-(blink.engine.kernels.lay_out)."""
+tests/engine/test_lay_out_kernel.py holds it to the reference field by field, as it does the device step's Triton twin
+(blink.engine.kernels.lay_out); tests/engine/test_cpu_lay_out.py, an engine's tokens with it bound."""
 
 from __future__ import annotations
 
