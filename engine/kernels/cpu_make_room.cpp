@@ -100,7 +100,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, std::opti
   const int64_t* tokens = take.data_ptr<int64_t>();
   const bool* res = resident.data_ptr<bool>();
   const int64_t* prec = precedence.data_ptr<int64_t>();
-  const int64_t free = num_free.item<int64_t>();
+  const int64_t free = *num_free.data_ptr<int64_t>();  // read here, not by item(): a dispatch
 
   thread_local Scratch w;
   w.need.resize(S), w.cross.resize(S), w.kept_at.assign(S, -1);
