@@ -105,16 +105,19 @@ def _case(seed: int, S: int, shared: bool, kernels: bool = False):
     return state, _pool(free, state, pages, shared, kernels), resident, take, precedence, rng
 
 
-@pytest.fixture(params=["triton", "cpp"])
-def kernel(request):
-    """Each twin of paging.make_room: the device step's, and the CPU's where its C++ builds."""
-    if request.param == "triton":
-        return make_room
+def _cpp():
+    """The CPU's twin, or a skip where its C++ does not build."""
     try:
         cpu.ops()
     except cpu.Unavailable as e:
         pytest.skip(f"the CPU kernels are unavailable here: {e}")
     return cpu_make_room.make_room
+
+
+@pytest.fixture(params=["triton", "cpp"])
+def kernel(request):
+    """Each twin of paging.make_room: the device step's, and the CPU's where its C++ builds."""
+    return make_room if request.param == "triton" else _cpp()
 
 
 def _check(kernel, policy: str, shared: bool, mirror: bool, seeds: range, sizes: tuple[int, ...]) -> tuple[int, int]:
@@ -156,6 +159,27 @@ def test_the_kernel_makes_room_as_the_reference_does(kernel, policy, shared, mir
 def test_the_kernel_makes_room_for_one_slot_and_for_many(kernel, mirror):
     evictions, short = _check(kernel, "slo", True, mirror, range(6), (1, 37))
     assert evictions > 0 and short > 0
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("mirror", [False, True], ids=["no-mirror", "mirror"])
+def test_the_cpp_kernel_makes_room_for_hundreds_of_slots(policy, mirror):
+    for shared in (True, False):
+        evictions, short = _check(_cpp(), policy, shared, mirror, range(4), (300, 257))
+        assert evictions > 0 and short > 0
+
+
+def test_the_cpp_kernel_refuses_state_it_cannot_read_by_name():
+    state, pool, resident, take, precedence, _ = _case(3, 8, shared=True)
+    args = (policy_named("slo"), take, resident, precedence, False)
+    with pytest.raises(RuntimeError, match="take must be a contiguous"):
+        _cpp()(state, pool, *args[:1], take.int(), *args[2:])
+    with pytest.raises(RuntimeError, match="precedence must be a permutation"):
+        _cpp()(state, pool, *args[:3], torch.zeros_like(precedence), False)
+    state.block_table[int(state.pages_held.argmax()), 0] = pool.num_pages
+    pool.num_free.fill_(0)  # short: the pages' holders are looked up
+    with pytest.raises(RuntimeError, match="maps page"):
+        _cpp()(state, pool, args[0], torch.full_like(take, PAGE), *args[2:])
 
 
 @pytest.mark.parametrize("policy", ["fcfs", "slo"])
