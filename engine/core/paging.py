@@ -26,7 +26,7 @@ def find_pages(state: Slots, pool: PagePool, policy: Policy, mirror: HostMirror 
     need, take, evicted, reserve, keep, victims = (kernel or make_room)(state, pool, policy, take, resident,
                                                                         precedence, mirror is not None)
     moves_out = _give_back(state, pool, mirror, evicted, victims)
-    if kernel is not None or not none_set(need > 0):  # a kernel's caller (the device step) reads nothing
+    if not none_set(need > 0):
         pool.allocate(need, state.block_table, state.pages_held, max_new=max_new_pages(token_budget, pool.page_size))
     if not mirror:
         return take, None, torch.zeros(2, dtype=torch.int64, device=state.status.device)
@@ -68,7 +68,7 @@ def _give_back(state: Slots, pool: PagePool, mirror: HostMirror | None, evicted:
                victims: torch.Tensor | None):
     """The evicted slots' pages: to the mirror while it has room, else dropped for recompute (counted here with a
     mirror; without one, `make_room` counted them). Returns the moves out."""
-    if none_set(evicted):
+    if victims is None or none_set(evicted):  # no victims' order: nobody gives any back
         return _no_pairs(state) if mirror else None
     moves_out = None
     if mirror:

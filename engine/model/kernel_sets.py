@@ -4,8 +4,8 @@
 layer reads on the host which experts run, so a device mode cannot capture it.
 `CpuKernels` is the CPU's choice: the reference with its chains of small ops, each a few microseconds of dispatch
 there, fused in C++ (blink.engine.kernels.cpu: norms, RoPE written into the cache, one-query attention straight from
-the pages, a decode-only step's attention from the projection's output in one call, the MLP's activation in one);
-prefill chunks still attend through the reference's gathers.
+the pages, a decode-only step's attention from the projection's output in one call, the MLP's activation in one;
+and the step's bookkeeping, engine/kernels/cpu_*.py); prefill chunks still attend through the reference's gathers.
 `TritonKernels` is CUDA's: fused norms, one launch a layer for RoPE, the cache write and paged attention over row
 lists the kernels read on the device, SiLU x up fused, grouped experts and the fused sampler; without CUDA it runs in
 Triton's interpreter (the tests check it against the reference that way). A new backend is a class with these
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from blink.engine.core.bookkeeping import TORCH_BOOKKEEPING, Bookkeeping
 from blink.engine.core.sampler import TORCH_SAMPLER, Sampler
-from blink.engine.core.scheduler import QUERY_BLOCK, StepPlan
+from blink.engine.core.scheduler import QUERY_BLOCK, PlanKernels, StepPlan
 from blink.engine.model import moe
 from blink.engine.model.attention import AttentionBatch, attend_groups, build_row_group, paged_attention
 from blink.engine.model.config import ModelConfig
@@ -158,8 +158,15 @@ class CpuKernels(TorchKernels):
     name = "cpu"
 
     def __init__(self, sliding_window: int | None, ops):
+        from blink.engine.kernels import cpu_commit, cpu_draft, cpu_hand_out, cpu_lay_out, cpu_make_room
+
         super().__init__(sliding_window)
         self._ops = ops  # torch.ops.blink_cpu
+        # The bookkeeping's C++ twins (built with the kernels above): a call each in place of tens of torch ops.
+        self.bookkeeping = Bookkeeping(
+            PlanKernels(head=cpu_hand_out.head, hand_out=cpu_hand_out.hand_out, make_room=cpu_make_room.make_room,
+                        lay_out=cpu_lay_out.lay_out),
+            settle=cpu_commit.settle, settle_runs=cpu_commit.settle_runs, draft=cpu_draft.draft)
 
     def attention_batch(self, plan: StepPlan, shape: StepShape, block_table: torch.Tensor,
                         page_size: int) -> AttentionBatch:
