@@ -21,7 +21,8 @@ from blink.engine.core.commit import settle
 from blink.engine.core.sampler import SampleOutput
 from blink.engine.core.state import Slots, SlotStatus
 from blink.engine.kernels import commit as commit_kernel
-from blink.engine.kernels import cpu, cpu_commit
+from blink.engine.kernels import cpu_commit
+from tests.support.cpu_kernels import cpu_kernels_or_skip
 
 S, MAX_LEN, VOCAB, TOP = 8, 40, 30, 5
 
@@ -45,10 +46,7 @@ def _state(rng: random.Random) -> Slots:
 
 def cpp_kernels():
     """blink.engine.kernels.cpu_commit, or a skip saying why the CPU's kernels are not here."""
-    try:
-        cpu.ops()
-    except cpu.Unavailable as e:
-        pytest.skip(str(e))
+    cpu_kernels_or_skip()
     return cpu_commit
 
 

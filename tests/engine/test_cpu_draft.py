@@ -18,18 +18,16 @@ from blink.engine.core.bookkeeping import TORCH_BOOKKEEPING, Bookkeeping
 from blink.engine.core.policy import StepCost, policy_named
 from blink.engine.core.speculation import Speculation
 from blink.engine.core.state import Slots
-from blink.engine.kernels import cpu, cpu_draft
+from blink.engine.kernels import cpu_draft
 from blink.engine.model.tiny_model import ensure_tiny_model
 from tests.engine.test_draft_kernel import STATE, _case
 from tests.engine.test_speculation import ENGINE, PROMPTS, _spec
+from tests.support.cpu_kernels import cpu_kernels_or_skip
 
 
 @pytest.fixture(scope="module", autouse=True)
 def built():
-    try:
-        cpu.ops()
-    except cpu.Unavailable as e:
-        pytest.skip(f"the CPU kernels are not built here: {e}")
+    cpu_kernels_or_skip()
 
 
 def _same(reference: Slots, state: Slots, want: torch.Tensor, got: torch.Tensor, *where) -> None:

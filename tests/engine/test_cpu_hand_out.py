@@ -21,6 +21,7 @@ from blink.engine.kernels import cpu, cpu_hand_out
 from blink.engine.model.tiny_model import ensure_tiny_model
 from blink.shared.service_class import ServiceClass
 from tests.engine.test_hand_out_kernel import COSTS, _mirror, _state
+from tests.support.cpu_kernels import cpu_kernels_or_skip
 
 HEAD = ("running", "resident", "precedence", "live", "starting")
 HAND_OUT = ("take", "entries", "order", "cap")
@@ -28,10 +29,7 @@ HAND_OUT = ("take", "entries", "order", "cap")
 
 @pytest.fixture(scope="module", autouse=True)
 def built():
-    try:
-        cpu.ops()
-    except cpu.Unavailable as e:
-        pytest.skip(f"the CPU kernels are not built here: {e}")
+    cpu_kernels_or_skip()
 
 
 def _same(fields: tuple[str, ...], want, have, *where) -> None:

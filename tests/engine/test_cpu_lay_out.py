@@ -13,8 +13,9 @@ import pytest
 from blink.engine import LLM, SamplingParams
 from blink.engine.core.bookkeeping import TORCH_BOOKKEEPING, Bookkeeping
 from blink.engine.core.scheduler import PlanKernels
-from blink.engine.kernels import cpu, cpu_lay_out
+from blink.engine.kernels import cpu_lay_out
 from blink.engine.model.tiny_model import ensure_tiny_model
+from tests.support.cpu_kernels import cpu_kernels_or_skip
 
 pytestmark = pytest.mark.skipif(not (os.environ.get("CXX") or shutil.which("c++")),
                                 reason="the CPU kernels are built with a C++ compiler, and none is on PATH")
@@ -27,10 +28,7 @@ SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, 
 
 @pytest.fixture(scope="module", params=["plain", "drafts"])
 def llm(request) -> LLM:
-    try:
-        cpu.ops()
-    except cpu.Unavailable as e:
-        pytest.skip(f"the CPU kernels are not built here: {e}")
+    cpu_kernels_or_skip()
     drafts = {"speculative_config": SPEC} if request.param == "drafts" else {}
     return LLM(str(ensure_tiny_model()), **ENGINE, **drafts)
 

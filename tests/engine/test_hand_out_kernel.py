@@ -22,9 +22,10 @@ from blink.engine.core.policy import POLICIES, StepCost, policy_named
 from blink.engine.core.rotation import HostMirror
 from blink.engine.core.scheduler import _hand_out, _head
 from blink.engine.core.state import Slots, SlotStatus
-from blink.engine.kernels import cpu, cpu_hand_out
+from blink.engine.kernels import cpu_hand_out
 from blink.engine.kernels import hand_out as triton_hand_out
 from blink.engine.kernels.hand_out import COMPARE_BLOCK
+from tests.support.cpu_kernels import cpu_kernels_or_skip
 
 
 @pytest.fixture(params=["triton", "cpu"])
@@ -32,10 +33,7 @@ def kernels(request):
     """The module whose `head` and `hand_out` stand in for the references: the device step's Triton kernels, or the
     CPU's C++ ones."""
     if request.param == "cpu":
-        try:
-            cpu.ops()
-        except cpu.Unavailable as e:
-            pytest.skip(f"the CPU kernels are not built here: {e}")
+        cpu_kernels_or_skip()
         return cpu_hand_out
     return triton_hand_out
 

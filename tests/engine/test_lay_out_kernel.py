@@ -19,18 +19,16 @@ import torch
 
 from blink.engine.core.scheduler import QueryRows, _lay_out
 from blink.engine.core.state import Slots
-from blink.engine.kernels import cpu, cpu_lay_out
+from blink.engine.kernels import cpu_lay_out
 from blink.engine.kernels import lay_out as triton_lay_out
+from tests.support.cpu_kernels import cpu_kernels_or_skip
 
 
 @pytest.fixture(params=["triton", "cpp"])
 def lay_out(request):
     """The kernel under test, with the reference's arguments and plan."""
     if request.param == "cpp":
-        try:
-            cpu.ops()
-        except cpu.Unavailable as e:
-            pytest.skip(f"the CPU kernels are not built here: {e}")
+        cpu_kernels_or_skip()
         return cpu_lay_out.lay_out
     return triton_lay_out.lay_out
 
@@ -126,10 +124,7 @@ def test_the_kernel_lays_out_steps_with_drafts_as_the_reference_does(lay_out):
 
 @pytest.fixture
 def cpp_lay_out():
-    try:
-        cpu.ops()
-    except cpu.Unavailable as e:
-        pytest.skip(f"the CPU kernels are not built here: {e}")
+    cpu_kernels_or_skip()
     return cpu_lay_out.lay_out
 
 

@@ -24,10 +24,11 @@ from blink.engine.core.kv_cache import NULL_PAGE, FreeList
 from blink.engine.core.policy import POLICIES, lexsort, policy_named
 from blink.engine.core.prefix_cache import PrefixCache
 from blink.engine.core.state import Slots, SlotStatus
-from blink.engine.kernels import cpu, cpu_make_room
+from blink.engine.kernels import cpu_make_room
 from blink.engine.kernels.make_room import make_room
 from blink.engine.kernels.page_release import KERNELS
 from blink.engine.kernels.page_sharing import AT_REST
+from tests.support.cpu_kernels import cpu_kernels_or_skip
 
 PAGE, WIDTH = 4, 8
 STATE_FIELDS = ("num_computed", "pages_held", "block_table", "preemptions", "num_preemptions", "num_recomputes")
@@ -107,10 +108,7 @@ def _case(seed: int, S: int, shared: bool, kernels: bool = False):
 
 def _cpp():
     """The CPU's twin, or a skip where its C++ does not build."""
-    try:
-        cpu.ops()
-    except cpu.Unavailable as e:
-        pytest.skip(f"the CPU kernels are unavailable here: {e}")
+    cpu_kernels_or_skip()
     return cpu_make_room.make_room
 
 
@@ -261,10 +259,7 @@ def test_the_host_mode_with_the_cpp_kernel_serves_what_the_reference_serves(chec
     """A pool far too small for requests of different lengths (some sharing a prompt prefix), greedy and seeded, one
     ended by a stop id and one by max_tokens: the host mode with the C++ make_room bound generates the reference's
     tokens, logprobs and finishes, and preempts, recomputes and rotates as often."""
-    try:
-        cpu.ops()
-    except cpu.Unavailable as e:
-        pytest.skip(f"the CPU kernels are unavailable here: {e}")
+    cpu_kernels_or_skip()
     from blink.engine import LLM, SamplingParams
     from blink.engine.core.bookkeeping import TORCH_BOOKKEEPING, Bookkeeping
     from blink.engine.core.scheduler import PlanKernels

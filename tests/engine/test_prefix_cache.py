@@ -161,30 +161,43 @@ def test_allocation_takes_empty_pages_then_the_least_recently_released_tails_fir
     assert found.tolist() == [8, 0] and table[0, :2].tolist() == owned[:2] and int(cache.num_free) == 0
 
 
+@pytest.mark.parametrize("bookkeeping", ["torch", "cpu"])
 @pytest.mark.parametrize("policy", ["fcfs", "slo"])
-def test_only_requests_whose_pages_would_free_are_preempted(checkpoint, monkeypatch, policy):
+def test_only_requests_whose_pages_would_free_are_preempted(checkpoint, policy, bookkeeping):
     """A request that has just mapped a shared prefix holds only pages the requests kept running map too: giving
-    them back frees nothing, so it is not evicted (rotated out, a preemption counted) for pages it cannot give."""
+    them back frees nothing, so it is not evicted (rotated out, a preemption counted) for pages it cannot give. Held
+    to the reference's make_room and to the CPU's C++ twin."""
+    import dataclasses
+
     from blink.engine.core import paging
+    from blink.engine.core.bookkeeping import TORCH_BOOKKEEPING
     from blink.engine.core.kv_cache import PagePool
 
-    evictions, make_room = [], paging._make_room
+    evictions = []
 
-    def watched(state, pool, need, take, keep, victims, crossing):
-        held = torch.arange(state.block_table.shape[1])[None, :] < state.pages_held[:, None]
-        tables = [set(state.block_table[s][held[s]].tolist()) for s in range(state.num_slots)]
-        planned = make_room(state, pool, need, take, keep, victims, crossing)
-        evicted = planned[2].tolist()
-        for s in (s for s, gone in enumerate(evicted) if gone):
-            still_mapped = set().union(*(t for o, t in enumerate(tables) if not evicted[o]))
-            evictions.append(bool(tables[s] - still_mapped))
-        return planned
+    def watched(make_room):
+        def room(state, pool, policy, take, resident, precedence, mirror):
+            held = torch.arange(state.block_table.shape[1])[None, :] < state.pages_held[:, None]
+            tables = [set(state.block_table[s][held[s]].tolist()) for s in range(state.num_slots)]
+            planned = make_room(state, pool, policy, take, resident, precedence, mirror)
+            evicted = planned[2].tolist()
+            for s in (s for s, gone in enumerate(evicted) if gone):
+                still_mapped = set().union(*(t for o, t in enumerate(tables) if not evicted[o]))
+                evictions.append(bool(tables[s] - still_mapped))
+            return planned
+        return room
 
-    monkeypatch.setattr(paging, "_make_room", watched)
     model, rng = str(checkpoint("qwen3")), random.Random(0)
     shape = dict(max_num_seqs=4, max_num_batched_tokens=8, page_size=4, max_model_len=48, scheduling_policy=policy)
     page_bytes = PagePool.bytes_per_page(LLM(model, num_pages=20, **shape).engine.model_config, 4)
     tight = LLM(model, num_pages=16, swap_space=10.5 * page_bytes / 2**30, **shape)
+    step = tight.engine.step
+    if bookkeeping == "torch":
+        step.use(TORCH_BOOKKEEPING)
+    elif step.plan_kernels.make_room is None:
+        pytest.skip("the CPU kernel set (its C++ make_room) is not what this engine runs")
+    step.plan_kernels = dataclasses.replace(step.plan_kernels,
+                                            make_room=watched(step.plan_kernels.make_room or paging.make_room))
     prefix = [rng.randrange(1, 1000) for _ in range(16)]
     prompts = [prefix + [rng.randrange(1, 1000) for _ in range(rng.randint(1, 12))] for _ in range(12)]
     params = [SamplingParams(max_tokens=rng.randint(4, 16), temperature=0.0, ignore_eos=True,
