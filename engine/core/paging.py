@@ -26,7 +26,7 @@ def find_pages(state: Slots, pool: PagePool, policy: Policy, mirror: HostMirror 
     need, take, evicted, reserve, keep, victims = (kernel or make_room)(state, pool, policy, take, resident,
                                                                         precedence, mirror is not None)
     moves_out = _give_back(state, pool, mirror, evicted, victims)
-    if not none_set(need > 0):
+    if not none_set(need):  # need >= 0: set where nonzero (and no comparison launched on a GPU)
         pool.allocate(need, state.block_table, state.pages_held, max_new=max_new_pages(token_budget, pool.page_size))
     if not mirror:
         return take, None, torch.zeros(2, dtype=torch.int64, device=state.status.device)
