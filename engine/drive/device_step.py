@@ -11,14 +11,12 @@ when it likes, to pick the next bucket.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import functools
 
 import numpy as np
 import torch
 
 from blink.engine.core.admission import admit, field_views
-from blink.engine.core.commit import commit
+from blink.engine.core.bookkeeping import Bookkeeping
 from blink.engine.core.policy import StepCostModel
 from blink.engine.core.sampler import SamplerFeatures
 from blink.engine.core.scheduler import PlanKernels, max_chunk_rows, plan
@@ -36,8 +34,11 @@ from blink.engine.kernels.make_room import make_room
 from blink.engine.kernels.rotation import copy_pages
 from blink.shared.slot_table import SlotState, SlotTable, slot_dtype, window_room
 
-# The plan's parts that run as kernels in the device step (unless the bookkeeping is compiled).
-PLAN_KERNELS = PlanKernels(head=head, hand_out=hand_out, make_room=make_room, lay_out=lay_out)
+# The bookkeeping's parts that run as kernels in the device step (unless the bookkeeping is compiled): the plan's, the
+# commit's per-slot part, and with drafts their proposal and the settle of runs.
+DEVICE_BOOKKEEPING = Bookkeeping(PlanKernels(head=head, hand_out=hand_out, make_room=make_room, lay_out=lay_out),
+                                 settle=commit_kernel.settle, settle_runs=commit_kernel.settle_runs,
+                                 draft=draft_kernels.draft)
 
 # Every sampling feature is on: a captured step cannot branch on the requests it will meet (neutral parameters
 # leave tokens unchanged). The fused sampler branches per row on the device, so a row still pays only for its own.
@@ -88,13 +89,8 @@ class DeviceStep:
         self._last_now = torch.zeros(1, dtype=torch.float64, device=device)
         self._last_tokens = torch.zeros((), dtype=torch.int64, device=device)  # what the previous step computed
         self.cost_model = StepCostModel(self.step.cost)  # fed from the clock the steps read: the TPOT cap's fit
-        if self.step.committer is commit:  # the commit's per-slot part in one kernel, unless it was compiled
-            self.step.committer = functools.partial(commit, settler=commit_kernel.settle)
-            if self.step.speculation is not None:  # and its settle of runs with drafts
-                self.step.speculation = dataclasses.replace(self.step.speculation,
-                                                            settle_kernel=commit_kernel.settle_runs)
-        if self.step.speculation is not None and self.step.planner is plan:  # the drafts' proposal in two kernels
-            self.step.speculation = dataclasses.replace(self.step.speculation, draft_kernel=draft_kernels.draft)
+        if self.step.planner is plan:  # unless compiled (the references, whole)
+            self.step.use(DEVICE_BOOKKEEPING)
 
     @property
     def fenced(self) -> bool:
@@ -106,12 +102,11 @@ class DeviceStep:
         state, engine, inbox = self.state, self.engine, self.inbox
         self._time_previous_step()
         self.take()
-        compiled = self.step.planner is not plan
-        kernels = {} if compiled else {"kernels": PLAN_KERNELS}  # unless compiled, its kernels
         if engine.pool.prefix_cache is not None:
-            engine.pool.prefix_cache.kernels = None if compiled else page_release.KERNELS
+            engine.pool.prefix_cache.kernels = None if self.step.planner is not plan else page_release.KERNELS
         planned = self.step.planner(state, engine.pool, bucket, self.step.policy, self.mirror, self.step.cost,
-                                    self.prompt_rows(bucket), speculation=self.step.speculation, **kernels)
+                                    self.prompt_rows(bucket), self.step.plan_kernels,
+                                    speculation=self.step.speculation)
         sizes = planned.sizes
         self._last_tokens.copy_(sizes.tokens)
         if self.mirror is not None:
