@@ -51,11 +51,10 @@ class Speculation:
     # What a draft's logits row costs besides its token's forward, as a share of that forward (the step-cost fit's
     # per-token cost is the layers' alone: prefill tokens compute no logits): the output embedding over the layers.
     row_share: float = 0.0
-    # settle's kernel (blink.engine.kernels.commit.settle_runs, the device step's), taking the speculation first;
-    # None: the torch reference.
+    # settle's and draft's kernels, taking the speculation first (a kernel set's, bound by Step.use: the device step's
+    # Triton, engine/kernels/commit.py and draft.py; the CPU's C++, cpu_commit.py and cpu_draft.py); None: the torch
+    # references below.
     settle_kernel: Callable | None = field(default=None, compare=False)
-    # draft's kernels (blink.engine.kernels.draft.draft, the device step's), taking the speculation first; None: the
-    # torch reference.
     draft_kernel: Callable | None = field(default=None, compare=False)
 
     @classmethod

@@ -34,7 +34,7 @@ from blink.engine.model.parallel import Shard
 class StepShape:
     """The buckets one step runs on; the driver picks them from `plan.sizes`."""
 
-    tokens: int  # batch tokens the forward runs on (a bucket of the token budget)
+    tokens: int  # batch tokens the forward runs on (the device step's bucket; the host mode's live tokens)
     context: int  # cache rows each sequence may read (a bucket of the context limit)
     decode_rows: int  # sequences computing one token
     chunk_rows: int  # blocks of QUERY_BLOCK queries of the sequences computing several (prefill chunks)
