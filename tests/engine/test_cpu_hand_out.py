@@ -16,11 +16,11 @@ from blink.engine import LLM, SamplingParams
 from blink.engine.core.bookkeeping import TORCH_BOOKKEEPING, Bookkeeping
 from blink.engine.core.policy import POLICIES, StepCost, policy_named
 from blink.engine.core.scheduler import PlanKernels, _hand_out, _head
-from blink.engine.core.state import Slots, SlotStatus
+from blink.engine.core.state import Slots
 from blink.engine.kernels import cpu, cpu_hand_out
 from blink.engine.model.tiny_model import ensure_tiny_model
 from blink.shared.service_class import ServiceClass
-from tests.engine.test_hand_out_kernel import COSTS, _mirror, _state
+from tests.engine.test_hand_out_kernel import COSTS, _head_state, _mirror, _state
 from tests.support.cpu_kernels import cpu_kernels_or_skip
 
 HEAD = ("running", "resident", "precedence", "live", "starting")
@@ -38,18 +38,6 @@ def _same(fields: tuple[str, ...], want, have, *where) -> None:
             assert h is None, (*where, field)
             continue
         assert h.dtype == w.dtype and h.shape == w.shape and torch.equal(h, w), (*where, field, h, w)
-
-
-def _head_state(rng: random.Random, S: int) -> Slots:
-    """_state's slots in every status, some rotated, paused, cancelled, fresh or holding pages."""
-    state, _ = _state(rng, S)
-    state.status.copy_(torch.tensor([rng.choice(list(SlotStatus)) for _ in range(S)]))
-    state.spec_rate.copy_(torch.rand(S))
-    for field, p in (("rotated", 0.2), ("paused", 0.1), ("cancel", 0.1)):
-        getattr(state, field).copy_(torch.tensor([rng.random() < p for _ in range(S)]))
-    state.num_computed.masked_fill_(torch.tensor([rng.random() < 0.4 for _ in range(S)]), 0)
-    state.pages_held.copy_(torch.tensor([rng.choice([0, 0, 2]) for _ in range(S)]))
-    return state
 
 
 def _check_head(state: Slots, policy, mirror, *where) -> None:

@@ -106,6 +106,18 @@ def test_a_binding_tpot_cap_and_ties_in_arrival_order_as_the_reference(kernels):
         assert torch.equal(got, want)
 
 
+def _head_state(rng: random.Random, S: int) -> Slots:
+    """_state's slots in every status, some rotated, paused, cancelled, fresh or holding pages."""
+    state, _ = _state(rng, S)
+    state.status.copy_(torch.tensor([rng.choice(list(SlotStatus)) for _ in range(S)]))
+    state.spec_rate.copy_(torch.rand(S))
+    for field, p in (("rotated", 0.2), ("paused", 0.1), ("cancel", 0.1)):
+        getattr(state, field).copy_(torch.tensor([rng.random() < p for _ in range(S)]))
+    state.num_computed.masked_fill_(torch.tensor([rng.random() < 0.4 for _ in range(S)]), 0)
+    state.pages_held.copy_(torch.tensor([rng.choice([0, 0, 2]) for _ in range(S)]))
+    return state
+
+
 def _mirror(num_free: int, hold_below: int) -> SimpleNamespace:
     """What the plan's head reads of a host mirror: its free pages' count, and when it is nearly full (its own
     rule)."""
@@ -122,13 +134,7 @@ def test_the_head_kernel_starts_the_plan_as_the_reference_does(kernels, name):
     policy = policy_named(name)
     for S in (1, 6, COMPARE_BLOCK + 3):
         for trial in range(4):
-            state, _ = _state(rng, S)
-            state.status.copy_(torch.tensor([rng.choice(list(SlotStatus)) for _ in range(S)]))
-            state.spec_rate.copy_(torch.rand(S))
-            for field, p in (("rotated", 0.2), ("paused", 0.1), ("cancel", 0.1)):
-                getattr(state, field).copy_(torch.tensor([rng.random() < p for _ in range(S)]))
-            state.num_computed.masked_fill_(torch.tensor([rng.random() < 0.4 for _ in range(S)]), 0)
-            state.pages_held.copy_(torch.tensor([rng.choice([0, 0, 2]) for _ in range(S)]))
+            state = _head_state(rng, S)
             for mirror in (None, _mirror(10, 4), _mirror(3, 4)):
                 want_state, have_state = copy.deepcopy(state), copy.deepcopy(state)
                 want = _head(want_state, policy, mirror)
