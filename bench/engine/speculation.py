@@ -2,12 +2,14 @@
 
 Two engines on the same real instruct model (default: the default checkpoint, SmolLM2-135M-Instruct) in one process,
 through the offline API's driver: one plain, one with drafts. Input-grounded prompts (rewrite this code, summarise
-this text, fill this JSON from this record), whose answers copy their input, and open-ended ones, whose drafts the
-policy should stop trying; at batch 1 and batch 8 (the prompts repeated to fill it). Rounds alternate which engine
-goes first, so a drift of the machine's load is shared. Per cell: output tokens/s (wall), P50 and P99 TPOT over
-requests (a request's (last token - first token) / (tokens - 1)), the mean acceptance length (1 + accepted / drafts,
-vLLM's), and whether the greedy text is plain decoding's, request by request. Prints, saves JSON under
-bench/results with the machine, asserts nothing.
+this text, fill this JSON from this record, correct this text, tabulate this list, convert this JSON), whose answers
+copy their input, and open-ended ones, whose drafts the policy should stop trying. Six grounded prompts, not three:
+a small model's greedy answer can turn on a tie between two logits, so one prompt's answer (and its share of the
+copying) may change with a kernel's rounding. At batch 1 and batch 8 (the prompts repeated to fill it). Rounds
+alternate which engine goes first, so a drift of the machine's load is shared. Per cell: output tokens/s (wall), P50
+and P99 TPOT over requests (a request's (last token - first token) / (tokens - 1)), the mean acceptance length (1 +
+accepted / drafts, vLLM's), and whether the greedy text is plain decoding's, request by request. Prints, saves JSON
+under bench/results with the machine, asserts nothing.
 
     blink bench speculation            # a few minutes on 2 CPU cores
     blink bench speculation --quick    # one round, short answers: a smoke test
@@ -47,12 +49,23 @@ RECORD = ("Customer record: name Anna Schmidt, born 14 March 1987, customer numb
           "anna.schmidt@example.com, phone +49 30 1234567, address Lindenstrasse 12, 10969 Berlin, Germany, "
           "member since 2015, preferred "
           "language German, newsletter yes.")
+TYPOS = ("The new libary will open on Monday mornning. Vistors can borow up to ten books at a time, and childern under "
+         "twelve get a free membrship card. The reading room has fourty seats, free wifi and a small cafe that sells "
+         "coffe and sandwitches.")
+PEOPLE = ("- Alice Martin, software engineer, Lyon\n- Bruno Costa, product manager, Porto\n- Chen Wei, data scientist, "
+          "Shanghai\n- Dana Levi, designer, Haifa\n- Erik Larsen, support engineer, Oslo\n- Fatima Zahra, researcher, "
+          "Rabat")
+CONFIG = ('{"server": {"host": "0.0.0.0", "port": 8080, "workers": 4}, "database": {"url": "postgres://db:5432/app", '
+          '"pool_size": 10, "timeout_seconds": 30}, "logging": {"level": "info", "format": "json"}}')
 GROUNDED = {
     "code": "Rewrite this Python code with type hints, keeping everything else exactly the same:\n\n" + CODE,
     "summary": "Repeat the following text, then summarise it in two sentences:\n\n" + TEXT,
     "json": ("Fill this JSON object from the record below: {\"name\": \"\", \"birth_date\": \"\", \"customer_number\": "
              "\"\", \"email\": \"\", \"phone\": \"\", \"street\": \"\", \"postal_code\": \"\", \"city\": \"\", "
              "\"country\": \"\", \"member_since\": \"\", \"language\": \"\", \"newsletter\": \"\"}\n\n" + RECORD),
+    "typos": "Correct the spelling mistakes in this text and write it out in full:\n\n" + TYPOS,
+    "table": "Turn this list into a Markdown table with the columns Name, Role and City:\n\n" + PEOPLE,
+    "yaml": "Convert this JSON to YAML:\n\n" + CONFIG,
 }
 OPEN_ENDED = {
     "story": "Write a short story about a lighthouse keeper who finds a message in a bottle.",
