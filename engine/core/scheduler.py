@@ -141,7 +141,7 @@ def _start_admitted(state: Slots) -> tuple[torch.Tensor, torch.Tensor]:
     """ADMITTED slots start RUNNING. Returns the running slots and the resident ones (not rotated out)."""
     admitted = state.status_is(SlotStatus.ADMITTED)
     state.status.masked_fill_(admitted, SlotStatus.RUNNING)
-    state.spec_rate.masked_fill_(admitted, 1.0)  # a new request trusts its drafts until they fail
+    state.spec_rate.masked_fill_(admitted[:, None], 1.0)  # a new request trusts its drafts until they fail
     running = state.status_is(SlotStatus.RUNNING)
     return running, running & ~state.rotated
 

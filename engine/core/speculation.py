@@ -12,9 +12,11 @@ accepted as tensor work on the engine's device, with no host read.
   bonus token after K accepted). Greedy rows give plain decoding's tokens; sampled rows keep plain decoding's
   distribution and seeded draws (docs/design.md, Decisions). Stops, eos, max_tokens and the context limit end a run
   at the token that meets them; `num_computed` is taken back to the KV that is valid.
-- Policy: a slot speculates while its decayed acceptance rate is above what a draft token costs by the step-cost
-  fit, its kind's drafts counted (the latency-sensitive slots' TPOT, the batch's throughput for best-effort ones),
-  with a slow climb back so a slot that stopped retries; drafts take only the token budget and free pages left.
+- Policy: a slot speculates while its decayed acceptance rate for drafts after a match of the length it found (a
+  rate per length: a 1-token match's drafts fail more often than a 4-token one's) is above what a draft token costs
+  by the step-cost fit, its kind's drafts counted (the latency-sensitive slots' TPOT, the batch's throughput for
+  best-effort ones), with a slow climb back so a slot that stopped retries; drafts take only the token budget and
+  free pages left.
 """
 
 from __future__ import annotations
@@ -84,18 +86,22 @@ class Speculation:
         penalised = (state.repetition_penalty != 1) | (state.presence_penalty != 0) | (state.frequency_penalty != 0)
         scoring = (state.prompt_logprobs >= 0) & (state.scored < state.prompt_len - 1)
         able = decoding & ~penalised & ~scoring & ~state.draft_off
-        wants = able & (state.spec_rate >= self.threshold(state, policy, cost, take, able))
-        state.spec_rate.copy_(torch.where(able & ~wants, state.spec_rate + RETRY * (1 - state.spec_rate),
-                                          state.spec_rate))
-        if none_set(wants):
+        if none_set(able):
             return torch.zeros_like(take)
-        start, found = self.propose(state, wants)
+        start, found, n = self.propose(state, able)
+        # The slot's rate for drafts after a match of this length: a short match's drafts fail more often.
+        column = (n - 1).clamp(min=0)[:, None]
+        rate = state.spec_rate.gather(1, column)[:, 0]
+        matched = able & (n > 0)
+        wants = matched & (rate >= self.threshold(state, policy, cost, take, able))
+        state.spec_rate.scatter_(1, column, torch.where(matched & ~wants, rate + RETRY * (1 - rate), rate)[:, None])
         generated = seq - state.prompt_len
         k = torch.minimum(found, state.max_tokens - generated - 1).minimum(state.max_len - seq - 1)
         # As long as the slot's acceptance earns: a retrying slot risks one or two tokens, not K.
-        earned = (state.spec_rate * (self.k / TRUSTED)).ceil().long().clamp(min=1, max=self.k)
+        earned = (rate * (self.k / TRUSTED)).ceil().long().clamp(min=1, max=self.k)
         k = torch.where(wants, k.minimum(state.room - 1).minimum(earned), 0).clamp(min=0, max=self.k)
         k = self._fit(state, pool, take, k, order, cap)
+        state.draft_n.copy_(torch.where(k > 0, n, 0))
         i = torch.arange(self.k, device=seq.device)
         src = (start[:, None] + i).clamp(max=state.max_len)
         dst = torch.where(i < k[:, None], seq[:, None] + i, state.max_len)  # the trash column past the drafts
@@ -118,10 +124,11 @@ class Speculation:
         need = per_draft * torch.where(sensitive, (able & sensitive).sum().double(), sampling).clamp(min=1)
         return need.float().clamp(min=MIN_RATE)
 
-    def propose(self, state: Slots, wants: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """([S] where each slot's draft starts in its tokens, [S] its length, 0 for none): after the latest earlier
-        occurrence of the sequence's last n tokens, the longest n in [lookup_min, lookup_max] that has one. Only
-        the history the slots that want drafts have is searched, where the host knows its length for free."""
+    def propose(self, state: Slots, wants: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """([S] where each slot's draft starts in its tokens, [S] its length, [S] the n of its match; 0 for none):
+        after the latest earlier occurrence of the sequence's last n tokens, the longest n in [lookup_min,
+        lookup_max] that has one. Only the history the slots that want drafts have is searched, where the host knows
+        its length for free."""
         tokens, seq = state.tokens, state.seq_len
         # The trash column is no history; one column at least, should the skip before (none_set) not have looked.
         W = max(host_bound(torch.where(wants, seq, 0).amax(), tokens.shape[1] - 1), 1)
@@ -130,6 +137,7 @@ class Speculation:
         matched = j[None, :] < (seq - 1)[:, None]  # an earlier occurrence ends before the last token
         start = torch.zeros_like(seq)
         found = torch.zeros_like(seq)
+        length = torch.zeros_like(seq)
         for n in range(1, self.lookup_max + 1):  # matched: the last n tokens end at j too
             d = n - 1
             last = tokens.gather(1, (seq - 1 - d).clamp(min=0)[:, None])
@@ -141,7 +149,8 @@ class Speculation:
             longer = (latest >= 0) & (seq >= n)  # n counts up: a longer match replaces a shorter one
             start = torch.where(longer, latest + 1, start)
             found = torch.where(longer, (seq - latest - 1).clamp(max=self.k), found)
-        return start, found
+            length = torch.where(longer, n, length)
+        return start, found, length
 
     def _fit(self, state: Slots, pool: PagePool, take: torch.Tensor, k: torch.Tensor, order: torch.Tensor,
              cap: torch.Tensor) -> torch.Tensor:
@@ -237,5 +246,7 @@ class Speculation:
         state.spec_counts[2] += a.sum()
         state.spec_accepted_per_pos.index_add_(0, torch.where(accepted, i, state.spec_accepted_per_pos.shape[0] - 1)
                                                .clamp(max=state.spec_accepted_per_pos.shape[0] - 1), accepted.long())
-        rate = DECAY * state.spec_rate + (1 - DECAY) * a.float() / k.clamp(min=1).float()
-        state.spec_rate.copy_(torch.where(drafted, rate, state.spec_rate))
+        column = (state.draft_n - 1).clamp(min=0)[:, None]  # the rate of the match length the drafts followed
+        old = state.spec_rate.gather(1, column)[:, 0]
+        rate = DECAY * old + (1 - DECAY) * a.float() / k.clamp(min=1).float()
+        state.spec_rate.scatter_(1, column, torch.where(drafted, rate, old)[:, None])

@@ -12,7 +12,7 @@ from enum import IntEnum
 import torch
 
 from blink.shared.request_schema import FIELDS, MAX_LOGIT_BIAS, MAX_STOP_IDS
-from blink.shared.speculative import MAX_SPECULATIVE_TOKENS
+from blink.shared.speculative import MAX_LOOKUP, MAX_SPECULATIVE_TOKENS
 
 
 def none_set(*masks: torch.Tensor) -> bool:
@@ -122,12 +122,14 @@ class Slots:
         self.prompt_mask = zeros(S, vocab_size, dtype=torch.bool)
         self.num_preemptions = zeros()  # rotations out and recomputes, as vLLM counts swaps and recomputes
         self.num_recomputes = zeros()
-        # Speculative decoding (engine/core/speculation.py): the drafts written after each sequence this step, each
-        # slot's decayed acceptance rate (a new request starts trusting its drafts), slots the host keeps from
-        # drafting (a grammar masks one row per slot), and vLLM's counters: drafts, draft tokens, accepted tokens,
-        # and accepted tokens per draft position (the last entry takes masked-off adds).
+        # Speculative decoding (engine/core/speculation.py): the drafts written after each sequence this step and the
+        # length of the match they followed, each slot's decayed acceptance rate per match length (column n - 1; a
+        # new request starts trusting its drafts), slots the host keeps from drafting (a grammar masks one row per
+        # slot), and vLLM's counters: drafts, draft tokens, accepted tokens, and accepted tokens per draft position
+        # (the last entry takes masked-off adds).
         self.draft_len = zeros(S)
-        self.spec_rate = torch.ones(S, dtype=torch.float32, device=device)
+        self.draft_n = zeros(S)
+        self.spec_rate = torch.ones(S, MAX_LOOKUP, dtype=torch.float32, device=device)
         self.draft_off = zeros(S, dtype=torch.bool)
         self.spec_counts = zeros(3)
         self.spec_accepted_per_pos = zeros(MAX_SPECULATIVE_TOKENS + 1)

@@ -23,9 +23,10 @@ from blink.engine.core.speculation import Speculation
 from blink.engine.core.state import Slots
 from blink.engine.kernels import draft as draft_kernels
 from blink.engine.kernels.draft import draft
+from blink.shared.speculative import MAX_LOOKUP
 
 MAX_LEN, VOCAB = 48, 40
-STATE = ("tokens", "draft_len", "spec_rate")
+STATE = ("tokens", "draft_len", "draft_n", "spec_rate")
 
 
 def _case(rng: random.Random, S: int, K: int, policy_name: str):
@@ -47,7 +48,8 @@ def _case(rng: random.Random, S: int, K: int, policy_name: str):
         generated = seq - int(state.prompt_len[s])
         state.max_tokens[s] = rng.choice([generated + 1, generated + 2, generated + 3, 100, 100, 0])
         state.room[s] = rng.choice([1, 2, 3, MAX_LEN + 1, MAX_LEN + 1])
-        state.spec_rate[s] = rng.choice([1.0, 1.0, rng.random(), 0.1, 0.2])
+        state.spec_rate[s] = torch.tensor([rng.choice([1.0, 1.0, rng.random(), 0.1, 0.2]) for _ in range(MAX_LOOKUP)])
+        state.draft_n[s] = rng.randrange(0, 4)  # the previous step's, which draft overwrites
         state.repetition_penalty[s] = 1.1 if rng.random() < 0.1 else 1.0
         state.presence_penalty[s] = 0.5 if rng.random() < 0.05 else 0.0
         state.frequency_penalty[s] = 0.5 if rng.random() < 0.05 else 0.0

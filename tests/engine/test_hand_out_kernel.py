@@ -110,7 +110,7 @@ def _head_state(rng: random.Random, S: int) -> Slots:
     """_state's slots in every status, some rotated, paused, cancelled, fresh or holding pages."""
     state, _ = _state(rng, S)
     state.status.copy_(torch.tensor([rng.choice(list(SlotStatus)) for _ in range(S)]))
-    state.spec_rate.copy_(torch.rand(S))
+    state.spec_rate.copy_(torch.rand_like(state.spec_rate))
     for field, p in (("rotated", 0.2), ("paused", 0.1), ("cancel", 0.1)):
         getattr(state, field).copy_(torch.tensor([rng.random() < p for _ in range(S)]))
     state.num_computed.masked_fill_(torch.tensor([rng.random() < 0.4 for _ in range(S)]), 0)

@@ -22,11 +22,12 @@ from blink.engine.core.scheduler import _lay_out
 from blink.engine.core.speculation import Speculation
 from blink.engine.core.state import Slots, SlotStatus
 from blink.engine.kernels import commit
+from blink.shared.speculative import MAX_LOOKUP
 from tests.engine.test_commit_kernel import cpp_kernels
 
 VOCAB, MAX_LEN = 40, 64
-STATE = ("tokens", "seq_len", "num_computed", "draft_len", "output_counts", "status", "finish_reason", "spec_rate",
-         "spec_counts", "spec_accepted_per_pos")
+STATE = ("tokens", "seq_len", "num_computed", "draft_len", "draft_n", "output_counts", "status", "finish_reason",
+         "spec_rate", "spec_counts", "spec_accepted_per_pos")
 
 
 def _step(rng: random.Random, S: int, K: int):
@@ -46,7 +47,8 @@ def _step(rng: random.Random, S: int, K: int):
         state.stop_ids[s, 0] = rng.randrange(VOCAB) if rng.random() < 0.5 else -1
         state.ignore_eos[s] = rng.random() < 0.3
         state.cancel[s] = rng.random() < 0.1
-        state.spec_rate[s] = rng.random()
+        state.spec_rate[s] = torch.rand(MAX_LOOKUP)
+        state.draft_n[s] = rng.randrange(1, 4) if drafts else rng.randrange(0, 4)  # the match the drafts followed
         state.output_counts[s] = torch.randint(0, 3, (VOCAB,), dtype=torch.int32)
         n = {"run": 1 + drafts, "decode": 1, "chunk": rng.randrange(2, 6), "idle": 0}[kind]
         if kind == "chunk" and rng.random() < 0.5:
