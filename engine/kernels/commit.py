@@ -115,9 +115,9 @@ def settle(state: Slots, plan: StepPlan, rows: int, out: SampleOutput, logits: t
 
 @triton.jit
 def _settle_runs(sample_slot, sample_valid, sample_token, token_pos, sampled_tokens, tokens, tokens_stride, seq_len,
-                 num_computed, draft_len, output_counts, vocab, max_tokens, prompt_len, stop_ids, ignore_eos, eos_ids,
-                 status, cancel, finish_reason, spec_rate, spec_counts, per_pos, POSITIONS, logprob, top_ids,
-                 top_logprobs, top_stride, token_out, count_out, reason_out, logprob_out, top_ids_out,
+                 num_computed, draft_len, draft_n, output_counts, vocab, max_tokens, prompt_len, stop_ids, ignore_eos,
+                 eos_ids, status, cancel, finish_reason, spec_rate, rates_stride, spec_counts, per_pos, POSITIONS,
+                 logprob, top_ids, top_logprobs, top_stride, token_out, count_out, reason_out, logprob_out, top_ids_out,
                  top_logprobs_out, first_out, row_slot, R, E, max_len, DECAY, COUNT: tl.constexpr,
                  LOGPROBS: tl.constexpr, TOP: tl.constexpr, STOPS: tl.constexpr, RUN: tl.constexpr,
                  BLOCK_RUN: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_TOP: tl.constexpr):
@@ -151,15 +151,16 @@ def _settle_runs(sample_slot, sample_valid, sample_token, token_pos, sampled_tok
     emitted = tl.sum(valid.to(tl.int64), 0)
     if COUNT:
         tl.atomic_add(output_counts + s.to(tl.int64) * vocab + tok, valid.to(tl.int32), mask=valid)
-    # vLLM's counters and the slot's acceptance rate.
+    # vLLM's counters and the slot's acceptance rate for the match length its drafts followed.
     accepted = mine & (i < k) & (i < first_break)
     a = tl.sum(accepted.to(tl.int64), 0)
     if k > 0:
         tl.atomic_add(spec_counts, k * 0 + 1)
         tl.atomic_add(spec_counts + 1, k)
         tl.atomic_add(spec_counts + 2, a)
-        rate = tl.load(spec_rate + s)
-        tl.store(spec_rate + s, DECAY * rate + (1 - DECAY) * a.to(tl.float32) / k.to(tl.float32))
+        rated = spec_rate + s.to(tl.int64) * rates_stride + tl.maximum(tl.load(draft_n + s) - 1, 0)
+        rate = tl.load(rated)
+        tl.store(rated, DECAY * rate + (1 - DECAY) * a.to(tl.float32) / k.to(tl.float32))
     tl.atomic_add(per_pos + tl.minimum(i, POSITIONS - 1), accepted.to(tl.int64), mask=accepted)
 
     row_reason = tl.where(stopped & valid, STOP, tl.where(too_long & live, LENGTH, 0))
@@ -216,9 +217,10 @@ def settle_runs(speculation, state: Slots, plan: StepPlan, rows: int, out: Sampl
     positions = state.spec_accepted_per_pos.shape[0]
     _settle_runs[(S,)](plan.sample_slot, plan.sample_valid, plan.sample_token, plan.token_pos, out.tokens,
                        state.tokens, state.tokens.stride(0), state.seq_len, state.num_computed, state.draft_len,
-                       state.output_counts, state.output_counts.shape[1], state.max_tokens, state.prompt_len,
-                       state.stop_ids, state.ignore_eos, eos_ids, state.status, state.cancel, state.finish_reason,
-                       state.spec_rate, state.spec_counts, state.spec_accepted_per_pos, positions,
+                       state.draft_n, state.output_counts, state.output_counts.shape[1], state.max_tokens,
+                       state.prompt_len, state.stop_ids, state.ignore_eos, eos_ids, state.status, state.cancel,
+                       state.finish_reason, state.spec_rate, state.spec_rate.stride(0), state.spec_counts,
+                       state.spec_accepted_per_pos, positions,
                        out.logprob, out.top_ids, out.top_logprobs, out.top_ids.stride(0) if logprobs else 0,
                        token, count, reason, logprob, top_ids, top_logprobs, first, row_slot, rows, eos_ids.shape[0],
                        state.max_len, DECAY, COUNT=count_outputs, LOGPROBS=logprobs, TOP=top,

@@ -2,9 +2,10 @@
 which slots may and want to draft by the step-cost fit, the n-gram search over each slot's history, the drafts cut to
 the budget and the free pages in the budget's order; about 170 small ops, a kernel each in a captured step) in two
 launches. `_propose`, a program per slot: the step's sums (every program reads the slots' few words: no second
-launch to share them), the slot's threshold, retry and earned cap, and the search over its own history, in blocks up
-to its own length (the latest earlier occurrence of its last n tokens, the longest n in [lookup_min, lookup_max]).
-`_fit`, one program: the budget's order, the tokens and pages left, the drafts copied after each sequence.
+launch to share them), the slot's threshold, the search over its own history, in blocks up to its own length (the
+latest earlier occurrence of its last n tokens, the longest n in [lookup_min, lookup_max]), then the retry and earned
+cap by its rate for that n. `_fit`, one program: the budget's order, the tokens and pages left, the drafts copied after
+each sequence and the match length they followed.
 tests/engine/test_draft_kernel.py holds them to the reference."""
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ def _able(i, real, live, take, seq_len, computed, max_tokens, repetition, presen
 
 @triton.jit(do_not_specialize=["S", "max_len", "share_bits", "lookup_min"])
 def _propose(live, take, seq_len, computed, max_tokens, repetition, presence, frequency, prompt_logprobs, scored,
-             prompt_len, draft_off, service_class, spec_rate, room, cost, tokens, tokens_stride,
-             wanted_out, start_out, S, max_len, share_bits, lookup_min, RETRY, EARN, MIN_RATE,
+             prompt_len, draft_off, service_class, spec_rate, rates_stride, room, cost, tokens, tokens_stride,
+             wanted_out, start_out, match_out, S, max_len, share_bits, lookup_min, RETRY, EARN, MIN_RATE,
              K: tl.constexpr, LOOKUP_MAX: tl.constexpr, POLICY: tl.constexpr, BLOCK_S: tl.constexpr,
              BLOCK_J: tl.constexpr, BLOCK_N: tl.constexpr):
     s = tl.program_id(0)
@@ -66,10 +67,6 @@ def _propose(live, take, seq_len, computed, max_tokens, repetition, presence, fr
         own = tl.load(service_class + s) == 0
         drafting = tl.where(own, tl.sum(mates.to(tl.int64), 0), sampling)
     need = per_draft * tl.maximum(drafting.to(tl.float64), 1.0)
-    rate = tl.load(spec_rate + s)
-    wants = able & (rate >= tl.maximum(need.to(tl.float32), MIN_RATE))
-    if able & ~wants:  # a slot not drafting regains some rate, so it tries again after a while
-        tl.store(spec_rate + s, rate + RETRY * (1 - rate))
 
     # Speculation.propose: latest[n - 1], the last j < seq - 1 where the sequence's last n tokens end too.
     seq = tl.load(seq_len + s)
@@ -77,7 +74,7 @@ def _propose(live, take, seq_len, computed, max_tokens, repetition, presence, fr
     n = tl.arange(0, BLOCK_N) + 1
     latest = tl.full((BLOCK_N,), -1, tl.int64)
     # Its own history only, in blocks (a while loop: Triton 3.6's interpreter takes no loaded bound in a range).
-    end = tl.where(wants, seq - 1, 0)
+    end = tl.where(able, seq - 1, 0)
     j0 = 0
     while j0 < end:
         j = j0 + tl.arange(0, BLOCK_J)
@@ -96,6 +93,14 @@ def _propose(live, take, seq_len, computed, max_tokens, repetition, presence, fr
     best = tl.max(tl.where(fits, n, 0), 0)
     end = tl.sum(tl.where(n == best, latest, 0), 0)
     found = tl.where(best > 0, tl.minimum(seq - end - 1, K), 0)
+    # The slot's rate for drafts after a match of this length: a short match's drafts fail more often.
+    rates = spec_rate + s.to(tl.int64) * rates_stride
+    column = tl.maximum(best - 1, 0)
+    rate = tl.load(rates + column)
+    matched = able & (best > 0)
+    wants = matched & (rate >= tl.maximum(need.to(tl.float32), MIN_RATE))
+    if matched & ~wants:  # a slot not drafting regains some rate, so it tries again after a while
+        tl.store(rates + column, rate + RETRY * (1 - rate))
     k = tl.minimum(found, tl.load(max_tokens + s) - (seq - tl.load(prompt_len + s)) - 1)
     k = tl.minimum(k, max_len - seq - 1)
     # As long as the slot's acceptance earns: a retrying slot risks one or two tokens, not K.
@@ -104,12 +109,14 @@ def _propose(live, take, seq_len, computed, max_tokens, repetition, presence, fr
     k = tl.minimum(tl.maximum(tl.where(wants, k, 0), 0), K)
     tl.store(wanted_out + s, k)
     tl.store(start_out + s, tl.where(best > 0, end + 1, 0))
+    tl.store(match_out + s, tl.where(able, best, -1))  # -1: not able (no slot able: draft_n kept, as the reference)
 
 
 @triton.jit(do_not_specialize=["S", "page"])
-def _fit(order, wanted, start, take, seq_len, computed, pages_held, num_free, cap, tokens, tokens_stride,
-         draft_len, k_out, S, page, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Speculation._fit, in the budget's order, then the drafts copied after each sequence."""
+def _fit(order, wanted, start, match, take, seq_len, computed, pages_held, num_free, cap, tokens, tokens_stride,
+         draft_len, draft_n, k_out, S, page, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Speculation._fit, in the budget's order, then the drafts copied after each sequence and the match lengths
+    they followed (where some slot was able to draft: else the reference returns before)."""
     o = tl.arange(0, BLOCK_S)
     real = o < S
     slot = tl.load(order + o, mask=real, other=0)
@@ -125,6 +132,8 @@ def _fit(order, wanted, start, take, seq_len, computed, pages_held, num_free, ca
     k = tl.where(tl.cumsum(extra, 0) + base <= tl.load(num_free), k, 0)
     tl.store(k_out + slot, k, mask=real)
     tl.store(draft_len + slot, k, mask=real)
+    n = tl.load(match + slot, mask=real, other=-1)
+    tl.store(draft_n + slot, tl.where(k > 0, n, 0), mask=real & (tl.max(n, 0) >= 0))
     # The drafts follow an earlier occurrence, so they are read before the sequence's end, written after it.
     c = tl.arange(0, BLOCK_K)[None, :]
     copy = real[:, None] & (c < k[:, None])
@@ -136,22 +145,22 @@ def _fit(order, wanted, start, take, seq_len, computed, pages_held, num_free, ca
 def draft(speculation, state: Slots, pool: PagePool, policy: Policy, cost: StepCost, take: torch.Tensor,
           live: torch.Tensor, order: torch.Tensor, cap: torch.Tensor) -> torch.Tensor:
     """Speculation.draft's arguments (the speculation first), effects and result: [S] draft tokens each slot
-    computes on top of `take`, written after its sequence in state.tokens, with state.draft_len and the retrying
-    slots' state.spec_rate."""
+    computes on top of `take`, written after its sequence in state.tokens, with state.draft_len, state.draft_n and
+    the retrying slots' state.spec_rate."""
     from blink.engine.core.speculation import MIN_RATE, RETRY, TRUSTED
 
     S, device = state.num_slots, take.device
-    wanted, start, k = (torch.empty(S, dtype=torch.int64, device=device) for _ in range(3))
+    wanted, start, match, k = (torch.empty(S, dtype=torch.int64, device=device) for _ in range(4))
     block_s = triton.next_power_of_2(S)
     share_bits = struct.unpack("<q", struct.pack("<d", 1 + speculation.row_share))[0]
     _propose[(S,)](live, take, state.seq_len, state.num_computed, state.max_tokens, state.repetition_penalty,
                    state.presence_penalty, state.frequency_penalty, state.prompt_logprobs, state.scored,
-                   state.prompt_len, state.draft_off, state.service_class, state.spec_rate, state.room, cost.values,
-                   state.tokens, state.tokens.stride(0), wanted, start, S, state.max_len, share_bits,
-                   speculation.lookup_min, RETRY, speculation.k / TRUSTED, MIN_RATE, K=speculation.k,
-                   LOOKUP_MAX=speculation.lookup_max, POLICY=POLICIES.index(policy.name), BLOCK_S=block_s,
-                   BLOCK_J=HISTORY_BLOCK, BLOCK_N=triton.next_power_of_2(speculation.lookup_max))
-    _fit[(1,)](order, wanted, start, take, state.seq_len, state.num_computed, state.pages_held, pool.num_free, cap,
-               state.tokens, state.tokens.stride(0), state.draft_len, k, S, pool.page_size, BLOCK_S=block_s,
-               BLOCK_K=triton.next_power_of_2(speculation.k))
+                   state.prompt_len, state.draft_off, state.service_class, state.spec_rate, state.spec_rate.stride(0),
+                   state.room, cost.values, state.tokens, state.tokens.stride(0), wanted, start, match, S,
+                   state.max_len, share_bits, speculation.lookup_min, RETRY, speculation.k / TRUSTED, MIN_RATE,
+                   K=speculation.k, LOOKUP_MAX=speculation.lookup_max, POLICY=POLICIES.index(policy.name),
+                   BLOCK_S=block_s, BLOCK_J=HISTORY_BLOCK, BLOCK_N=triton.next_power_of_2(speculation.lookup_max))
+    _fit[(1,)](order, wanted, start, match, take, state.seq_len, state.num_computed, state.pages_held, pool.num_free,
+               cap, state.tokens, state.tokens.stride(0), state.draft_len, state.draft_n, k, S, pool.page_size,
+               BLOCK_S=block_s, BLOCK_K=triton.next_power_of_2(speculation.k))
     return k

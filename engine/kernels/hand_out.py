@@ -74,18 +74,20 @@ def _rank(order_ptr, rank_ptr, demand_ptr, service_class, priority, ttft_deadlin
 
 
 @triton.jit(do_not_specialize=["S", "hold_below"])
-def _head(status_ptr, spec_rate_ptr, rotated_ptr, paused_ptr, cancel_ptr, computed_ptr, held_ptr,
+def _head(status_ptr, spec_rate_ptr, rates_stride, rotated_ptr, paused_ptr, cancel_ptr, computed_ptr, held_ptr,
           service_class, priority, ttft_deadline, arrival, mirror_free,
           running_ptr, resident_ptr, precedence_ptr, rank_ptr, live_ptr, starting_ptr,
           S, hold_below, prio_base,
-          POLICY: tl.constexpr, PRIO_BITS: tl.constexpr, MIRROR: tl.constexpr,
+          POLICY: tl.constexpr, PRIO_BITS: tl.constexpr, MIRROR: tl.constexpr, RATES: tl.constexpr,
           BLOCK_S: tl.constexpr, BLOCK: tl.constexpr):
     s = tl.arange(0, BLOCK_S)
     real = s < S
     status = tl.load(status_ptr + s, mask=real, other=0)
     admitted = real & (status == ADMITTED)  # start RUNNING, trusting their drafts
     tl.store(status_ptr + s, tl.full((BLOCK_S,), RUNNING, tl.int64), mask=admitted)
-    tl.store(spec_rate_ptr + s, tl.full((BLOCK_S,), 1.0, tl.float32), mask=admitted)
+    rates = tl.arange(0, RATES)  # the whole row: every match length's rate
+    tl.store(spec_rate_ptr + s.to(tl.int64)[:, None] * rates_stride + rates[None, :],
+             tl.full((BLOCK_S, RATES), 1.0, tl.float32), mask=admitted[:, None])
     running = real & ((status == RUNNING) | admitted)
     rotated = tl.load(rotated_ptr + s, mask=real, other=0) != 0
     paused = tl.load(paused_ptr + s, mask=real, other=0) != 0
@@ -189,9 +191,10 @@ def head(state: Slots, policy: Policy, mirror: HostMirror | None):
     precedence, rank = (torch.empty(S, dtype=torch.int64, device=device) for _ in range(2))
     block_s = triton.next_power_of_2(S)
     _head[(1,)](
-        state.status, state.spec_rate, state.rotated, state.paused, state.cancel, state.num_computed,
-        state.pages_held, state.service_class, state.priority, state.ttft_deadline, state.arrival,
+        state.status, state.spec_rate, state.spec_rate.stride(0), state.rotated, state.paused, state.cancel,
+        state.num_computed, state.pages_held, state.service_class, state.priority, state.ttft_deadline, state.arrival,
         rank if mirror is None else mirror.free.num_free, running, resident, precedence, rank, live, starting,
         S, 0 if mirror is None else mirror.hold_below, PRIORITY.ge, POLICY=POLICIES.index(policy.name),
-        PRIO_BITS=PRIORITY_BITS, MIRROR=mirror is not None, BLOCK_S=block_s, BLOCK=min(block_s, COMPARE_BLOCK))
+        PRIO_BITS=PRIORITY_BITS, MIRROR=mirror is not None, RATES=state.spec_rate.shape[1], BLOCK_S=block_s,
+        BLOCK=min(block_s, COMPARE_BLOCK))
     return running, resident, precedence, live, starting
