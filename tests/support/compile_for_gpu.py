@@ -129,7 +129,7 @@ results = [
     build(draft._propose, "drafts: the proposal, slo", dict(K=4, LOOKUP_MAX=4, POLICY=draft.SLO.value, BLOCK_S=256,
                                                             BLOCK_J=draft.HISTORY_BLOCK, BLOCK_N=4),
           pointers("i64", "take", "seq_len", "computed", "max_tokens", "prompt_logprobs", "scored", "prompt_len",
-                   "service_class", "room", "wanted_out", "start_out")
+                   "service_class", "room", "wanted_out", "start_out", "match_out")
           | pointers("fp32", "repetition", "presence", "frequency", "spec_rate") | pointers("i1", "live", "draft_off")
           | {"cost": "*fp64", "tokens": "*i32", "share_bits": "i64", "RETRY": "fp32", "EARN": "fp32",
              "MIN_RATE": "fp32"}),
