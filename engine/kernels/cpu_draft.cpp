@@ -3,11 +3,13 @@
 // few microseconds of dispatch each; engine/kernels/draft.py is its Triton twin for the device step.
 //
 // Plain loops over the slots: which may draft (decoding one token, no penalty, no prompt left to score, not held
-// off), the step-cost fit's threshold on their acceptance rate (a retry for those below it), the latest earlier
-// occurrence of each drafting slot's last n tokens (the longest n in [lookup_min, lookup_max]) found by scanning its
-// own history backwards (16 positions compared with its last token at a time), the earned and room caps, then the
-// fit to the budget and the free pages in the budget's order, and the drafts copied after each sequence. Floats are computed in the reference's dtypes and order (the
-// threshold in float64, then rounded to float32; the rates in float32), so every output equals the reference's.
+// off); for each of those, the latest earlier occurrence of its last n tokens (the longest n in [lookup_min,
+// lookup_max]) found by scanning its own history backwards (16 positions compared with its last token at a time),
+// then the step-cost fit's threshold on its acceptance rate for drafts after a match of that n (spec_rate's column
+// n - 1; a retry of that column for a slot below it), the earned and room caps; then the fit to the budget and the
+// free pages in the budget's order, the match lengths of the drafts kept (draft_n), and the drafts copied after each
+// sequence. Floats are computed in the reference's dtypes and order (the threshold in float64, then rounded to
+// float32; the rates in float32), so every output equals the reference's.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
@@ -77,7 +79,8 @@ at::Tensor draft_ngram(const at::Tensor& live_t, const at::Tensor& take_t, const
                        const at::Tensor& prompt_len_t, const at::Tensor& draft_off_t,
                        const at::Tensor& service_class_t, const at::Tensor& room_t, const at::Tensor& pages_held_t,
                        const at::Tensor& cost_t, const at::Tensor& num_free_t, at::Tensor tokens_t,
-                       at::Tensor draft_len_t, at::Tensor spec_rate_t, int64_t K, int64_t lookup_min,
+                       at::Tensor draft_len_t, at::Tensor draft_n_t, at::Tensor spec_rate_t, int64_t K,
+                       int64_t lookup_min,
                        int64_t lookup_max, double share, int64_t page, bool by_class, double retry_d, double earn_d,
                        double min_rate_d) {
   const int64_t S = take_t.numel();
@@ -104,7 +107,13 @@ at::Tensor draft_ngram(const at::Tensor& live_t, const at::Tensor& take_t, const
   auto pages_held = vec<int64_t>(pages_held_t, S, "pages_held");
   auto num_free = vec<int64_t>(num_free_t, 1, "num_free");
   auto draft_len = vec<int64_t>(draft_len_t, S, "draft_len");
-  auto spec_rate = vec<float>(spec_rate_t, S, "spec_rate");
+  auto draft_n = vec<int64_t>(draft_n_t, S, "draft_n");
+  TORCH_CHECK(spec_rate_t.device().is_cpu() && spec_rate_t.scalar_type() == at::kFloat && spec_rate_t.dim() == 2 &&
+                  spec_rate_t.size(0) == S && spec_rate_t.size(1) >= lookup_max,
+              "blink_cpu::draft_ngram: spec_rate must be the CPU's float32 [S, n] with a column per match length up "
+              "to lookup_max ", lookup_max, ", got ", spec_rate_t.scalar_type(), " ", spec_rate_t.sizes());
+  float* spec_rate = spec_rate_t.data_ptr<float>();
+  const int64_t rate_row = spec_rate_t.stride(0), rate_col = spec_rate_t.stride(1);
   TORCH_CHECK(cost_t.device().is_cpu() && cost_t.scalar_type() == at::kDouble && cost_t.dim() == 1 &&
                   cost_t.numel() >= 2,
               "blink_cpu::draft_ngram: cost must be the CPU's float64 [per_step, per_token, ...]");
@@ -119,8 +128,9 @@ at::Tensor draft_ngram(const at::Tensor& live_t, const at::Tensor& take_t, const
   const float min_rate = static_cast<float>(min_rate_d);
 
   // Who may draft, and the step's sums the threshold reads.
-  std::vector<uint8_t> able(S), wants(S, 0);
+  std::vector<uint8_t> able(S);
   int64_t tokens_sum = 0, sampling = 0, able_sensitive = 0;
+  bool any_able = false;
   for (int64_t s = 0; s < S; ++s) {
     const int64_t seq = seq_len[s], t = take[s];
     tokens_sum += t;
@@ -130,32 +140,22 @@ at::Tensor draft_ngram(const at::Tensor& live_t, const at::Tensor& take_t, const
     const bool scoring = prompt_logprobs[s] >= 0 && scored[s] < prompt_len[s] - 1;
     able[s] = decoding && !penalised && !scoring && !draft_off[s];
     able_sensitive += able[s] && by_class && service_class[s] == 0;
-  }
-  // Speculation.threshold: what a draft costs by the fit, times the drafts its kind's slots would add.
-  const double step = per_step + per_token * static_cast<double>(tokens_sum);
-  const double per_draft = step > 0 ? per_token * share / clamp_min(step, 1e-12) : 0.0;
-  bool any = false;
-  for (int64_t s = 0; s < S; ++s) {
-    if (!able[s]) continue;
-    const bool sensitive = by_class && service_class[s] == 0;
-    const double drafting = std::max(static_cast<double>(sensitive ? able_sensitive : sampling), 1.0);
-    const float need = clamp_min(static_cast<float>(per_draft * drafting), min_rate);
-    const float rate = spec_rate[s];
-    wants[s] = rate >= need;
-    any |= wants[s];
-    if (!wants[s]) spec_rate[s] = rate + retry * (1.0f - rate);  // regains some rate, so it tries again later
+    any_able |= able[s];
   }
   at::Tensor k_t = at::zeros({S}, take_t.options());
   int64_t* k = k_t.data_ptr<int64_t>();
-  if (!any) {
-    for (int64_t s = 0; s < S; ++s) draft_len[s] = 0;
-    return k_t;
-  }
+  for (int64_t s = 0; s < S; ++s) draft_len[s] = 0;
+  if (!any_able) return k_t;  // nothing else changes
 
-  // Speculation.propose, then each wanting slot's caps: k[s] its wanted draft, start[s] where it is copied from.
-  std::vector<int64_t> start(S, 0), latest(lookup_max + 1);
+  // Speculation.threshold: what a draft costs by the fit, times the drafts its kind's slots would add.
+  const double step = per_step + per_token * static_cast<double>(tokens_sum);
+  const double per_draft = step > 0 ? per_token * share / clamp_min(step, 1e-12) : 0.0;
+  // Speculation.propose for each able slot, then its rate for drafts after a match of the n found and its caps:
+  // k[s] its wanted draft, start[s] where it is copied from, length[s] the n of its match.
+  std::vector<int64_t> start(S, 0), length(S, 0), latest(lookup_max + 1);
+  bool any = false;
   for (int64_t s = 0; s < S; ++s) {
-    if (!wants[s]) continue;
+    if (!able[s]) continue;
     const int64_t seq = seq_len[s];
     TORCH_CHECK(seq >= 1 && seq <= max_len, "blink_cpu::draft_ngram: slot ", s, "'s seq_len ", seq,
                 " is outside its tokens [1, ", max_len, "]");
@@ -188,14 +188,31 @@ at::Tensor draft_ngram(const at::Tensor& live_t, const at::Tensor& take_t, const
       if (latest[n] >= 0) {
         start[s] = latest[n] + 1;
         found = std::min(seq - latest[n] - 1, K);
+        length[s] = n;
         break;
       }
     }
+    if (length[s] == 0) continue;  // no match: no drafts, and no rate of a length to retry
+    // The slot's rate for drafts after a match of this length: a short match's drafts fail more often.
+    float& column = spec_rate[s * rate_row + (length[s] - 1) * rate_col];
+    const float rate = column;
+    const bool sensitive = by_class && service_class[s] == 0;
+    const double drafting = std::max(static_cast<double>(sensitive ? able_sensitive : sampling), 1.0);
+    const float need = clamp_min(static_cast<float>(per_draft * drafting), min_rate);
+    if (!(rate >= need)) {
+      column = rate + retry * (1.0f - rate);  // regains some rate, so it tries again later
+      continue;
+    }
+    any = true;
     int64_t want = std::min({found, max_tokens[s] - (seq - prompt_len[s]) - 1, max_len - seq - 1});
     // As long as the slot's acceptance earns: a retrying slot risks one or two tokens, not K.
-    const int64_t earned = std::clamp(static_cast<int64_t>(std::ceil(spec_rate[s] * earn)), int64_t{1}, K);
+    const int64_t earned = std::clamp(static_cast<int64_t>(std::ceil(rate * earn)), int64_t{1}, K);
     want = std::min({want, room[s] - 1, earned});
     k[s] = std::clamp(want, int64_t{0}, K);
+  }
+  if (!any) {
+    for (int64_t s = 0; s < S; ++s) draft_n[s] = 0;
+    return k_t;
   }
 
   // Speculation._fit: the budget the plan left and the free pages it leaves, in the budget's order.
@@ -223,6 +240,7 @@ at::Tensor draft_ngram(const at::Tensor& live_t, const at::Tensor& take_t, const
   int32_t copied[MAX_DRAFT];
   for (int64_t s = 0; s < S; ++s) {
     draft_len[s] = k[s];
+    draft_n[s] = k[s] > 0 ? length[s] : 0;  // the match length the drafts in flight followed, for the settle
     int32_t* history = tokens + s * row;
     const int64_t seq = seq_len[s];
     for (int64_t i = 0; i < k[s]; ++i) copied[i] = history[std::min(start[s] + i, max_len)];
@@ -238,7 +256,7 @@ TORCH_LIBRARY_FRAGMENT(blink_cpu, m) {
         "Tensor max_tokens, Tensor repetition_penalty, Tensor presence_penalty, Tensor frequency_penalty, "
         "Tensor prompt_logprobs, Tensor scored, Tensor prompt_len, Tensor draft_off, Tensor service_class, "
         "Tensor room, Tensor pages_held, Tensor cost, Tensor num_free, Tensor(a!) tokens, Tensor(b!) draft_len, "
-        "Tensor(c!) spec_rate, int k, int lookup_min, int lookup_max, float share, int page_size, bool by_class, "
+        "Tensor(c!) draft_n, Tensor(d!) spec_rate, int k, int lookup_min, int lookup_max, float share, int page_size, bool by_class, "
         "float retry, float earn, float min_rate) -> Tensor",
         &draft_ngram);
 }

@@ -17,13 +17,13 @@ from blink.engine.kernels.cpu import ops
 def draft(speculation, state: Slots, pool: PagePool, policy: Policy, cost: StepCost, take: torch.Tensor,
           live: torch.Tensor, order: torch.Tensor, cap: torch.Tensor) -> torch.Tensor:
     """Speculation.draft's arguments (the speculation first), effects and result: [S] draft tokens each slot
-    computes on top of `take`, written after its sequence in state.tokens, with state.draft_len and the retrying
-    slots' state.spec_rate."""
+    computes on top of `take`, written after its sequence in state.tokens, with state.draft_len, state.draft_n (the
+    match length each slot's drafts followed) and the retrying slots' state.spec_rate (their match length's column)."""
     return ops().draft_ngram(
         live, take, order, cap, state.seq_len, state.num_computed, state.max_tokens, state.repetition_penalty,
         state.presence_penalty, state.frequency_penalty, state.prompt_logprobs, state.scored, state.prompt_len,
         state.draft_off, state.service_class, state.room, state.pages_held, cost.values, pool.num_free, state.tokens,
-        state.draft_len, state.spec_rate, speculation.k, speculation.lookup_min, speculation.lookup_max,
+        state.draft_len, state.draft_n, state.spec_rate, speculation.k, speculation.lookup_min, speculation.lookup_max,
         1 + speculation.row_share, pool.page_size,
         isinstance(policy, Slo),  # the one policy whose latency-sensitive slots (service class 0) count their own kind
         RETRY, speculation.k / TRUSTED, MIN_RATE)

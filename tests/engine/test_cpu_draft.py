@@ -1,7 +1,8 @@
 """The CPU's C++ drafts' proposal (blink.engine.kernels.cpu_draft.draft, cpu_draft.cpp) against its torch reference
-(Speculation.draft): the same drafts written after each sequence, draft lengths, acceptance rates and returned lengths
-for the random slot states the Triton twin's test draws (tests/engine/test_draft_kernel.py), and in a whole engine on
-the tiny model, every call of its steps checked against the reference and the text that of the reference's engine."""
+(Speculation.draft): the same drafts written after each sequence, draft lengths, match lengths, acceptance rates (per
+match length) and returned lengths for the random slot states the Triton twin's test draws
+(tests/engine/test_draft_kernel.py), and in a whole engine on the tiny model, every call of its steps checked against
+the reference and the text that of the reference's engine."""
 
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ def test_the_kernel_drafts_as_the_reference_does(K, lookup):
     rng = random.Random(K * 100 + lookup[0])
     speculation = Speculation(K, *lookup, row_share=rng.choice([0.0, 0.37]))
     drafted = cut = retried = 0
+    lengths, columns = set(), set()  # the match lengths drafted after, the rates' columns retried
     for case in range(120):
         S = rng.choice([1, 3, 8, 13, 40])
         state, pool, policy, cost, take, live, order, cap = _case(rng, S, K, ["fcfs", "priority", "slo"][case % 3])
@@ -57,7 +59,11 @@ def test_the_kernel_drafts_as_the_reference_does(K, lookup):
         drafted += int((want > 0).sum())
         cut += int(uncut.sum() > want.sum())
         retried += int((reference.spec_rate != rates).sum())
+        lengths |= set(reference.draft_n[want > 0].tolist())
+        columns |= set((reference.spec_rate != rates).nonzero()[:, 1].tolist())
     assert drafted > 0 and cut > 0 and retried > 0
+    # Every match length in the lookup range met: its drafts, and its own column's retry.
+    assert lengths == set(range(lookup[0], lookup[1] + 1)) and columns == set(range(lookup[0] - 1, lookup[1]))
 
 
 def test_long_histories_find_the_latest_and_longest_match():
