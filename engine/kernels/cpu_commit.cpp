@@ -250,7 +250,8 @@ std::vector<at::Tensor> settle_runs(const at::Tensor& sample_slot, const at::Ten
                                     const c10::optional<at::Tensor>& top_logprobs, const at::Tensor& eos_ids,
                                     bool count_outputs, int64_t K, double decay, const at::Tensor& tokens,
                                     const at::Tensor& seq_len, const at::Tensor& num_computed,
-                                    const at::Tensor& draft_len, const at::Tensor& output_counts,
+                                    const at::Tensor& draft_len, const at::Tensor& draft_n,
+                                    const at::Tensor& output_counts,
                                     const at::Tensor& max_tokens, const at::Tensor& prompt_len,
                                     const at::Tensor& stop_ids, const at::Tensor& ignore_eos, const at::Tensor& status,
                                     const at::Tensor& cancel, const at::Tensor& finish_reason,
@@ -267,7 +268,12 @@ std::vector<at::Tensor> settle_runs(const at::Tensor& sample_slot, const at::Ten
   const int64_t T = token_pos.size(0);
   int64_t* computed = flat<int64_t>(num_computed, at::kLong, S, op, "num_computed");
   int64_t* drafts = flat<int64_t>(draft_len, at::kLong, S, op, "draft_len");
-  float* rate = flat<float>(spec_rate, at::kFloat, S, op, "spec_rate");
+  const int64_t* match = flat<int64_t>(draft_n, at::kLong, S, op, "draft_n");
+  check_tensor(spec_rate, at::kFloat, op, "spec_rate");
+  TORCH_CHECK(spec_rate.dim() == 2 && spec_rate.size(0) == S, "blink_cpu::", op,
+              ": spec_rate must be [", S, ", n], a column per match length, not ", spec_rate.sizes());
+  float* rate = spec_rate.data_ptr<float>();
+  const int64_t rate_row = spec_rate.stride(0), rate_col = spec_rate.stride(1), lengths = spec_rate.size(1);
   int64_t* counters = flat<int64_t>(spec_counts, at::kLong, 3, op, "spec_counts");
   TORCH_CHECK(spec_accepted_per_pos.numel() > 0, "blink_cpu::", op, ": spec_accepted_per_pos needs an entry");
   const int64_t P = spec_accepted_per_pos.size(0);
@@ -347,8 +353,13 @@ std::vector<at::Tensor> settle_runs(const at::Tensor& sample_slot, const at::Ten
     counters[0] += k > 0;
     counters[1] += k;
     counters[2] += accepted[s];
+    // The rate of the match length the drafts followed (column draft_n - 1), as the reference's gather finds it.
+    const int64_t c = std::max<int64_t>(match[s] - 1, 0);
+    TORCH_CHECK(c < lengths, "blink_cpu::", op, ": slot ", s, "'s draft_n ", match[s], " is past spec_rate's ",
+                lengths, " match lengths");
+    float& r = rate[s * rate_row + c * rate_col];
     // float32 as the reference: decay * rate + ((1 - decay) * a) / max(k, 1)
-    if (k > 0) rate[s] = past * rate[s] + now * static_cast<float>(accepted[s]) / static_cast<float>(k);
+    if (k > 0) r = past * r + now * static_cast<float>(accepted[s]) / static_cast<float>(k);
   }
 
   // A slot's reason: the largest of its live rows'.
@@ -396,8 +407,8 @@ TORCH_LIBRARY_FRAGMENT(blink_cpu, m) {
   m.def("settle_runs(Tensor sample_slot, Tensor sample_valid, Tensor sample_token, Tensor token_pos, int rows, "
         "Tensor sampled_tokens, Tensor? logprob, Tensor? top_ids, Tensor? top_logprobs, Tensor eos_ids, "
         "bool count_outputs, int K, float decay, Tensor(a!) tokens, Tensor(b!) seq_len, Tensor(c!) num_computed, "
-        "Tensor(d!) draft_len, Tensor(e!) output_counts, Tensor max_tokens, Tensor prompt_len, Tensor stop_ids, "
-        "Tensor ignore_eos, Tensor(f!) status, Tensor cancel, Tensor(g!) finish_reason, Tensor(h!) spec_rate, "
-        "Tensor(i!) spec_counts, Tensor(j!) spec_accepted_per_pos) -> Tensor[]",
+        "Tensor(d!) draft_len, Tensor draft_n, Tensor(e!) output_counts, Tensor max_tokens, Tensor prompt_len, "
+        "Tensor stop_ids, Tensor ignore_eos, Tensor(f!) status, Tensor cancel, Tensor(g!) finish_reason, "
+        "Tensor(h!) spec_rate, Tensor(i!) spec_counts, Tensor(j!) spec_accepted_per_pos) -> Tensor[]",
         &settle_runs);
 }

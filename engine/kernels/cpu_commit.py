@@ -52,9 +52,9 @@ def settle_runs(speculation, state: Slots, plan: StepPlan, rows: int, out: Sampl
     first, reason, row_slot, tokens, count, *logprobs = _kernels()[1](
         plan.sample_slot, plan.sample_valid, plan.sample_token, plan.token_pos, rows, out.tokens, out.logprob,
         out.top_ids, out.top_logprobs, eos_ids, count_outputs, speculation.k, DECAY, state.tokens, state.seq_len,
-        state.num_computed, state.draft_len, state.output_counts, state.max_tokens, state.prompt_len, state.stop_ids,
-        state.ignore_eos, state.status, state.cancel, state.finish_reason, state.spec_rate, state.spec_counts,
-        state.spec_accepted_per_pos)
+        state.num_computed, state.draft_len, state.draft_n, state.output_counts, state.max_tokens, state.prompt_len,
+        state.stop_ids, state.ignore_eos, state.status, state.cancel, state.finish_reason, state.spec_rate,
+        state.spec_counts, state.spec_accepted_per_pos)
     logprob, top_ids, top_logprobs = logprobs or (None, None, None)
     return StepOutput(token=first, finish_reason=reason, logprob=None, top_ids=None, top_logprobs=None,
                       row_slot=row_slot, row_logits=logits,
