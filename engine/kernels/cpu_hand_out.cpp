@@ -94,7 +94,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> plan_head
   const char* op = "plan_head";
   const int64_t S = status.numel();
   check(status, at::kLong, S, op, "status");
-  check(spec_rate, at::kFloat, S, op, "spec_rate");
+  TORCH_CHECK(spec_rate.device().is_cpu() && spec_rate.scalar_type() == at::kFloat && spec_rate.dim() == 2 &&
+                  spec_rate.size(0) == S,
+              "blink_cpu::plan_head: spec_rate must be the CPU's float32 [", S, ", n] (a rate per match length), got ",
+              spec_rate.scalar_type(), " ", spec_rate.sizes());
   check(rotated, at::kBool, S, op, "rotated");
   check(paused, at::kBool, S, op, "paused");
   check(cancel, at::kBool, S, op, "cancel");
@@ -111,6 +114,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> plan_head
              starting = at::empty({S}, bools), precedence = at::empty({S}, status.options());
   int64_t* st = status.data_ptr<int64_t>();
   float* rate = spec_rate.data_ptr<float>();
+  const int64_t rate_row = spec_rate.stride(0), rate_col = spec_rate.stride(1), lengths = spec_rate.size(1);
   const bool *rot = rotated.data_ptr<bool>(), *pause = paused.data_ptr<bool>(), *canc = cancel.data_ptr<bool>();
   const int64_t *computed = num_computed.data_ptr<int64_t>(), *held = pages_held.data_ptr<int64_t>();
   bool *run = running.data_ptr<bool>(), *res = resident.data_ptr<bool>(), *lv = live.data_ptr<bool>(),
@@ -121,7 +125,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> plan_head
   for (int64_t s = 0; s < S; s++) {
     if (st[s] == ADMITTED) {
       st[s] = RUNNING;
-      rate[s] = 1.0f;
+      for (int64_t n = 0; n < lengths; n++) rate[s * rate_row + n * rate_col] = 1.0f;  // at every match length
     }
     run[s] = st[s] == RUNNING;
     res[s] = run[s] && !rot[s];
