@@ -78,8 +78,10 @@ def _case(rng: random.Random, S: int, K: int, policy_name: str):
 def test_the_kernels_draft_as_the_reference_does(K, lookup, block, monkeypatch):
     monkeypatch.setattr(draft_kernels, "HISTORY_BLOCK", block)
     rng = random.Random(K * 100 + lookup[0] + block)
+    torch.manual_seed(rng.randrange(1 << 30))  # _case's histories: the same cases whichever tests ran before
     speculation = Speculation(K, *lookup, row_share=rng.choice([0.0, 0.37]))
     drafted = cut = retried = 0
+    lengths = set()  # the match lengths drafts followed: each reads and settles its own column of spec_rate
     for case in range(24):
         S = rng.choice([1, 3, 8, 13])
         state, pool, policy, cost, take, live, order, cap = _case(rng, S, K, ["fcfs", "priority", "slo"][case % 3])
@@ -92,10 +94,13 @@ def test_the_kernels_draft_as_the_reference_does(K, lookup, block, monkeypatch):
                 a, b = a[:, :MAX_LEN], b[:, :MAX_LEN]
             assert torch.equal(a, b), (case, name, a, b)
         assert torch.equal(got, want), (case, got, want)
-        # What the cases met: drafts, drafts cut by the budget or the pages, slots retrying.
+        # What the cases met: drafts after matches of several lengths, drafts cut by the budget or the pages, slots
+        # retrying.
         plenty = SimpleNamespace(page_size=pool.page_size, num_free=torch.tensor(1 << 20))
         uncut = speculation.draft(roomy, plenty, policy, cost, take, live, order, take.sum() + S * K)
         drafted += int((want > 0).sum())
+        lengths |= set(theirs.draft_n[want > 0].tolist())
         cut += int(uncut.sum() > want.sum())
         retried += int((theirs.spec_rate != rates).sum())
     assert drafted > 0 and cut > 0 and retried > 0
+    assert len(lengths) > 1 or lookup[0] == lookup[1], lengths
