@@ -429,7 +429,10 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
       std::vector<float> query(G * D), acc(G * D), scores, total(G);
       alignas(64) float row[kMaxHeadDim];  // on the stack, aliasing nothing; kept small (cpu.py says why)
       for (int64_t task = lo; task < hi; task++) {
-        const int64_t r = task / Hkv, h = task % Hkv, b = token_p[r], pos = pos_p[r];
+        // Rows from both ends in turn: a prefill chunk's rows attend to ever more keys, and each thread takes a
+        // contiguous run of tasks, so a run in row order would give the last thread the longest rows.
+        const int64_t i = task / Hkv, r = i % 2 == 0 ? i / 2 : rows - 1 - i / 2;
+        const int64_t h = task % Hkv, b = token_p[r], pos = pos_p[r];
         const int64_t* page_of = table_p + slot_p[r] * pages;
         const int64_t first = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0, n = pos + 1 - first;
         Keys keys(page_of, page_size, Hkv * D, h * D, first);

@@ -4,8 +4,8 @@
 layer reads on the host which experts run, so a device mode cannot capture it.
 `CpuKernels` is the CPU's choice: the reference with its chains of small ops, each a few microseconds of dispatch
 there, fused in C++ (blink.engine.kernels.cpu: norms, RoPE written into the cache, one-query attention straight from
-the pages, a decode-only step's attention from the projection's output in one call, the MLP's activation in one;
-and the step's bookkeeping, engine/kernels/cpu_*.py); prefill chunks still attend through the reference's gathers.
+the pages, a step's attention from the projection's output in one call, prefill tokens as one-query rows too, the
+MLP's activation in one; and the step's bookkeeping, engine/kernels/cpu_*.py).
 `TritonKernels` is CUDA's: fused norms, one launch a layer for RoPE, the cache write and paged attention over row
 lists the kernels read on the device, SiLU x up fused, grouped experts and the fused sampler; without CUDA it runs in
 Triton's interpreter (the tests check it against the reference that way). A new backend is a class with these
@@ -25,9 +25,9 @@ import torch.nn.functional as F
 
 from blink.engine.core.bookkeeping import TORCH_BOOKKEEPING, Bookkeeping
 from blink.engine.core.sampler import TORCH_SAMPLER, Sampler
-from blink.engine.core.scheduler import QUERY_BLOCK, PlanKernels, StepPlan
+from blink.engine.core.scheduler import QUERY_BLOCK, PlanKernels, QueryRows, StepPlan
 from blink.engine.model import moe
-from blink.engine.model.attention import AttentionBatch, attend_groups, build_row_group, paged_attention
+from blink.engine.model.attention import AttentionBatch, build_row_group, paged_attention
 from blink.engine.model.config import ModelConfig
 from blink.engine.model.rope import rotate, step_rope
 
@@ -170,11 +170,14 @@ class CpuKernels(TorchKernels):
 
     def attention_batch(self, plan: StepPlan, shape: StepShape, block_table: torch.Tensor,
                         page_size: int) -> AttentionBatch:
-        """Decode rows as the plan lists them, for the kernel; prefill chunks gathered as the reference does."""
-        chunks = [build_row_group(plan.chunk_rows.head(shape.chunk_rows), block_table, page_size, QUERY_BLOCK,
-                                  shape.context, self.sliding_window, shape.tokens)] if shape.chunk_rows else []
-        decodes = [(plan.decode_rows.head(shape.decode_rows), 1)] if shape.decode_rows else []
-        return AttentionBatch(write_rows(plan, shape.tokens, block_table, page_size), chunks, decodes, block_table)
+        """Every batch token a one-query row for the kernel, decodes and prefill chunks alike, each attending to its
+        sequence's keys up to its own position (rope_and_cache writes every token's K/V before any row reads). Faster
+        than gathering a chunk's context for SDPA at every length measured: a 32-token prompt's first token 52 ->
+        20 ms, 512 tokens 365 -> 232, 4,000 tokens 6.3 -> 4.5 s (EPYC, 2 cores, the default model)."""
+        T = shape.tokens
+        rows = QueryRows(torch.arange(T), torch.ones(T, dtype=torch.long), plan.token_pos[:T], plan.token_slot[:T],
+                         plan.sizes.tokens)
+        return AttentionBatch(write_rows(plan, T, block_table, page_size), [], [(rows, 1)], block_table)
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self._ops.rms_norm(x, weight, eps)
@@ -188,20 +191,19 @@ class CpuKernels(TorchKernels):
 
     def attention(self, qkv: torch.Tensor, w: LayerWeights, cfg: ModelConfig, tokens: Tokens, k_cache: torch.Tensor,
                   v_cache: torch.Tensor, scale: float) -> torch.Tensor:
-        batch = tokens.batch
-        if w.q_norm is None and not batch.groups and len(batch.rows) == 1:  # decode rows only: one call for all
+        batch = tokens.batch  # decode rows only (attention_batch): every query one
+        if w.q_norm is None and batch.rows:  # one call: rotations, the cache write and every row's attention
             (rows, _), = batch.rows
             return self._ops.decode_step_attention(
                 qkv, cfg.num_heads, cfg.num_kv_heads, *tokens.rope, batch.write_rows, k_cache, v_cache,
                 batch.block_table, rows.slot, rows.start, rows.first_pos, rows.count, scale, self.sliding_window or 0)
         q, k, v = split_heads(qkv, w, cfg, self.norm)
         q = self._ops.rope_and_cache(q, k, v, *tokens.rope, batch.write_rows, k_cache, v_cache)
-        out = q.new_zeros(q.shape[0] + 1, *q.shape[1:])  # index B is the trash row of the chunks' padding
+        out = q.new_zeros(q.shape)
         for rows, _ in batch.rows:
             self._ops.decode_attention(q, k_cache, v_cache, batch.block_table, rows.slot, rows.start, rows.first_pos,
                                        rows.count, scale, self.sliding_window or 0, out)
-        attend_groups(q, k_cache, v_cache, batch.groups, scale, out)
-        return out[:-1]
+        return out
 
 
 class TritonKernels:
@@ -295,3 +297,5 @@ def choose(cfg: ModelConfig, device: torch.device) -> KernelSet:
                              f"{cpu.MAX_HEAD_DIM} on the CPU, not {cfg.dtype} heads of {cfg.head_dim} on {device.type}")
         return CpuKernels(cfg.sliding_window, cpu.ops())
     return TorchKernels(cfg.sliding_window)
+
+
