@@ -14,8 +14,8 @@ MAX_SPECULATIVE_TOKENS = 16  # a slot's rows in a step: 1 + this many
 MAX_LOOKUP = 16  # the longest n-gram looked up
 DEFAULT_LOOKUP = 5  # vLLM's, for an unset prompt_lookup_min and max
 HELP = ("speculative decoding as vLLM's flag, a JSON object: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
-        "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 4}': drafts looked up in each request's own tokens, verified "
-        "in the step; greedy and seeded outputs unchanged (the host drive mode; unset: off)")
+        "\"prompt_lookup_min\": 1, \"prompt_lookup_max\": 4}': drafts looked up in each request's own tokens, verified "
+        "in the step; greedy and seeded outputs unchanged (unset: off)")
 
 
 class SpeculativeConfig(BaseModel):

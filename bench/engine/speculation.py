@@ -72,7 +72,8 @@ OPEN_ENDED = {
     "advice": "What are some good habits for staying healthy while working from home?",
     "poem": "Write a poem about autumn in the mountains.",
 }
-SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+# A 1-token match drafts too: its drafts earn their own acceptance rate, so they stop where they fail.
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
