@@ -15,18 +15,58 @@ from blink.shared.grammar import GrammarError
 Prompt = str | list[int]
 
 
+@dataclass(frozen=True)
+class Logprob:
+    """vLLM's: a token's logprob, its rank (1: the most likely) where it is one of the top ones the request asked
+    for (None for a drawn token outside them: vLLM ranks it over the vocabulary), and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    """vLLM's: one completion of a request (Blink draws one: `outputs[0]`)."""
+
+    index: int = 0
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    cumulative_logprob: float | None = None  # the drawn tokens' logprobs summed, where the request asked for them
+    logprobs: list[dict[int, Logprob]] | None = None  # per generated token: its logprob and the top ones
+    finish_reason: str | None = None  # stop | length | abort
+    stop_reason: int | None = None  # the stop_token_ids entry that ended it (None: eos, the length or an abort)
+
+
 @dataclass
 class RequestOutput:
+    """vLLM's shape (`out.outputs[0].text`); `text`, `token_ids`, `finish_reason` and `logprobs` read the one
+    completion's, for callers that never ask for more."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    finish_reason: str | None = None  # stop | length | abort
-    logprobs: list[dict[int, float]] | None = None  # per generated token: its logprob and the top ones
     # vLLM's: per prompt token, its logprob given those before it and the top ones (None for the first)
-    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    outputs: list[CompletionOutput] = field(default_factory=lambda: [CompletionOutput()])
+    finished: bool = False
     num_cached_tokens: int | None = None  # vLLM's: prompt tokens whose KV the prefix cache held (with the finish)
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def logprobs(self) -> list[dict[int, Logprob]] | None:
+        return self.outputs[0].logprobs
 
 
 class LLM:
@@ -62,31 +102,48 @@ class LLM:
             self._ranks.check()
             self._ranks.send((prompts, sampling_params))
         self._driver.abort_all()  # what an interrupted call left behind
-        outputs: dict[str, RequestOutput] = {}
+        outputs: dict[str, tuple[RequestOutput, SamplingParams]] = {}
         for out, params, max_tokens in requests:
-            outputs[out.request_id] = out
+            outputs[out.request_id] = out, params
             if params.logprobs is not None:
-                out.logprobs = []
+                out.outputs[0].logprobs = []
+                out.outputs[0].cumulative_logprob = 0.0
             if params.prompt_logprobs is not None:
                 out.prompt_logprobs = [None]
             self._driver.add_request(out.request_id, out.prompt_token_ids, params, max_tokens)
         while self._driver.has_work():
             for event in self._driver.step():
-                out = outputs.get(event.request_id)
+                out, _ = outputs.get(event.request_id, (None, None))
                 if out is None:
                     continue  # an aborted leftover
+                completion = out.outputs[0]
                 if out.prompt_logprobs is not None:
-                    out.prompt_logprobs += [{**dict(p.top), p.token_id: p.logprob} for p in event.prompt]
+                    out.prompt_logprobs += [self._logprobs(p.token_id, p.logprob, p.top) for p in event.prompt]
                 for sampled in event.tokens:
-                    out.token_ids.append(sampled.token)
-                    if out.logprobs is not None:
-                        out.logprobs.append(sampled.top_logprobs)
-                out.finish_reason = event.finish_reason or out.finish_reason
+                    completion.token_ids.append(sampled.token)
+                    if completion.logprobs is not None:
+                        completion.logprobs.append(self._logprobs(sampled.token, sampled.logprob, sampled.top))
+                        completion.cumulative_logprob += sampled.logprob or 0.0
+                completion.finish_reason = event.finish_reason or completion.finish_reason
                 if event.stats is not None:
                     out.num_cached_tokens = event.stats.cached_tokens
-        for out in outputs.values():
-            out.text = self.tokenizer.decode(out.token_ids)
-        return list(outputs.values())
+        for out, params in outputs.values():
+            completion = out.outputs[0]
+            completion.text = self.tokenizer.decode(completion.token_ids)
+            last = completion.token_ids[-1] if completion.token_ids else None
+            if completion.finish_reason == "stop" and last in (params.stop_token_ids or ()):
+                completion.stop_reason = last
+            out.finished = completion.finish_reason is not None
+        return [out for out, _ in outputs.values()]
+
+    def _logprobs(self, token: int, logprob: float | None, top: list[tuple[int, float]]) -> dict[int, Logprob]:
+        """vLLM's entry for one position: the top tokens ranked in order, then the drawn or scored one."""
+        if logprob is None:
+            return {}
+        entry = {t: Logprob(lp, rank, self.tokenizer.decode([t])) for rank, (t, lp) in enumerate(top, start=1)}
+        if token not in entry:
+            entry[token] = Logprob(logprob, None, self.tokenizer.decode([token]))
+        return entry
 
     def close(self) -> None:
         """Stops the other ranks, with tensor parallelism (they also end with this process)."""

@@ -60,7 +60,7 @@ def perplexity(llm, chunks: list[list[int]]) -> float:
     for out, chunk in zip(llm.generate(chunks, params), chunks, strict=True):
         first = len(chunk) // 2
         for position in range(first + 1, len(chunk)):
-            total -= out.prompt_logprobs[position][chunk[position]]
+            total -= out.prompt_logprobs[position][chunk[position]].logprob
             count += 1
     return math.exp(total / count)
 

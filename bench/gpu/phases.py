@@ -227,7 +227,7 @@ def teacher_forced_gap(directory: Path, dry_run: bool, prompts: dict[int, list[i
     for slot, out in zip(prompts, outs, strict=True):
         for position in range(len(prompts[slot]), len(out.prompt_token_ids)):
             scored = out.prompt_logprobs[position]
-            gap = max(gap, max(scored.values()) - scored[out.prompt_token_ids[position]])
+            gap = max(gap, max(e.logprob for e in scored.values()) - scored[out.prompt_token_ids[position]].logprob)
     del llm
     _free()
     return gap

@@ -99,7 +99,7 @@ def write_fp8_checkpoint(source: Path, fp8_dir: Path, float_dir: Path, form: str
 
 def _prompt_logprobs(llm: LLM, prompt: list[int]) -> torch.Tensor:
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))[0]
-    return torch.tensor([row[token] for row, token in zip(out.prompt_logprobs[1:], prompt[1:], strict=True)])
+    return torch.tensor([row[token].logprob for row, token in zip(out.prompt_logprobs[1:], prompt[1:], strict=True)])
 
 
 @pytest.mark.parametrize("form", FORMATS)

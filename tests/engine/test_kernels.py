@@ -310,7 +310,7 @@ def test_greedy_tokens_are_the_same_with_fused_kernels(kind, fused, checkpoint, 
         for expected, got in zip(torch_out.logprobs, fused_out.logprobs, strict=True):
             assert got.keys() == expected.keys()
             for token, logprob in expected.items():
-                assert got[token] == pytest.approx(logprob, abs=1e-4)
+                assert got[token].logprob == pytest.approx(logprob.logprob, abs=1e-4)
 
 
 @pytest.mark.parametrize("kind", ["mistral", "qwen3-moe"])

@@ -73,7 +73,7 @@ def test_prompt_logprobs_match_a_teacher_forced_transformers_pass(kind, checkpoi
         for p in range(1, len(ids)):
             got = out.prompt_logprobs[p]
             assert ids[p] in got
-            torch.testing.assert_close(torch.tensor(got[ids[p]]), expected[p - 1, ids[p]], rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(torch.tensor(got[ids[p]].logprob), expected[p - 1, ids[p]], rtol=1e-4, atol=1e-4)
             top = expected[p - 1].topk(params.prompt_logprobs)
             assert set(got) == set(top.indices.tolist()) | {ids[p]}
         assert len(out.token_ids) == 2

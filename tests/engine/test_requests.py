@@ -60,6 +60,30 @@ def test_stop_token_ids_and_max_tokens(llm):
     assert stopped.token_ids == base.token_ids[: base.token_ids.index(stop_at) + 1]
 
 
+def test_outputs_come_in_vllm_s_shape(llm):
+    """vLLM's quickstart reads `out.outputs[0].text`; logprobs are Logprob entries, ranked, with their text."""
+    base = llm.generate([[4, 5, 6]], SamplingParams(temperature=0, max_tokens=6))[0]
+    stop_at = base.token_ids[3]
+    out, = llm.generate([[4, 5, 6]], SamplingParams(temperature=0, max_tokens=6, logprobs=2,
+                                                    stop_token_ids=[stop_at]))
+    completion = out.outputs[0]
+    assert out.finished and len(out.outputs) == 1 and completion.index == 0
+    assert completion.token_ids == out.token_ids == base.token_ids[: base.token_ids.index(stop_at) + 1]
+    assert completion.text == out.text == llm.tokenizer.decode(completion.token_ids)
+    assert completion.finish_reason == "stop" and completion.stop_reason == stop_at
+    assert base.outputs[0].finish_reason == "length" and base.outputs[0].stop_reason is None
+    assert base.outputs[0].logprobs is None and base.outputs[0].cumulative_logprob is None
+    assert len(completion.logprobs) == len(completion.token_ids)
+    for token, entry in zip(completion.token_ids, completion.logprobs, strict=True):
+        ranked = sorted((e for e in entry.values() if e.rank is not None), key=lambda e: e.rank)
+        assert [e.rank for e in ranked] == [1, 2]
+        assert ranked[0].logprob >= ranked[1].logprob
+        assert entry[token].rank == 1  # greedy: the drawn token is the most likely
+        assert entry[token].decoded_token == llm.tokenizer.decode([token])
+    drawn = sum(entry[token].logprob for token, entry in zip(completion.token_ids, completion.logprobs, strict=True))
+    assert completion.cumulative_logprob == pytest.approx(drawn)
+
+
 def test_context_limit_ends_a_request_with_length(llm):
     out = llm.generate([list(range(1, 121))], SamplingParams(temperature=0, max_tokens=None))[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 8

@@ -133,8 +133,8 @@ def test_engine_logprobs_cover_the_sampled_token_and_the_top_k(llm):
     assert len(out.logprobs) == 5
     for token, entry in zip(out.token_ids, out.logprobs, strict=True):
         assert token in entry and len(entry) >= 3
-        assert max(entry.values()) == entry[token]  # greedy picks the most likely token
-        assert all(lp <= 0 for lp in entry.values())
+        assert max(e.logprob for e in entry.values()) == entry[token].logprob  # greedy picks the most likely token
+        assert all(e.logprob <= 0 for e in entry.values())
     assert llm.generate([[7, 8, 9]], SamplingParams(max_tokens=2))[0].logprobs is None
 
 
@@ -221,6 +221,7 @@ def test_logit_bias_steers_greedy_and_seeded_sampling(checkpoint):
     ])
     assert forced.token_ids == [17] * 4 and seeded.token_ids == [42] * 4
     assert banned.token_ids[0] != plain.token_ids[0]
-    assert forced.logprobs[0][17] < 0 and plain.logprobs[0][plain.token_ids[0]] >= forced.logprobs[0][17]
+    forced_lp, plain_lp = forced.logprobs[0][17].logprob, plain.logprobs[0][plain.token_ids[0]].logprob
+    assert forced_lp < 0 and plain_lp >= forced_lp
     with pytest.raises(ValueError, match="logit_bias"):
         SamplingParams(logit_bias={1: 101.0})

@@ -60,7 +60,7 @@ def test_greedy_text_is_plain_decoding_s_with_drafts_accepted(plain, speculating
     for a, b in zip(want[:3], got[:3], strict=True):
         assert len(b.logprobs) == len(b.token_ids)
         for x, y in zip(a.logprobs, b.logprobs, strict=True):
-            assert x.keys() == y.keys() and all(abs(x[t] - y[t]) < 1e-4 for t in x)
+            assert x.keys() == y.keys() and all(abs(x[t].logprob - y[t].logprob) < 1e-4 for t in x)
     assert int(llm.engine.state.spec_counts[2]) > accepted_before  # drafts were accepted, not only proposed
     assert int(llm.engine.pool.num_free) == free
 
@@ -252,7 +252,7 @@ def test_sampling_features_beside_drafts_give_plain_decoding_s_tokens(plain, spe
     for a, b in zip(want, got, strict=True):
         assert b.token_ids == a.token_ids and len(b.prompt_logprobs) == len(a.prompt_logprobs)
         for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:], strict=True):
-            assert x.keys() == y.keys() and all(abs(x[t] - y[t]) < 1e-4 for t in x)
+            assert x.keys() == y.keys() and all(abs(x[t].logprob - y[t].logprob) < 1e-4 for t in x)
 
 
 def test_drafts_pay_by_the_step_cost_fit_and_a_slot_whose_drafts_fail_stops_then_retries():

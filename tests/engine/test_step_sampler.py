@@ -157,6 +157,6 @@ def test_the_triton_step_serves_every_feature_as_the_torch_one(checkpoint, monke
                               [*(got.logprobs or []), *(got.prompt_logprobs or [])[1:]], strict=True):
             assert have.keys() == want.keys()
             for token, logprob in want.items():
-                assert have[token] == pytest.approx(logprob, abs=1e-4)
+                assert have[token].logprob == pytest.approx(logprob.logprob, abs=1e-4)
     assert len(results["torch"][0].prompt_logprobs) == len(prompts[0])
     assert results["torch"][1].token_ids[-1] == 100 and len(results["torch"][1].token_ids) == 5  # held, then stopped
