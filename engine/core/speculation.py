@@ -124,14 +124,14 @@ class Speculation:
         need = per_draft * torch.where(sensitive, (able & sensitive).sum().double(), sampling).clamp(min=1)
         return need.float().clamp(min=MIN_RATE)
 
-    def propose(self, state: Slots, wants: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def propose(self, state: Slots, able: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """([S] where each slot's draft starts in its tokens, [S] its length, [S] the n of its match; 0 for none):
         after the latest earlier occurrence of the sequence's last n tokens, the longest n in [lookup_min,
-        lookup_max] that has one. Only the history the slots that want drafts have is searched, where the host knows
-        its length for free."""
+        lookup_max] that has one. Only the history the able slots have is searched, where the host knows its length
+        for free."""
         tokens, seq = state.tokens, state.seq_len
         # The trash column is no history; one column at least, should the skip before (none_set) not have looked.
-        W = max(host_bound(torch.where(wants, seq, 0).amax(), tokens.shape[1] - 1), 1)
+        W = max(host_bound(torch.where(able, seq, 0).amax(), tokens.shape[1] - 1), 1)
         history = tokens[:, :W]
         j = torch.arange(W, device=seq.device)  # where a match ends (its last token)
         matched = j[None, :] < (seq - 1)[:, None]  # an earlier occurrence ends before the last token

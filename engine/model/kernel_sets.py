@@ -171,9 +171,8 @@ class CpuKernels(TorchKernels):
     def attention_batch(self, plan: StepPlan, shape: StepShape, block_table: torch.Tensor,
                         page_size: int) -> AttentionBatch:
         """Every batch token a one-query row for the kernel, decodes and prefill chunks alike, each attending to its
-        sequence's keys up to its own position (rope_and_cache writes every token's K/V before any row reads). Faster
-        than gathering a chunk's context for SDPA at every length measured: a 32-token prompt's first token 52 ->
-        20 ms, 512 tokens 365 -> 232, 4,000 tokens 6.3 -> 4.5 s (EPYC, 2 cores, the default model)."""
+        sequence's keys up to its own position (rope_and_cache writes every token's K/V before any row reads): faster
+        than gathering a chunk's context for SDPA at every prompt length measured (docs/design.md, Decisions)."""
         T = shape.tokens
         rows = QueryRows(torch.arange(T), torch.ones(T, dtype=torch.long), plan.token_pos[:T], plan.token_slot[:T],
                          plan.sizes.tokens)
@@ -191,7 +190,7 @@ class CpuKernels(TorchKernels):
 
     def attention(self, qkv: torch.Tensor, w: LayerWeights, cfg: ModelConfig, tokens: Tokens, k_cache: torch.Tensor,
                   v_cache: torch.Tensor, scale: float) -> torch.Tensor:
-        batch = tokens.batch  # decode rows only (attention_batch): every query one
+        batch = tokens.batch  # every token a one-query row (attention_batch)
         if w.q_norm is None and batch.rows:  # one call: rotations, the cache write and every row's attention
             (rows, _), = batch.rows
             return self._ops.decode_step_attention(
