@@ -80,9 +80,8 @@ at::Tensor draft_ngram(const at::Tensor& live_t, const at::Tensor& take_t, const
                        const at::Tensor& service_class_t, const at::Tensor& room_t, const at::Tensor& pages_held_t,
                        const at::Tensor& cost_t, const at::Tensor& num_free_t, at::Tensor tokens_t,
                        at::Tensor draft_len_t, at::Tensor draft_n_t, at::Tensor spec_rate_t, int64_t K,
-                       int64_t lookup_min,
-                       int64_t lookup_max, double share, int64_t page, bool by_class, double retry_d, double earn_d,
-                       double min_rate_d) {
+                       int64_t lookup_min, int64_t lookup_max, double share, int64_t page, bool by_class,
+                       double retry_d, double earn_d, double min_rate_d) {
   const int64_t S = take_t.numel();
   TORCH_CHECK(K >= 1 && K <= MAX_DRAFT, "blink_cpu::draft_ngram: k must be in [1, ", MAX_DRAFT, "], got ", K);
   TORCH_CHECK(lookup_min >= 1 && lookup_max >= lookup_min, "blink_cpu::draft_ngram: bad lookup range [", lookup_min,
@@ -256,7 +255,7 @@ TORCH_LIBRARY_FRAGMENT(blink_cpu, m) {
         "Tensor max_tokens, Tensor repetition_penalty, Tensor presence_penalty, Tensor frequency_penalty, "
         "Tensor prompt_logprobs, Tensor scored, Tensor prompt_len, Tensor draft_off, Tensor service_class, "
         "Tensor room, Tensor pages_held, Tensor cost, Tensor num_free, Tensor(a!) tokens, Tensor(b!) draft_len, "
-        "Tensor(c!) draft_n, Tensor(d!) spec_rate, int k, int lookup_min, int lookup_max, float share, int page_size, bool by_class, "
-        "float retry, float earn, float min_rate) -> Tensor",
+        "Tensor(c!) draft_n, Tensor(d!) spec_rate, int k, int lookup_min, int lookup_max, float share, "
+        "int page_size, bool by_class, float retry, float earn, float min_rate) -> Tensor",
         &draft_ngram);
 }
