@@ -190,18 +190,17 @@ class CpuKernels(TorchKernels):
 
     def attention(self, qkv: torch.Tensor, w: LayerWeights, cfg: ModelConfig, tokens: Tokens, k_cache: torch.Tensor,
                   v_cache: torch.Tensor, scale: float) -> torch.Tensor:
-        batch = tokens.batch  # every token a one-query row (attention_batch)
-        if w.q_norm is None and batch.rows:  # one call: rotations, the cache write and every row's attention
-            (rows, _), = batch.rows
-            return self._ops.decode_step_attention(
-                qkv, cfg.num_heads, cfg.num_kv_heads, *tokens.rope, batch.write_rows, k_cache, v_cache,
-                batch.block_table, rows.slot, rows.start, rows.first_pos, rows.count, scale, self.sliding_window or 0)
+        batch = tokens.batch
+        (rows, _), = batch.rows  # every token a one-query row (attention_batch)
+        rows_args = (batch.block_table, rows.slot, rows.start, rows.first_pos, rows.count, scale,
+                     self.sliding_window or 0)
+        if w.q_norm is None:  # one call: rotations, the cache write and every row's attention
+            return self._ops.decode_step_attention(qkv, cfg.num_heads, cfg.num_kv_heads, *tokens.rope,
+                                                   batch.write_rows, k_cache, v_cache, *rows_args)
         q, k, v = split_heads(qkv, w, cfg, self.norm)
         q = self._ops.rope_and_cache(q, k, v, *tokens.rope, batch.write_rows, k_cache, v_cache)
         out = q.new_zeros(q.shape)
-        for rows, _ in batch.rows:
-            self._ops.decode_attention(q, k_cache, v_cache, batch.block_table, rows.slot, rows.start, rows.first_pos,
-                                       rows.count, scale, self.sliding_window or 0, out)
+        self._ops.decode_attention(q, k_cache, v_cache, *rows_args, out)
         return out
 
 
