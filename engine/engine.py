@@ -11,6 +11,7 @@ from functools import cached_property, partial
 import torch
 
 from blink.engine.core import kv_dtype
+from blink.engine.core.draft_model import DraftModel, load_draft
 from blink.engine.core.kv_cache import PagePool
 from blink.engine.core.policy import policy_named
 from blink.engine.core.prefix_cache import PrefixCache
@@ -61,8 +62,8 @@ class EngineConfig:
     distributed_init_method: str | None = None  # where the ranks meet: tcp://HOST:PORT
     structured_outputs_backend: str = DEFAULT_BACKEND  # the grammar library (blink.shared.grammar_backends)
     grammar_arena_bytes: int = GRAMMAR_ARENA_BYTES  # the device modes' grammar tables (engine/drive/device_grammars.py)
-    # vLLM's --speculative-config: a dict or its JSON ({"method": "ngram", "num_speculative_tokens": K, ...});
-    # None: off (blink.shared.speculative, engine/core/speculation.py; the host drive mode)
+    # vLLM's --speculative-config: a dict or its JSON ({"method": "ngram", "num_speculative_tokens": K, ...}, or
+    # {"model": DRAFT, ...}); None: off (blink.shared.speculative, engine/core/speculation.py, draft_model.py)
     speculative_config: dict | str | None = None
 
     def validate(self) -> None:
@@ -88,7 +89,10 @@ class EngineConfig:
                              f"{self.structured_outputs_backend!r}")
         if self.kv_memory_fraction is not None and not 0 < self.kv_memory_fraction <= 1:
             raise ValueError(f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
-        speculative_config(self.speculative_config)  # raises on a config that is not one
+        spec = speculative_config(self.speculative_config)  # raises on a config that is not one
+        if spec is not None and spec.model is not None and self.tensor_parallel_size > 1:
+            raise ValueError("a draft model runs on one rank: speculative decoding with a draft model needs "
+                             "tensor_parallel_size 1 (method ngram drafts on any)")
 
     @property
     def speculation(self) -> SpeculativeConfig | None:
@@ -136,10 +140,14 @@ class Engine:
         if self.kv_dtype != cfg.dtype and self.model.kernels.name != "triton":  # never read FP8 pages wrong
             raise ValueError(f"--kv-cache-dtype {config.kv_cache_dtype} needs the Triton kernels, not "
                              f"{self.model.kernels.name}'s")
+        spec = config.speculation
+        draft = spec and load_draft(spec, cfg, self.tokenizer, max_len, self.device, config.load_format)
         if on_cuda:  # the loading's staging copies go back to the device before the KV pool is sized from what is free
             torch.cuda.empty_cache()
         pages_per_seq = -(-max_len // page)
-        num_pages = config.num_pages or self._pages_that_fit(self.model.cfg, page, num_slots * pages_per_seq + 1)
+        draft_page = DraftModel.bytes_per_page(draft.cfg, page) if draft else 0  # a page holds the draft's KV too
+        num_pages = config.num_pages or self._pages_that_fit(self.model.cfg, page, num_slots * pages_per_seq + 1,
+                                                             draft_page)
         if self.shard is not None and not config.num_pages:
             # Each rank sized its pool from its own free memory; ranks whose pools differed would schedule
             # differently and stop meeting in the collectives. All take the smallest.
@@ -165,10 +173,10 @@ class Engine:
         mirror_pages = min(int(config.swap_space * 2**30) // self.pool.page_bytes,
                            num_slots * pages_per_seq) + 1
         self._mirror_pages = mirror_pages if config.swap_space > 0 and mirror_pages > 1 else 0
-        spec = config.speculation
         self.step = Step(self.model, self.pool, self.state, list(self.generation.eos_token_ids), budget,
                          policy_named(config.scheduling_policy), self.shard,
-                         Speculation.of(spec, cfg, self.model.kernels.name == "cpu") if spec else None)
+                         Speculation.of(spec, cfg, self.model.kernels.name == "cpu") if spec else None,
+                         DraftModel(draft, num_pages, page) if draft else None)
         if config.compile_bookkeeping:
             self.step.compile_bookkeeping()
         log.info("engine ready: %s on %s in %s (dtype %s), %d slots, %d-token budget, %d KV pages of %d in %s, "
@@ -204,9 +212,9 @@ class Engine:
         the device modes do not, and do not hold its pinned memory."""
         return HostMirror(self.pool, self._mirror_pages) if self._mirror_pages else None
 
-    def _pages_that_fit(self, cfg: ModelConfig, page: int, useful: int) -> int:
+    def _pages_that_fit(self, cfg: ModelConfig, page: int, useful: int, draft_page: int = 0) -> int:
         fraction = self.config.kv_memory_fraction or (0.9 if self.device.type == "cuda" else 0.25)
-        per_page = PagePool.bytes_per_page(cfg, page, self.kv_dtype)
+        per_page = PagePool.bytes_per_page(cfg, page, self.kv_dtype) + draft_page
         return max(2, min(useful, int(available_memory(self.device) * fraction) // per_page))
 
 

@@ -112,7 +112,8 @@ def _add_generate_command(commands: argparse._SubParsersAction) -> None:
     gen.add_argument("--seed", type=int)
     gen.add_argument("--device", default="auto")
     gen.add_argument("--dtype", default="auto")
-    gen.add_argument("--speculative-config", help="n-gram speculative decoding, vLLM's JSON (as blink serve's flag)")
+    gen.add_argument("--speculative-config",
+                     help="speculative decoding (n-gram or a draft model), vLLM's JSON (as blink serve's flag)")
 
 
 def _run(args: argparse.Namespace) -> int:

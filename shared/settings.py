@@ -12,13 +12,13 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from blink.shared import drive_modes, grammar_backends, transports
 from blink.shared.cpus import CPU_LIST
+from blink.shared.quantization import QUANTIZATIONS
 from blink.shared.request_schema import MAX_GRAMMAR_BYTES
 from blink.shared.service_class import ClassDefaults, ClassName, ClassSLO
 from blink.shared.speculative import HELP as SPECULATIVE_HELP
 from blink.shared.speculative import SpeculativeConfig, speculative_config
 
 SCHEDULING_POLICIES = ("fcfs", "priority", "slo")  # blink.engine.core.policy
-QUANTIZATIONS = ("int8", "int4", "gguf", "fp8")  # blink.engine.model.quant; fp8: blink.engine.model.fp8
 # How KV pages are stored (vLLM's --kv-cache-dtype): auto, the model's dtype; fp8 = fp8_e4m3 (engine/core/kv_dtype.py)
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 REASONING_PARSERS = ("qwen3", "deepseek_r1")  # blink.ingress.reasoning
@@ -46,8 +46,8 @@ class Settings(BaseSettings):
                                                   "random weights of their shapes (vLLM's; for benchmarks)")
     quantization: Literal[QUANTIZATIONS] | None = Field(
         None, description="weights in fewer bits (vLLM's flag): on the CPU, int8 (a scale per output channel) or int4 "
-        "(groups of 32) quantize a float checkpoint on load; gguf runs a .gguf file's Q8_0/Q4_0/Q4_1/Q4_K blocks as "
-        "stored; on a GPU, fp8 quantizes it to FP8 E4M3 with a scale per output channel (an FP8 checkpoint needs no "
+        "(groups of 32) quantize a float checkpoint on load; gguf runs a .gguf file's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K blocks "
+        "as stored; on a GPU, fp8 quantizes it to FP8 E4M3 with a scale per output channel (an FP8 checkpoint needs no "
         "flag) (default: the checkpoint's own weights)")
     kv_cache_dtype: Literal[KV_CACHE_DTYPES] = Field(
         "auto", description="how KV cache pages are stored (vLLM's flag): auto, the model's dtype; fp8 (= fp8_e4m3) "

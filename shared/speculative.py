@@ -9,29 +9,55 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-METHODS = ("ngram",)  # vLLM's names; a draft model ("draft_model") and EAGLE heads are not built yet
+from blink.shared.quantization import QUANTIZATIONS
+
+METHODS = ("ngram", "draft_model")  # vLLM's names; EAGLE heads are not built yet
 MAX_SPECULATIVE_TOKENS = 16  # a slot's rows in a step: 1 + this many
 MAX_LOOKUP = 16  # the longest n-gram looked up
 DEFAULT_LOOKUP = 5  # vLLM's, for an unset prompt_lookup_min and max
 HELP = ("speculative decoding as vLLM's flag, a JSON object: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
-        "\"prompt_lookup_min\": 1, \"prompt_lookup_max\": 4}': drafts looked up in each request's own tokens, verified "
-        "in the step; greedy and seeded outputs unchanged (unset: off)")
+        "\"prompt_lookup_min\": 1, \"prompt_lookup_max\": 4}': drafts looked up in each request's own tokens; or "
+        "'{\"model\": \"DRAFT\", \"num_speculative_tokens\": 4}': a smaller model of the same tokenizer drafts "
+        "greedily; verified in the step, greedy and seeded outputs unchanged (unset: off)")
 
 
 class SpeculativeConfig(BaseModel):
-    """n-gram (prompt lookup) drafting: the last n tokens (n from prompt_lookup_max down to prompt_lookup_min) found
-    earlier in the request's prompt and output; the num_speculative_tokens tokens that followed are the draft."""
+    """ngram (prompt lookup): the last n tokens (n from prompt_lookup_max down to prompt_lookup_min) found earlier in
+    the request's prompt and output; the num_speculative_tokens tokens that followed are the draft. draft_model: a
+    smaller model of the same tokenizer (`model`, named as --model names one) drafts them greedily in the step. As in
+    vLLM, a config with a model and no method is a draft model's."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
 
     method: Literal[METHODS] = "ngram"
     num_speculative_tokens: int = Field(ge=1, le=MAX_SPECULATIVE_TOKENS)
     # vLLM's defaults: both unset, 5; one unset, the other's value.
     prompt_lookup_min: int | None = Field(None, ge=1, le=MAX_LOOKUP)
     prompt_lookup_max: int | None = Field(None, ge=1, le=MAX_LOOKUP)
+    # The draft model's (draft_model): a checkpoint directory, a .gguf file or a Hub id; its revision; and its own
+    # --quantization.
+    model: str | None = Field(None, min_length=1)
+    revision: str | None = None
+    quantization: Literal[QUANTIZATIONS] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _method(cls, data: object) -> object:
+        if isinstance(data, dict) and data.get("method") is None and data.get("model") is not None:
+            data = {**data, "method": "draft_model"}
+        return data
 
     @model_validator(mode="after")
     def _range(self) -> SpeculativeConfig:
+        if self.method == "draft_model":
+            if self.model is None:
+                raise ValueError("method draft_model needs the draft's \"model\"")
+            if self.prompt_lookup_min is not None or self.prompt_lookup_max is not None:
+                raise ValueError("prompt_lookup_min and prompt_lookup_max are ngram's: a draft model looks nothing up")
+            return self
+        if self.model is not None or self.revision is not None or self.quantization is not None:
+            raise ValueError("model, revision and quantization name a draft model: method ngram has none "
+                             "(method draft_model, or leave method out)")
         if self.lookup_max < self.lookup_min:
             raise ValueError(f"prompt_lookup_max ({self.prompt_lookup_max}) must be at least prompt_lookup_min "
                              f"({self.prompt_lookup_min})")

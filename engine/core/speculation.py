@@ -46,6 +46,9 @@ class Speculation:
     k: int  # num_speculative_tokens
     lookup_min: int
     lookup_max: int
+    # Drafts looked up in the request's own tokens (ngram); False: a draft model writes them in the step
+    # (engine/core/draft_model.py), so any slot that may draft has K to offer, under one rate (column 0).
+    lookup: bool = True
     # Runs with drafts attend as decode rows, one a query: where the attention kernel writes every token's K/V
     # before any row reads (the CPU's decode kernel, 10x cheaper a layer than its prefill path for a short run,
     # and the one plain decoding's tokens come from); else as a prefill chunk.
@@ -68,7 +71,9 @@ class Speculation:
             if model.moe is not None:
                 mlp = 3 * model.hidden_size * model.moe.intermediate_size * model.moe.top_k
             share = model.vocab_size * model.hidden_size / (model.num_layers * (attention + mlp))
-        return cls(config.num_speculative_tokens, config.lookup_min, config.lookup_max, decode_runs, share)
+        if config.method == "draft_model":
+            return cls(config.num_speculative_tokens, 1, 1, False, decode_runs, share)
+        return cls(config.num_speculative_tokens, config.lookup_min, config.lookup_max, True, decode_runs, share)
 
     def rows(self, num_slots: int, tokens: int) -> int:
         """Sampling rows a step of `tokens` batch tokens may have: 1 + k per slot at most, one per token."""
@@ -102,11 +107,13 @@ class Speculation:
         k = torch.where(wants, k.minimum(state.room - 1).minimum(earned), 0).clamp(min=0, max=self.k)
         k = self._fit(state, pool, take, k, order, cap)
         state.draft_n.copy_(torch.where(k > 0, n, 0))
+        state.draft_len.copy_(k)
+        if not self.lookup:
+            return k
         i = torch.arange(self.k, device=seq.device)
         src = (start[:, None] + i).clamp(max=state.max_len)
         dst = torch.where(i < k[:, None], seq[:, None] + i, state.max_len)  # the trash column past the drafts
         state.tokens.scatter_(1, dst, state.tokens.gather(1, src))
-        state.draft_len.copy_(k)
         return k
 
     def threshold(self, state: Slots, policy: Policy, cost: StepCost, take: torch.Tensor,
@@ -128,8 +135,10 @@ class Speculation:
         """([S] where each slot's draft starts in its tokens, [S] its length, [S] the n of its match; 0 for none):
         after the latest earlier occurrence of the sequence's last n tokens, the longest n in [lookup_min,
         lookup_max] that has one. Only the history the able slots have is searched, where the host knows its length
-        for free."""
+        for free. Without lookup (a draft model's), every able slot: K tokens, a 1-token "match"."""
         tokens, seq = state.tokens, state.seq_len
+        if not self.lookup:
+            return torch.zeros_like(seq), torch.where(able, self.k, 0), able.long()
         # The trash column is no history; one column at least, should the skip before (none_set) not have looked.
         W = max(host_bound(torch.where(able, seq, 0).amax(), tokens.shape[1] - 1), 1)
         history = tokens[:, :W]

@@ -18,6 +18,7 @@ import torch
 from blink.engine.core.admission import admit
 from blink.engine.core.bookkeeping import TORCH_BOOKKEEPING, Bookkeeping
 from blink.engine.core.commit import PromptScores, StepOutput, commit, score_prompt
+from blink.engine.core.draft_model import DraftModel
 from blink.engine.core.kv_cache import PagePool
 from blink.engine.core.policy import Policy, StepCost
 from blink.engine.core.rotation import HostMirror
@@ -40,6 +41,10 @@ class StepShape:
     chunk_rows: int  # blocks of QUERY_BLOCK queries of the sequences computing several (prefill chunks)
     rows: int  # logits rows: min(slots, tokens); with drafts min(slots * (1 + K), tokens)
     prompt_rows: int = 0  # prompt logprobs the step may compute (plan caps them at this)
+    # With a draft model: the rows its draft forwards compute (the host mode's drafting slots, the device step's
+    # slots), and how many forwards follow its first (the longest draft, or K).
+    draft_rows: int = 0
+    draft_steps: int = 0
 
 
 def ladder(top: int, start: int) -> list[int]:
@@ -54,11 +59,12 @@ def ladder(top: int, start: int) -> list[int]:
 class Step:
     def __init__(self, model: Transformer, pool: PagePool, state: Slots, eos_ids: list[int],
                  token_budget: int, policy: Policy, shard: Shard | None = None,
-                 speculation: Speculation | None = None):
+                 speculation: Speculation | None = None, drafter: DraftModel | None = None):
         """shard: this rank's, with tensor parallelism: every rank plans with rank 0's step-cost inputs;
-        speculation: drafts verified in the step (engine/core/speculation.py)."""
+        speculation: drafts verified in the step (engine/core/speculation.py); drafter: the draft model that writes
+        them, for a speculation without lookup (engine/core/draft_model.py)."""
         self.model, self.pool, self.state, self.shard = model, pool, state, shard
-        self.speculation = speculation
+        self.speculation, self.drafter = speculation, drafter
         self.token_budget, self.policy = token_budget, policy
         device = state.status.device
         self.cost = StepCost(device)  # the step-time model's fit (policy.StepCostModel) that the plan reads
@@ -115,7 +121,12 @@ class Step:
                             self.plan_kernels, speculation=self.speculation)
 
     def shape_for(self, sizes: PlanSizes) -> StepShape:
+        """The host mode's buckets: the plan's sizes, read (and with a draft model, its drafts': a second read)."""
         tokens = max(sizes.tokens, 1)
+        draft_rows = draft_steps = 0
+        if self.drafter is not None:
+            k = self.state.draft_len
+            draft_rows, draft_steps = torch.stack([(k > 0).sum(), k.max()]).tolist()
         return StepShape(
             tokens=tokens,
             context=_bucket(self.context_buckets, sizes.max_context),
@@ -124,12 +135,16 @@ class Step:
             rows=(self.speculation.rows(self.state.num_slots, tokens) if self.speculation
                   else min(self.state.num_slots, tokens)),
             prompt_rows=sizes.prompt_entries,
+            draft_rows=draft_rows,
+            draft_steps=draft_steps,
         )
 
     def run(self, plan: StepPlan, shape: StepShape, features: SamplerFeatures, mirror: HostMirror | None) -> StepOutput:
         state, pool, model = self.state, self.pool, self.model
         B, R = shape.tokens, shape.rows
         batch = self._attention_batch(plan, shape)
+        if self.drafter is not None:  # the draft model's tokens into the batch its target verifies
+            self.drafter.propose(state, plan, shape, pool.page_size)
         hidden = model.forward(plan.input_ids[:B], plan.token_pos[:B], batch, pool.k, pool.v)
         # The step's sampling straight from the state (the fused sampler's kernels), or from gathered rows.
         sampling = self.sampler.step or self.gathered

@@ -165,8 +165,10 @@ class DeviceStep:
         S, speculation = self.state.num_slots, self.step.speculation
         rows = min(S, bucket) if speculation is None else speculation.rows(S, bucket)  # with drafts: 1 + K a slot
         decode_rows = rows if speculation is not None and speculation.decode_runs else min(S, bucket)
+        drafts = self.step.drafter is not None  # every slot's row in each draft forward, and K forwards after the first
         return StepShape(tokens=bucket, context=self.step.context_buckets[-1], decode_rows=decode_rows,
-                         chunk_rows=max_chunk_rows(bucket, S), rows=rows, prompt_rows=self.prompt_rows(bucket))
+                         chunk_rows=max_chunk_rows(bucket, S), rows=rows, prompt_rows=self.prompt_rows(bucket),
+                         draft_rows=S if drafts else 0, draft_steps=speculation.k if drafts else 0)
 
     @staticmethod
     def prompt_rows(bucket: int) -> int:

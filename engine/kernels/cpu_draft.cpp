@@ -8,8 +8,10 @@
 // then the step-cost fit's threshold on its acceptance rate for drafts after a match of that n (spec_rate's column
 // n - 1; a retry of that column for a slot below it), the earned and room caps; then the fit to the budget and the
 // free pages in the budget's order, the match lengths of the drafts kept (draft_n), and the drafts copied after each
-// sequence. Floats are computed in the reference's dtypes and order (the threshold in float64, then rounded to
-// float32; the rates in float32), so every output equals the reference's.
+// sequence. Without lookup (a draft model's drafts: Speculation.lookup off) there is no search and no copy: every
+// slot that may draft offers K tokens under its rate of column 0, and the draft model writes them in the step.
+// Floats are computed in the reference's dtypes and order (the threshold in float64, then rounded to float32; the
+// rates in float32), so every output equals the reference's.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
@@ -80,7 +82,7 @@ at::Tensor draft_ngram(const at::Tensor& live_t, const at::Tensor& take_t, const
                        const at::Tensor& service_class_t, const at::Tensor& room_t, const at::Tensor& pages_held_t,
                        const at::Tensor& cost_t, const at::Tensor& num_free_t, at::Tensor tokens_t,
                        at::Tensor draft_len_t, at::Tensor draft_n_t, at::Tensor spec_rate_t, int64_t K,
-                       int64_t lookup_min, int64_t lookup_max, double share, int64_t page, bool by_class,
+                       bool lookup, int64_t lookup_min, int64_t lookup_max, double share, int64_t page, bool by_class,
                        double retry_d, double earn_d, double min_rate_d) {
   const int64_t S = take_t.numel();
   TORCH_CHECK(K >= 1 && K <= MAX_DRAFT, "blink_cpu::draft_ngram: k must be in [1, ", MAX_DRAFT, "], got ", K);
@@ -158,37 +160,42 @@ at::Tensor draft_ngram(const at::Tensor& live_t, const at::Tensor& take_t, const
     const int64_t seq = seq_len[s];
     TORCH_CHECK(seq >= 1 && seq <= max_len, "blink_cpu::draft_ngram: slot ", s, "'s seq_len ", seq,
                 " is outside its tokens [1, ", max_len, "]");
-    const int32_t* history = tokens + s * row;
-    // Backwards from the latest possible end (j < seq - 1), so the first match of n tokens is the latest; only where
-    // the last token is (16 compared at a time) is the match's length counted.
-    std::fill(latest.begin(), latest.end(), -1);
-    const auto done = [&](int64_t j) {  // j ends a match of one token at least
-      int64_t n = 1;
-      while (n < lookup_max && j - n >= 0 && history[j - n] == history[seq - 1 - n]) ++n;
-      for (int64_t m = n; m >= 1 && latest[m] < 0; --m) latest[m] = j;
-      return latest[lookup_max] >= 0;  // none longer counts, nor any earlier
-    };
-    const int32_t key = history[seq - 1];
-    bool over = false;
-    int64_t j = seq - 2;
-    for (; j >= 15 && !over; j -= 16) {
-      uint32_t mask = equal16(history + j - 15, key);
-      while (mask != 0 && !over) {
-        const int b = 31 - __builtin_clz(mask);  // the latest candidate first
-        over = done(j - 15 + b);
-        mask &= ~(1u << b);
+    // A draft model's drafts (Speculation.lookup off): K for any able slot, under the rate of column 0.
+    int64_t found = K;
+    length[s] = lookup ? 0 : 1;
+    if (lookup) {
+      const int32_t* history = tokens + s * row;
+      // Backwards from the latest possible end (j < seq - 1), so the first match of n tokens is the latest; only where
+      // the last token is (16 compared at a time) is the match's length counted.
+      std::fill(latest.begin(), latest.end(), -1);
+      const auto done = [&](int64_t j) {  // j ends a match of one token at least
+        int64_t n = 1;
+        while (n < lookup_max && j - n >= 0 && history[j - n] == history[seq - 1 - n]) ++n;
+        for (int64_t m = n; m >= 1 && latest[m] < 0; --m) latest[m] = j;
+        return latest[lookup_max] >= 0;  // none longer counts, nor any earlier
+      };
+      const int32_t key = history[seq - 1];
+      bool over = false;
+      int64_t j = seq - 2;
+      for (; j >= 15 && !over; j -= 16) {
+        uint32_t mask = equal16(history + j - 15, key);
+        while (mask != 0 && !over) {
+          const int b = 31 - __builtin_clz(mask);  // the latest candidate first
+          over = done(j - 15 + b);
+          mask &= ~(1u << b);
+        }
       }
-    }
-    for (; j >= 0 && !over; --j) {
-      if (history[j] == key) over = done(j);
-    }
-    int64_t found = 0;
-    for (int64_t n = lookup_max; n >= lookup_min; --n) {
-      if (latest[n] >= 0) {
-        start[s] = latest[n] + 1;
-        found = std::min(seq - latest[n] - 1, K);
-        length[s] = n;
-        break;
+      for (; j >= 0 && !over; --j) {
+        if (history[j] == key) over = done(j);
+      }
+      found = 0;
+      for (int64_t n = lookup_max; n >= lookup_min; --n) {
+        if (latest[n] >= 0) {
+          start[s] = latest[n] + 1;
+          found = std::min(seq - latest[n] - 1, K);
+          length[s] = n;
+          break;
+        }
       }
     }
     if (length[s] == 0) continue;  // no match: no drafts, and no rate of a length to retry
@@ -240,6 +247,7 @@ at::Tensor draft_ngram(const at::Tensor& live_t, const at::Tensor& take_t, const
   for (int64_t s = 0; s < S; ++s) {
     draft_len[s] = k[s];
     draft_n[s] = k[s] > 0 ? length[s] : 0;  // the match length the drafts in flight followed, for the settle
+    if (!lookup) continue;  // the draft model writes its drafts in the step
     int32_t* history = tokens + s * row;
     const int64_t seq = seq_len[s];
     for (int64_t i = 0; i < k[s]; ++i) copied[i] = history[std::min(start[s] + i, max_len)];
@@ -255,7 +263,7 @@ TORCH_LIBRARY_FRAGMENT(blink_cpu, m) {
         "Tensor max_tokens, Tensor repetition_penalty, Tensor presence_penalty, Tensor frequency_penalty, "
         "Tensor prompt_logprobs, Tensor scored, Tensor prompt_len, Tensor draft_off, Tensor service_class, "
         "Tensor room, Tensor pages_held, Tensor cost, Tensor num_free, Tensor(a!) tokens, Tensor(b!) draft_len, "
-        "Tensor(c!) draft_n, Tensor(d!) spec_rate, int k, int lookup_min, int lookup_max, float share, "
+        "Tensor(c!) draft_n, Tensor(d!) spec_rate, int k, bool lookup, int lookup_min, int lookup_max, float share, "
         "int page_size, bool by_class, float retry, float earn, float min_rate) -> Tensor",
         &draft_ngram);
 }

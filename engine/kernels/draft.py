@@ -40,12 +40,40 @@ def _able(i, real, live, take, seq_len, computed, max_tokens, repetition, presen
     return real & decoding & ~penalised & ~scoring & (tl.load(draft_off + i, mask=real, other=1) == 0)
 
 
+@triton.jit
+def _latest_match(able, seq, history, lookup_min, LOOKUP_MAX: tl.constexpr, BLOCK_J: tl.constexpr,
+                  BLOCK_N: tl.constexpr):
+    """Speculation.propose for one slot: (the longest n in range whose last n tokens occur earlier, 0 for none; the
+    latest such occurrence's last index), from latest[n - 1], the last j < seq - 1 where the last n tokens end too."""
+    n = tl.arange(0, BLOCK_N) + 1
+    latest = tl.full((BLOCK_N,), -1, tl.int64)
+    # Its own history only, in blocks (a while loop: Triton 3.6's interpreter takes no loaded bound in a range).
+    end = tl.where(able, seq - 1, 0)
+    j0 = 0
+    while j0 < end:
+        j = j0 + tl.arange(0, BLOCK_J)
+        run = j < seq - 1
+        length = tl.zeros((BLOCK_J,), tl.int32)  # how many of the last tokens match, ending at j
+        for d in tl.static_range(LOOKUP_MAX):
+            last = tl.load(history + tl.maximum(seq - 1 - d, 0))
+            run = run & (j >= d)
+            run = run & (tl.load(history + j - d, mask=run, other=0) == last)
+            length += run.to(tl.int32)
+        at = tl.where(length[:, None] >= n[None, :], j[:, None].to(tl.int64), -1)
+        latest = tl.maximum(latest, tl.max(at, 0))
+        j0 += BLOCK_J
+    # The longest n in range with an earlier occurrence wins; the draft is what followed it, K tokens at most.
+    fits = (n >= lookup_min) & (n <= LOOKUP_MAX) & (latest >= 0) & (seq >= n)
+    best = tl.max(tl.where(fits, n, 0), 0)
+    return best, tl.sum(tl.where(n == best, latest, 0), 0)
+
+
 @triton.jit(do_not_specialize=["S", "max_len", "share_bits", "lookup_min"])
 def _propose(live, take, seq_len, computed, max_tokens, repetition, presence, frequency, prompt_logprobs, scored,
              prompt_len, draft_off, service_class, spec_rate, rates_stride, room, cost, tokens, tokens_stride,
              wanted_out, start_out, match_out, S, max_len, share_bits, lookup_min, RETRY, EARN, MIN_RATE,
-             K: tl.constexpr, LOOKUP_MAX: tl.constexpr, POLICY: tl.constexpr, BLOCK_S: tl.constexpr,
-             BLOCK_J: tl.constexpr, BLOCK_N: tl.constexpr):
+             K: tl.constexpr, LOOKUP: tl.constexpr, LOOKUP_MAX: tl.constexpr, POLICY: tl.constexpr,
+             BLOCK_S: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_N: tl.constexpr):
     s = tl.program_id(0)
     able = _able(s, s < S, live, take, seq_len, computed, max_tokens, repetition, presence, frequency,
                  prompt_logprobs, scored, prompt_len, draft_off)
@@ -68,31 +96,15 @@ def _propose(live, take, seq_len, computed, max_tokens, repetition, presence, fr
         drafting = tl.where(own, tl.sum(mates.to(tl.int64), 0), sampling)
     need = per_draft * tl.maximum(drafting.to(tl.float64), 1.0)
 
-    # Speculation.propose: latest[n - 1], the last j < seq - 1 where the sequence's last n tokens end too.
     seq = tl.load(seq_len + s)
-    history = tokens + s.to(tl.int64) * tokens_stride
-    n = tl.arange(0, BLOCK_N) + 1
-    latest = tl.full((BLOCK_N,), -1, tl.int64)
-    # Its own history only, in blocks (a while loop: Triton 3.6's interpreter takes no loaded bound in a range).
-    end = tl.where(able, seq - 1, 0)
-    j0 = 0
-    while j0 < end:
-        j = j0 + tl.arange(0, BLOCK_J)
-        run = j < seq - 1
-        length = tl.zeros((BLOCK_J,), tl.int32)  # how many of the last tokens match, ending at j
-        for d in tl.static_range(LOOKUP_MAX):
-            last = tl.load(history + tl.maximum(seq - 1 - d, 0))
-            run = run & (j >= d)
-            run = run & (tl.load(history + j - d, mask=run, other=0) == last)
-            length += run.to(tl.int32)
-        at = tl.where(length[:, None] >= n[None, :], j[:, None].to(tl.int64), -1)
-        latest = tl.maximum(latest, tl.max(at, 0))
-        j0 += BLOCK_J
-    # The longest n in range with an earlier occurrence wins; the draft is what followed it, K tokens at most.
-    fits = (n >= lookup_min) & (n <= LOOKUP_MAX) & (latest >= 0) & (seq >= n)
-    best = tl.max(tl.where(fits, n, 0), 0)
-    end = tl.sum(tl.where(n == best, latest, 0), 0)
-    found = tl.where(best > 0, tl.minimum(seq - end - 1, K), 0)
+    if LOOKUP:
+        best, end = _latest_match(able, seq, tokens + s.to(tl.int64) * tokens_stride, lookup_min, LOOKUP_MAX,
+                                  BLOCK_J, BLOCK_N)
+        found = tl.where(best > 0, tl.minimum(seq - end - 1, K), 0)
+    else:  # a draft model's drafts (Speculation.lookup off): K for any able slot, under the rate of column 0
+        best = able.to(tl.int32)
+        end = seq * 0
+        found = tl.where(able, seq * 0 + K, 0)
     # The slot's rate for drafts after a match of this length: a short match's drafts fail more often.
     rates = spec_rate + s.to(tl.int64) * rates_stride
     column = tl.maximum(best - 1, 0)
@@ -114,7 +126,7 @@ def _propose(live, take, seq_len, computed, max_tokens, repetition, presence, fr
 
 @triton.jit(do_not_specialize=["S", "page"])
 def _fit(order, wanted, start, match, take, seq_len, computed, pages_held, num_free, cap, tokens, tokens_stride,
-         draft_len, draft_n, k_out, S, page, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr):
+         draft_len, draft_n, k_out, S, page, COPY: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr):
     """Speculation._fit, in the budget's order, then the drafts copied after each sequence and the match lengths
     they followed (where some slot was able to draft: else the reference returns before)."""
     o = tl.arange(0, BLOCK_S)
@@ -134,12 +146,13 @@ def _fit(order, wanted, start, match, take, seq_len, computed, pages_held, num_f
     tl.store(draft_len + slot, k, mask=real)
     n = tl.load(match + slot, mask=real, other=-1)
     tl.store(draft_n + slot, tl.where(k > 0, n, 0), mask=real & (tl.max(n, 0) >= 0))
-    # The drafts follow an earlier occurrence, so they are read before the sequence's end, written after it.
-    c = tl.arange(0, BLOCK_K)[None, :]
-    copy = real[:, None] & (c < k[:, None])
-    history = tokens + slot.to(tl.int64)[:, None] * tokens_stride
-    drafts = tl.load(history + tl.load(start + slot, mask=real, other=0)[:, None] + c, mask=copy, other=0)
-    tl.store(history + tl.load(seq_len + slot, mask=real, other=0)[:, None] + c, drafts, mask=copy)
+    if COPY:  # looked up (a draft model writes its own in the step)
+        # The drafts follow an earlier occurrence, so they are read before the sequence's end, written after it.
+        c = tl.arange(0, BLOCK_K)[None, :]
+        copy = real[:, None] & (c < k[:, None])
+        history = tokens + slot.to(tl.int64)[:, None] * tokens_stride
+        drafts = tl.load(history + tl.load(start + slot, mask=real, other=0)[:, None] + c, mask=copy, other=0)
+        tl.store(history + tl.load(seq_len + slot, mask=real, other=0)[:, None] + c, drafts, mask=copy)
 
 
 def draft(speculation, state: Slots, pool: PagePool, policy: Policy, cost: StepCost, take: torch.Tensor,
@@ -158,9 +171,10 @@ def draft(speculation, state: Slots, pool: PagePool, policy: Policy, cost: StepC
                    state.prompt_len, state.draft_off, state.service_class, state.spec_rate, state.spec_rate.stride(0),
                    state.room, cost.values, state.tokens, state.tokens.stride(0), wanted, start, match, S,
                    state.max_len, share_bits, speculation.lookup_min, RETRY, speculation.k / TRUSTED, MIN_RATE,
-                   K=speculation.k, LOOKUP_MAX=speculation.lookup_max, POLICY=POLICIES.index(policy.name),
-                   BLOCK_S=block_s, BLOCK_J=HISTORY_BLOCK, BLOCK_N=triton.next_power_of_2(speculation.lookup_max))
+                   K=speculation.k, LOOKUP=speculation.lookup, LOOKUP_MAX=speculation.lookup_max,
+                   POLICY=POLICIES.index(policy.name), BLOCK_S=block_s, BLOCK_J=HISTORY_BLOCK,
+                   BLOCK_N=triton.next_power_of_2(speculation.lookup_max))
     _fit[(1,)](order, wanted, start, match, take, state.seq_len, state.num_computed, state.pages_held, pool.num_free,
                cap, state.tokens, state.tokens.stride(0), state.draft_len, state.draft_n, k, S, pool.page_size,
-               BLOCK_S=block_s, BLOCK_K=triton.next_power_of_2(speculation.k))
+               COPY=speculation.lookup, BLOCK_S=block_s, BLOCK_K=triton.next_power_of_2(speculation.k))
     return k

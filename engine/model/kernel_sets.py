@@ -58,6 +58,12 @@ class KernelSet(Protocol):
     def attention_batch(self, plan: StepPlan, shape: StepShape, block_table: torch.Tensor,
                         page_size: int) -> AttentionBatch: ...
 
+    def decode_batch(self, rows: QueryRows, block_table: torch.Tensor, page_size: int,
+                     context: int) -> AttentionBatch:
+        """A forward outside the plan's layout (a draft model's tokens): batch token i is row i's one query, the
+        first `rows.count` real; context: cache rows a row may read (the step's bucket)."""
+        ...
+
     def rope(self, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]: ...
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
@@ -83,9 +89,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def write_rows(plan: StepPlan, tokens: int, block_table: torch.Tensor, page_size: int) -> torch.Tensor:
     """[tokens] the pool row each batch token's K/V goes to: its page at its slot and position, plus its offset
     (0 for padding); blink.engine.kernels.cache_rows does it in one launch."""
-    slot, pos = plan.token_slot[:tokens], plan.token_pos[:tokens]
+    return token_rows(plan.token_slot[:tokens], plan.token_pos[:tokens], plan.token_valid[:tokens], block_table,
+                      page_size)
+
+
+def token_rows(slot: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, block_table: torch.Tensor,
+               page_size: int) -> torch.Tensor:
+    """The pool row of each token at `slot`, `pos` (0 where not valid)."""
     pages = block_table[slot].gather(1, (pos // page_size)[:, None])[:, 0]
-    return torch.where(plan.token_valid[:tokens], pages * page_size + pos % page_size, 0)
+    return torch.where(valid, pages * page_size + pos % page_size, 0)
+
+
+def one_query_rows(rows: QueryRows) -> torch.Tensor:
+    """Which of decode_batch's tokens are real: the first rows.count."""
+    return torch.arange(rows.start.shape[0], device=rows.start.device) < rows.count
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -123,6 +140,13 @@ class TorchKernels:
                   for rows, n, queries in ((plan.decode_rows, shape.decode_rows, 1),
                                            (plan.chunk_rows, shape.chunk_rows, QUERY_BLOCK)) if n]
         return AttentionBatch(write_rows(plan, shape.tokens, block_table, page_size), groups)
+
+    def decode_batch(self, rows: QueryRows, block_table: torch.Tensor, page_size: int,
+                     context: int) -> AttentionBatch:
+        R = rows.start.shape[0]
+        group = build_row_group(rows, block_table, page_size, 1, context, self.sliding_window, R)
+        return AttentionBatch(token_rows(rows.slot, rows.first_pos, one_query_rows(rows), block_table, page_size),
+                              [group])
 
     def rope(self, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return step_rope(cos, sin, positions)
@@ -177,6 +201,11 @@ class CpuKernels(TorchKernels):
         rows = QueryRows(torch.arange(T), torch.ones(T, dtype=torch.long), plan.token_pos[:T], plan.token_slot[:T],
                          plan.sizes.tokens)
         return AttentionBatch(write_rows(plan, T, block_table, page_size), [], [(rows, 1)], block_table)
+
+    def decode_batch(self, rows: QueryRows, block_table: torch.Tensor, page_size: int,
+                     context: int) -> AttentionBatch:
+        written = token_rows(rows.slot, rows.first_pos, one_query_rows(rows), block_table, page_size)
+        return AttentionBatch(written, [], [(rows, 1)], block_table)
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self._ops.rms_norm(x, weight, eps)
@@ -235,6 +264,11 @@ class TritonKernels:
         placed = self._cache_rows.write_rows(plan.token_slot[:B], plan.token_pos[:B], plan.token_valid[:B],
                                              block_table, page_size)
         return AttentionBatch(placed, [], rows, block_table)
+
+    def decode_batch(self, rows: QueryRows, block_table: torch.Tensor, page_size: int,
+                     context: int) -> AttentionBatch:
+        placed = self._cache_rows.write_rows(rows.slot, rows.first_pos, one_query_rows(rows), block_table, page_size)
+        return AttentionBatch(placed, [], [(rows, 1)], block_table)
 
     def rope(self, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return cos, sin  # the kernel reads each token's row itself

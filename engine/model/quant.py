@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from blink.engine.model import huge_pages
-from blink.shared.settings import QUANTIZATIONS as METHODS  # --quantization's values (vLLM's flag)
+from blink.shared.quantization import QUANTIZATIONS as METHODS  # --quantization's values (vLLM's flag)
 
 # The output projection in more bits than the layers, as llama.cpp's quantizer keeps it (Q6_K under 4-bit types).
 OUTPUT = {"int4": "int8"}

@@ -66,6 +66,25 @@ def test_the_kernel_drafts_as_the_reference_does(K, lookup):
     assert lengths == set(range(lookup[0], lookup[1] + 1)) and columns == set(range(lookup[0] - 1, lookup[1]))
 
 
+@pytest.mark.parametrize("K", [1, 4])
+def test_a_draft_model_s_drafts_are_planned_as_the_reference_plans_them(K):
+    """Without lookup (a draft model's): every slot that may draft offers K under its rate of column 0, and nothing is
+    copied (the draft model writes the drafts in the step)."""
+    rng = random.Random(K)
+    speculation = Speculation(K, 1, 1, lookup=False, row_share=0.37)
+    drafted = 0
+    for case in range(60):
+        S = rng.choice([1, 3, 8, 13])
+        state, pool, policy, cost, take, live, order, cap = _case(rng, S, K, ["fcfs", "priority", "slo"][case % 3])
+        reference = copy.deepcopy(state)
+        want = speculation.draft(reference, pool, policy, cost, take, live, order, cap)
+        got = cpu_draft.draft(speculation, state, pool, policy, cost, take, live, order, cap)
+        _same(reference, state, want, got, case)
+        drafted += int((want > 0).sum())
+        assert set(reference.draft_n[want > 0].tolist()) <= {1}
+    assert drafted > 0
+
+
 def test_long_histories_find_the_latest_and_longest_match():
     """Histories of hundreds of tokens over a small alphabet (matches of every length, far back and near), beside
     slots that do not draft with longer ones (the reference searches only the drafting slots' length)."""

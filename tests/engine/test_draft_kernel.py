@@ -104,3 +104,24 @@ def test_the_kernels_draft_as_the_reference_does(K, lookup, block, monkeypatch):
         retried += int((theirs.spec_rate != rates).sum())
     assert drafted > 0 and cut > 0 and retried > 0
     assert len(lengths) > 1 or lookup[0] == lookup[1], lengths
+
+
+@pytest.mark.parametrize("K", [1, 4])
+def test_a_draft_model_s_drafts_are_planned_as_the_reference_plans_them(K):
+    """Without lookup (a draft model's): every slot that may draft offers K under its rate of column 0, and nothing is
+    copied (the draft model writes the drafts in the step)."""
+    rng = random.Random(K + 7)
+    torch.manual_seed(rng.randrange(1 << 30))
+    speculation = Speculation(K, 1, 1, lookup=False, row_share=0.37)
+    drafted = 0
+    for case in range(16):
+        S = rng.choice([1, 3, 8, 13])
+        state, pool, policy, cost, take, live, order, cap = _case(rng, S, K, ["fcfs", "priority", "slo"][case % 3])
+        theirs = copy.deepcopy(state)
+        want = speculation.draft(theirs, pool, policy, cost, take, live, order, cap)
+        got = draft(speculation, state, pool, policy, cost, take, live, order, cap)
+        for name in STATE:
+            assert torch.equal(getattr(theirs, name), getattr(state, name)), (case, name)
+        assert torch.equal(got, want), (case, got, want)
+        drafted += int((want > 0).sum())
+    assert drafted > 0

@@ -191,8 +191,10 @@ def test_the_step_reads_nothing_on_the_host_while_speculating():
     assert drafted > 0
 
 
-def test_the_host_driver_publishes_every_accepted_token_within_the_window(small_table):
-    """A 3-token window: drafts are capped by the room the reader left, and the tokens are plain decoding's."""
+@pytest.mark.parametrize("drafts", ["ngram", "draft_model"])
+def test_the_host_driver_publishes_every_accepted_token_within_the_window(small_table, drafts):
+    """A 3-token window: drafts are capped by the room the reader left, and the tokens are plain decoding's (with a
+    draft model: the model itself, engine/core/draft_model.py)."""
     def serve(spec: dict | None) -> dict[int, list[int]]:
         engine = Engine(EngineConfig(model=str(ensure_tiny_model()), max_num_seqs=4, max_num_batched_tokens=32,
                                      num_pages=64, page_size=8, max_model_len=96, dtype="float32",
@@ -219,7 +221,8 @@ def test_the_host_driver_publishes_every_accepted_token_within_the_window(small_
         return got, int(engine.state.spec_counts[2])
 
     want, _ = serve(None)
-    got, accepted = serve(_spec(4))
+    got, accepted = serve(_spec(4) if drafts == "ngram" else
+                          {"model": str(ensure_tiny_model()), "num_speculative_tokens": 4})
     assert got == want and accepted > 0
 
 

@@ -125,14 +125,20 @@ results = [
     build(rotation._copy_pages_kernel, "KV rotation: page copies",
           dict(LAYERS=16, PAGE_ELEMENTS=16 * 8 * 64, PROGRAMS=rotation.PROGRAMS, BLOCK=rotation.BLOCK),
           pointers("bf16", "src_ptr", "dst_ptr") | pointers("i64", "src_ids_ptr", "dst_ids_ptr", "count_ptr")),
-    # The drafts' proposal as the slo policy runs it (the recorded step's policy is fcfs): latency-sensitive slots.
-    build(draft._propose, "drafts: the proposal, slo", dict(K=4, LOOKUP_MAX=4, POLICY=draft.SLO.value, BLOCK_S=256,
-                                                            BLOCK_J=draft.HISTORY_BLOCK, BLOCK_N=4),
-          pointers("i64", "take", "seq_len", "computed", "max_tokens", "prompt_logprobs", "scored", "prompt_len",
-                   "service_class", "room", "wanted_out", "start_out", "match_out")
-          | pointers("fp32", "repetition", "presence", "frequency", "spec_rate") | pointers("i1", "live", "draft_off")
-          | {"cost": "*fp64", "tokens": "*i32", "share_bits": "i64", "RETRY": "fp32", "EARN": "fp32",
-             "MIN_RATE": "fp32"}),
+    # The drafts' proposal as the slo policy runs it (the recorded step's policy is fcfs): latency-sensitive slots;
+    # looked up (ngram), and a draft model's (no lookup, no copy).
+    *(build(draft._propose, f"drafts: the proposal, slo, {name}",
+            dict(K=4, LOOKUP=lookup, LOOKUP_MAX=4, POLICY=draft.SLO.value, BLOCK_S=256, BLOCK_J=draft.HISTORY_BLOCK,
+                 BLOCK_N=4),
+            pointers("i64", "take", "seq_len", "computed", "max_tokens", "prompt_logprobs", "scored", "prompt_len",
+                     "service_class", "room", "wanted_out", "start_out", "match_out")
+            | pointers("fp32", "repetition", "presence", "frequency", "spec_rate") | pointers("i1", "live", "draft_off")
+            | {"cost": "*fp64", "tokens": "*i32", "share_bits": "i64", "RETRY": "fp32", "EARN": "fp32",
+               "MIN_RATE": "fp32"})
+      for name, lookup in (("ngram", True), ("a draft model's", False))),
+    build(draft._fit, "drafts: the fit, a draft model's", dict(COPY=False, BLOCK_S=256, BLOCK_K=4),
+          pointers("i64", "order", "wanted", "start", "match", "take", "seq_len", "computed", "pages_held",
+                   "num_free", "cap", "draft_len", "draft_n", "k_out") | {"tokens": "*i32"}),
     # Who maps which page: launched only when the pool runs short (the recorded step never does).
     *(build(kernel, f"page sharing: {kernel.__name__}", constexprs | dict(WIDTH=257, BLOCK=512),
             pointers("i64", "held", "table", "mark", "epoch", "position", "extremes", "counts")
