@@ -173,10 +173,12 @@ class Engine:
         mirror_pages = min(int(config.swap_space * 2**30) // self.pool.page_bytes,
                            num_slots * pages_per_seq) + 1
         self._mirror_pages = mirror_pages if config.swap_space > 0 and mirror_pages > 1 else 0
+        drafter = DraftModel(draft, num_pages, page) if draft else None
         self.step = Step(self.model, self.pool, self.state, list(self.generation.eos_token_ids), budget,
                          policy_named(config.scheduling_policy), self.shard,
-                         Speculation.of(spec, cfg, self.model.kernels.name == "cpu") if spec else None,
-                         DraftModel(draft, num_pages, page) if draft else None)
+                         Speculation.of(spec, cfg, self.model.kernels.name == "cpu",
+                                        drafter.cost_ratio(self.model) if drafter else 0.0) if spec else None,
+                         drafter)
         if config.compile_bookkeeping:
             self.step.compile_bookkeeping()
         log.info("engine ready: %s on %s in %s (dtype %s), %d slots, %d-token budget, %d KV pages of %d in %s, "

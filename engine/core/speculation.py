@@ -56,6 +56,8 @@ class Speculation:
     # What a draft's logits row costs besides its token's forward, as a share of that forward (the step-cost fit's
     # per-token cost is the layers' alone: prefill tokens compute no logits): the output embedding over the layers.
     row_share: float = 0.0
+    # A draft model's forward as a share of the target's (0 with lookup: DraftModel.cost_ratio).
+    draft_ratio: float = 0.0
     # settle's and draft's kernels, taking the speculation first (a kernel set's, bound by Step.use: the device step's
     # Triton, engine/kernels/commit.py and draft.py; the CPU's C++, cpu_commit.py and cpu_draft.py); None: the torch
     # references below.
@@ -63,17 +65,19 @@ class Speculation:
     draft_kernel: Callable | None = field(default=None, compare=False)
 
     @classmethod
-    def of(cls, config: SpeculativeConfig, model: ModelConfig | None = None, decode_runs: bool = False) -> Speculation:
-        share = 0.0
-        if model is not None:
-            attention = model.hidden_size * (2 * model.q_size + 2 * model.kv_size)
-            mlp = 3 * model.hidden_size * model.intermediate_size  # a dense layer's, or the experts' a token runs
-            if model.moe is not None:
-                mlp = 3 * model.hidden_size * model.moe.intermediate_size * model.moe.top_k
-            share = model.vocab_size * model.hidden_size / (model.num_layers * (attention + mlp))
-        if config.method == "draft_model":
-            return cls(config.num_speculative_tokens, 1, 1, False, decode_runs, share)
-        return cls(config.num_speculative_tokens, config.lookup_min, config.lookup_max, True, decode_runs, share)
+    def of(cls, config: SpeculativeConfig, model: ModelConfig | None = None, decode_runs: bool = False,
+           draft_ratio: float = 0.0) -> Speculation:
+        """draft_ratio: a draft model's forward as a share of the model's (DraftModel.cost_ratio), when one drafts."""
+        share = 0.0 if model is None else model.vocab_size * model.hidden_size / _layers_weights(model)
+        if config.model is None:
+            return cls(config.num_speculative_tokens, config.lookup_min, config.lookup_max, True, decode_runs, share)
+        return cls(config.num_speculative_tokens, 1, 1, False, decode_runs, share, draft_ratio)
+
+    @property
+    def token_share(self) -> float:
+        """A draft token's cost beyond a token's forward, in units of it, plus one: its logits row, and with a draft
+        model the draft's forward of it and its shadow row (DraftModel.propose)."""
+        return 1 + self.row_share + 2 * self.draft_ratio
 
     def rows(self, num_slots: int, tokens: int) -> int:
         """Sampling rows a step of `tokens` batch tokens may have: 1 + k per slot at most, one per token."""
@@ -120,15 +124,18 @@ class Speculation:
                   able: torch.Tensor) -> torch.Tensor:
         """[S] the acceptance rate a slot's drafts must have to pay, by the step-cost fit (a + b * tokens): k draft
         tokens cost b * k for the whole step and bring rate * k tokens. When the N slots of a kind all draft, each one's
-        TPOT gains while rate > b * N / (a + b * T). Latency-sensitive slots count only their own kind (their drafts
+        TPOT gains while rate > b * N / (a + b * T) (b with token_share; a draft model adds its forward a draft token,
+        draft_ratio * a, however many slots draft). Latency-sensitive slots count only their own kind (their drafts
         come first in the budget); best-effort ones every slot sampling, whose worth is the batch's tokens per
         second: a full batch keeps them from drafting, and a large latency-sensitive one too."""
         tokens = take.sum().double()
         sampling = ((take > 0) & (state.num_computed + take == state.seq_len)).sum().double()
         sensitive = policy.latency_sensitive(state)
         step = cost.per_step + cost.per_token * tokens
-        per_draft = torch.where(step > 0, cost.per_token * (1 + self.row_share) / step.clamp(min=1e-12), 0.0)
-        need = per_draft * torch.where(sensitive, (able & sensitive).sum().double(), sampling).clamp(min=1)
+        per_draft = torch.where(step > 0, cost.per_token * self.token_share / step.clamp(min=1e-12), 0.0)
+        # A draft model's forward a draft token, whatever the rows: its fixed cost, shared by the drafting slots.
+        forward = torch.where(step > 0, cost.per_step * self.draft_ratio / step.clamp(min=1e-12), 0.0)
+        need = per_draft * torch.where(sensitive, (able & sensitive).sum().double(), sampling).clamp(min=1) + forward
         return need.float().clamp(min=MIN_RATE)
 
     def propose(self, state: Slots, able: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -259,3 +266,12 @@ class Speculation:
         old = state.spec_rate.gather(1, column)[:, 0]
         rate = DECAY * old + (1 - DECAY) * a.float() / k.clamp(min=1).float()
         state.spec_rate.scatter_(1, column, torch.where(drafted, rate, old)[:, None])
+
+
+def _layers_weights(model: ModelConfig) -> int:
+    """The weights a token's forward reads in the layers (a MoE's: the experts it runs)."""
+    attention = model.hidden_size * (2 * model.q_size + 2 * model.kv_size)
+    mlp = 3 * model.hidden_size * model.intermediate_size
+    if model.moe is not None:
+        mlp = 3 * model.hidden_size * model.moe.intermediate_size * model.moe.top_k
+    return model.num_layers * (attention + mlp)

@@ -82,7 +82,8 @@ at::Tensor draft_ngram(const at::Tensor& live_t, const at::Tensor& take_t, const
                        const at::Tensor& service_class_t, const at::Tensor& room_t, const at::Tensor& pages_held_t,
                        const at::Tensor& cost_t, const at::Tensor& num_free_t, at::Tensor tokens_t,
                        at::Tensor draft_len_t, at::Tensor draft_n_t, at::Tensor spec_rate_t, int64_t K,
-                       bool lookup, int64_t lookup_min, int64_t lookup_max, double share, int64_t page, bool by_class,
+                       bool lookup, int64_t lookup_min, int64_t lookup_max, double share, double draft_ratio,
+                       int64_t page, bool by_class,
                        double retry_d, double earn_d, double min_rate_d) {
   const int64_t S = take_t.numel();
   TORCH_CHECK(K >= 1 && K <= MAX_DRAFT, "blink_cpu::draft_ngram: k must be in [1, ", MAX_DRAFT, "], got ", K);
@@ -151,6 +152,7 @@ at::Tensor draft_ngram(const at::Tensor& live_t, const at::Tensor& take_t, const
   // Speculation.threshold: what a draft costs by the fit, times the drafts its kind's slots would add.
   const double step = per_step + per_token * static_cast<double>(tokens_sum);
   const double per_draft = step > 0 ? per_token * share / clamp_min(step, 1e-12) : 0.0;
+  const double forward = step > 0 ? per_step * draft_ratio / clamp_min(step, 1e-12) : 0.0;  // a draft model's
   // Speculation.propose for each able slot, then its rate for drafts after a match of the n found and its caps:
   // k[s] its wanted draft, start[s] where it is copied from, length[s] the n of its match.
   std::vector<int64_t> start(S, 0), length(S, 0), latest(lookup_max + 1);
@@ -204,7 +206,8 @@ at::Tensor draft_ngram(const at::Tensor& live_t, const at::Tensor& take_t, const
     const float rate = column;
     const bool sensitive = by_class && service_class[s] == 0;
     const double drafting = std::max(static_cast<double>(sensitive ? able_sensitive : sampling), 1.0);
-    const float need = clamp_min(static_cast<float>(per_draft * drafting), min_rate);
+    const double scaled = per_draft * drafting;  // rounded before the sum, as the reference's (no FMA)
+    const float need = clamp_min(static_cast<float>(scaled + forward), min_rate);
     if (!(rate >= need)) {
       column = rate + retry * (1.0f - rate);  // regains some rate, so it tries again later
       continue;
@@ -264,6 +267,6 @@ TORCH_LIBRARY_FRAGMENT(blink_cpu, m) {
         "Tensor prompt_logprobs, Tensor scored, Tensor prompt_len, Tensor draft_off, Tensor service_class, "
         "Tensor room, Tensor pages_held, Tensor cost, Tensor num_free, Tensor(a!) tokens, Tensor(b!) draft_len, "
         "Tensor(c!) draft_n, Tensor(d!) spec_rate, int k, bool lookup, int lookup_min, int lookup_max, float share, "
-        "int page_size, bool by_class, float retry, float earn, float min_rate) -> Tensor",
+        "float draft_ratio, int page_size, bool by_class, float retry, float earn, float min_rate) -> Tensor",
         &draft_ngram);
 }

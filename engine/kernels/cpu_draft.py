@@ -24,6 +24,6 @@ def draft(speculation, state: Slots, pool: PagePool, policy: Policy, cost: StepC
         state.presence_penalty, state.frequency_penalty, state.prompt_logprobs, state.scored, state.prompt_len,
         state.draft_off, state.service_class, state.room, state.pages_held, cost.values, pool.num_free, state.tokens,
         state.draft_len, state.draft_n, state.spec_rate, speculation.k, speculation.lookup, speculation.lookup_min,
-        speculation.lookup_max, 1 + speculation.row_share, pool.page_size,
+        speculation.lookup_max, speculation.token_share, speculation.draft_ratio, pool.page_size,
         isinstance(policy, Slo),  # the one policy whose latency-sensitive slots (service class 0) count their own kind
         RETRY, speculation.k / TRUSTED, MIN_RATE)

@@ -68,10 +68,10 @@ def _latest_match(able, seq, history, lookup_min, LOOKUP_MAX: tl.constexpr, BLOC
     return best, tl.sum(tl.where(n == best, latest, 0), 0)
 
 
-@triton.jit(do_not_specialize=["S", "max_len", "share_bits", "lookup_min"])
+@triton.jit(do_not_specialize=["S", "max_len", "share_bits", "ratio_bits", "lookup_min"])
 def _propose(live, take, seq_len, computed, max_tokens, repetition, presence, frequency, prompt_logprobs, scored,
              prompt_len, draft_off, service_class, spec_rate, rates_stride, room, cost, tokens, tokens_stride,
-             wanted_out, start_out, match_out, S, max_len, share_bits, lookup_min, RETRY, EARN, MIN_RATE,
+             wanted_out, start_out, match_out, S, max_len, share_bits, ratio_bits, lookup_min, RETRY, EARN, MIN_RATE,
              K: tl.constexpr, LOOKUP: tl.constexpr, LOOKUP_MAX: tl.constexpr, POLICY: tl.constexpr,
              BLOCK_S: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_N: tl.constexpr):
     s = tl.program_id(0)
@@ -85,8 +85,10 @@ def _propose(live, take, seq_len, computed, max_tokens, repetition, presence, fr
     sampling = tl.sum(((takes > 0) & (ends == tl.load(seq_len + i, mask=real, other=0))).to(tl.int64), 0)
     per_step, per_token = tl.load(cost), tl.load(cost + 1)
     step = per_step + per_token * tl.sum(takes, 0).to(tl.float64)
-    share = share_bits.to(tl.float64, bitcast=True)  # 1 + row_share, a float64 passed bit for bit
+    share = share_bits.to(tl.float64, bitcast=True)  # token_share, a float64 passed bit for bit
+    ratio = ratio_bits.to(tl.float64, bitcast=True)  # draft_ratio, likewise
     per_draft = tl.where(step > 0, per_token * share / tl.maximum(step, tl.full((), 1e-12, tl.float64)), 0.0)
+    forward = tl.where(step > 0, per_step * ratio / tl.maximum(step, tl.full((), 1e-12, tl.float64)), 0.0)
     drafting = sampling
     if POLICY == SLO:  # a latency-sensitive slot counts the able slots of its kind, not the batch
         sensitive = tl.load(service_class + i, mask=real, other=1) == 0
@@ -94,7 +96,7 @@ def _propose(live, take, seq_len, computed, max_tokens, repetition, presence, fr
                       prompt_logprobs, scored, prompt_len, draft_off) & sensitive
         own = tl.load(service_class + s) == 0
         drafting = tl.where(own, tl.sum(mates.to(tl.int64), 0), sampling)
-    need = per_draft * tl.maximum(drafting.to(tl.float64), 1.0)
+    need = per_draft * tl.maximum(drafting.to(tl.float64), 1.0) + forward
 
     seq = tl.load(seq_len + s)
     if LOOKUP:
@@ -165,15 +167,18 @@ def draft(speculation, state: Slots, pool: PagePool, policy: Policy, cost: StepC
     S, device = state.num_slots, take.device
     wanted, start, match, k = (torch.empty(S, dtype=torch.int64, device=device) for _ in range(4))
     block_s = triton.next_power_of_2(S)
-    share_bits = struct.unpack("<q", struct.pack("<d", 1 + speculation.row_share))[0]
+    # Float64s passed bit for bit; a zero ratio as -0.0 (the same sums), since 0's bits would pass as an int32.
+    share_bits, ratio_bits = (struct.unpack("<q", struct.pack("<d", x))[0]
+                              for x in (speculation.token_share, speculation.draft_ratio or -0.0))
     _propose[(S,)](live, take, state.seq_len, state.num_computed, state.max_tokens, state.repetition_penalty,
                    state.presence_penalty, state.frequency_penalty, state.prompt_logprobs, state.scored,
                    state.prompt_len, state.draft_off, state.service_class, state.spec_rate, state.spec_rate.stride(0),
                    state.room, cost.values, state.tokens, state.tokens.stride(0), wanted, start, match, S,
-                   state.max_len, share_bits, speculation.lookup_min, RETRY, speculation.k / TRUSTED, MIN_RATE,
-                   K=speculation.k, LOOKUP=speculation.lookup, LOOKUP_MAX=speculation.lookup_max,
+                   state.max_len, share_bits, ratio_bits, speculation.lookup_min, RETRY, speculation.k / TRUSTED,
+                   MIN_RATE, K=speculation.k, LOOKUP=speculation.lookup, LOOKUP_MAX=speculation.lookup_max,
                    POLICY=POLICIES.index(policy.name), BLOCK_S=block_s, BLOCK_J=HISTORY_BLOCK,
-                   BLOCK_N=triton.next_power_of_2(speculation.lookup_max))
+                   BLOCK_N=triton.next_power_of_2(speculation.lookup_max),
+                   enable_fp_fusion=False)  # the reference's roundings: a * b + c not fused (the threshold, the retry)
     _fit[(1,)](order, wanted, start, match, take, state.seq_len, state.num_computed, state.pages_held, pool.num_free,
                cap, state.tokens, state.tokens.stride(0), state.draft_len, state.draft_n, k, S, pool.page_size,
                COPY=speculation.lookup, BLOCK_S=block_s, BLOCK_K=triton.next_power_of_2(speculation.k))

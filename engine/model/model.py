@@ -3,6 +3,7 @@ Qwen3-MoE: blink.engine.model.moe), over a ragged batch of tokens."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -178,6 +179,11 @@ class Transformer:
         eps = self.cfg.rms_norm_eps
         return (x, self.kernels.norm(x, weight, eps)) if delta is None else self.kernels.add_norm(x, delta, weight, eps)
 
+    def weight_bytes(self) -> int:
+        """The bytes a decode token's forward reads: the layers' weights as held (quantized ones in their codes and
+        scales) and the output projection's; the embedding is a row a token."""
+        return sum(map(_held_bytes, (*self.layers, self.lm_head)))
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [R, hidden] rows that sample. Returns float32 logits [R, vocab]."""
         logits = linear(self.kernels.norm(hidden, self.norm, self.cfg.rms_norm_eps), self.lm_head).float()
@@ -186,3 +192,12 @@ class Transformer:
     def _sum(self, partial: torch.Tensor) -> torch.Tensor:
         """A row-parallel projection's output: each rank's partial sum, summed over the ranks."""
         return partial if self.shard is None else self.shard.all_reduce(partial)
+
+
+def _held_bytes(x: object) -> int:
+    """The bytes of the tensors a weight holds, through the dataclasses (LayerWeights, Quantized, ...) it is made of."""
+    if isinstance(x, torch.Tensor):
+        return x.nbytes
+    if dataclasses.is_dataclass(x):
+        return sum(_held_bytes(getattr(x, f.name)) for f in dataclasses.fields(x))
+    return 0

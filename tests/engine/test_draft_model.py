@@ -5,6 +5,7 @@ interpreter; a draft that cannot draft for the model refused with the reason."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -23,6 +24,14 @@ PROMPTS = [list(range(3, 90)), [5, 6, 7, 8, 9, 10, 5, 6, 7], [11, 12, 11, 12]]
 
 def _draft(model, k: int = 3) -> dict:
     return {"model": str(model), "num_speculative_tokens": k}
+
+
+def _drafting(llm):
+    """The engine (or LLM) with its draft's cost taken as nothing: these drafts are as costly as the model, which the
+    policy would rightly stop drafting with (test_the_policy_weighs_the_draft_s_forwards); the mechanism is tested."""
+    engine = getattr(llm, "engine", llm)
+    engine.step.speculation = dataclasses.replace(engine.step.speculation, draft_ratio=0.0)
+    return llm
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +55,7 @@ def _generate(llm: LLM, params) -> list:
 
 
 def test_a_draft_that_is_the_model_has_every_draft_accepted(models, plain):
-    llm = LLM(str(models["qwen3"]), **ENGINE, speculative_config=_draft(models["qwen3"], 4))
+    llm = _drafting(LLM(str(models["qwen3"]), **ENGINE, speculative_config=_draft(models["qwen3"], 4)))
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     want, got = _generate(plain, params), _generate(llm, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
@@ -59,7 +68,7 @@ def test_a_draft_that_is_the_model_has_every_draft_accepted(models, plain):
 
 @pytest.mark.parametrize("k", [1, 4])
 def test_another_draft_s_rejections_leave_the_model_s_tokens(models, plain, k):
-    llm = LLM(str(models["qwen3"]), **ENGINE, speculative_config=_draft(models["llama-gqa"], k))
+    llm = _drafting(LLM(str(models["qwen3"]), **ENGINE, speculative_config=_draft(models["llama-gqa"], k)))
     greedy = [SamplingParams(temperature=0, max_tokens=30, logprobs=2)] * 3 + [
         SamplingParams(temperature=0, max_tokens=30, repetition_penalty=1.3)]  # penalised: decodes plainly
     want, got = plain.generate([*PROMPTS, PROMPTS[1]], greedy), llm.generate([*PROMPTS, PROMPTS[1]], greedy)
@@ -76,7 +85,7 @@ def test_another_draft_s_rejections_leave_the_model_s_tokens(models, plain, k):
 
 
 def test_max_tokens_and_stop_ids_inside_a_run_end_it_there(models, plain):
-    llm = LLM(str(models["qwen3"]), **ENGINE, speculative_config=_draft(models["qwen3"], 4))
+    llm = _drafting(LLM(str(models["qwen3"]), **ENGINE, speculative_config=_draft(models["qwen3"], 4)))
     reference = plain.generate(PROMPTS[1:2], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0]
     for max_tokens in (2, 5, 7):
         out = llm.generate(PROMPTS[1:2], SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))[0]
@@ -94,7 +103,7 @@ def test_the_device_step_drafts_with_a_draft_model(models):
 
     greedy = {slot: request for slot, request in MIXED.items() if request.temperature == 0}  # drafts all accepted
     plain, _ = _serve(None, greedy)
-    served, engine = _serve(_draft(ensure_tiny_model(), 3), greedy)
+    served, engine = _serve(_draft(ensure_tiny_model(), 3), greedy, prepare=_drafting)
     for slot in greedy:
         assert served.tokens(slot) == plain.tokens(slot), slot
         assert served.finish[slot] == Finish.LENGTH
@@ -115,6 +124,35 @@ def _swap_two_tokens(tokenizer: dict) -> dict:
     a, b = list(vocab)[100:102]
     vocab[a], vocab[b] = vocab[b], vocab[a]
     return tokenizer
+
+
+def test_the_policy_weighs_the_draft_s_forwards(models):
+    """A draft model's forward a draft token joins what a draft costs (Speculation.threshold): a draft as costly as
+    the model never pays, one a fifth of it does at a good rate; the ratio is the layers' and weight bytes' mean."""
+    import torch
+
+    from blink.engine.core.policy import StepCost, policy_named
+    from blink.engine.core.speculation import Speculation
+    from blink.engine.core.state import Slots
+
+    state = Slots(2, max_len=64, max_pages=8, vocab_size=8, device=torch.device("cpu"))
+    state.seq_len.fill_(10)
+    state.num_computed.fill_(9)
+    cost = StepCost(torch.device("cpu"))
+    cost.fit.copy_(torch.tensor([0.010, 0.001], dtype=torch.float64))  # 10 ms a step + 1 ms a token
+    take, able = torch.ones(2, dtype=torch.int64), torch.ones(2, dtype=torch.bool)
+
+    def need(ratio: float) -> float:
+        speculation = Speculation(4, 1, 1, lookup=False, draft_ratio=ratio)
+        return float(speculation.threshold(state, policy_named("fcfs"), cost, take, able)[0])
+
+    step = 0.010 + 0.001 * 2
+    assert need(0.0) == pytest.approx(2 * 0.001 / step)
+    assert need(1.0) == pytest.approx(2 * 0.001 * 3 / step + 0.010 / step) and need(1.0) > 1  # never pays
+    assert need(0.2) < 0.6
+    engine = Engine(EngineConfig(model=str(models["qwen3"]), **ENGINE, speculative_config=_draft(models["qwen3"])))
+    assert engine.step.speculation.draft_ratio == pytest.approx(1.0)  # the model itself: as costly
+    assert engine.step.drafter.cost_ratio(engine.model) == pytest.approx(1.0)
 
 
 def test_a_draft_that_cannot_draft_for_the_model_is_refused(models, tmp_path):

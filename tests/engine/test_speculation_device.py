@@ -44,11 +44,13 @@ class Served:
 
 
 def _serve(spec: dict | None, requests: dict[int, Request], window: int = 8, cancel: tuple[int, int] | None = None,
-           compiled: bool = False, max_steps: int = 200) -> tuple[Served, Engine]:
+           compiled: bool = False, max_steps: int = 200, prepare=None) -> tuple[Served, Engine]:
     """Serves `requests` through a device step over a table of `window`-token windows, reading after every step;
     cancel: (slot, step) to cancel a slot at; compiled: the bookkeeping traced whole (aot_eager: a graph break
-    fails). Checks every page and draft came back."""
+    fails); prepare: called with the engine first. Checks every page and draft came back."""
     engine = Engine(EngineConfig(model=str(ensure_tiny_model()), **ENGINE, speculative_config=spec))
+    if prepare is not None:
+        prepare(engine)
     table = SlotTable.create(f"test-{uuid.uuid4().hex[:10]}", Geometry(4, 64, window, page_size=8))
     device = DeviceStep(engine, table)
     if compiled:

@@ -133,8 +133,8 @@ results = [
             pointers("i64", "take", "seq_len", "computed", "max_tokens", "prompt_logprobs", "scored", "prompt_len",
                      "service_class", "room", "wanted_out", "start_out", "match_out")
             | pointers("fp32", "repetition", "presence", "frequency", "spec_rate") | pointers("i1", "live", "draft_off")
-            | {"cost": "*fp64", "tokens": "*i32", "share_bits": "i64", "RETRY": "fp32", "EARN": "fp32",
-               "MIN_RATE": "fp32"})
+            | {"cost": "*fp64", "tokens": "*i32", "share_bits": "i64", "ratio_bits": "i64", "RETRY": "fp32",
+               "EARN": "fp32", "MIN_RATE": "fp32"})
       for name, lookup in (("ngram", True), ("a draft model's", False))),
     build(draft._fit, "drafts: the fit, a draft model's", dict(COPY=False, BLOCK_S=256, BLOCK_K=4),
           pointers("i64", "order", "wanted", "start", "match", "take", "seq_len", "computed", "pages_held",

@@ -32,7 +32,9 @@ def main() -> None:
     interpreted_run = InterpretedFunction.run
 
     def record(self, *args, grid, warmup, **kwargs):
-        arguments = dict(zip(self.arg_names, args, strict=False)) | kwargs
+        # The kernel's arguments; compile options given at the launch (enable_fp_fusion) are not among them.
+        arguments = dict(zip(self.arg_names, args, strict=False)) | {k: v for k, v in kwargs.items()
+                                                                     if k in self.arg_names}
         print(json.dumps({"module": self.fn.__module__, "name": self.fn.__name__,
                           "arguments": {name: described(v) for name, v in arguments.items()}}), flush=True)
         return interpreted_run(self, *args, grid=grid, warmup=warmup, **kwargs)
