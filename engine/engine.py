@@ -142,6 +142,12 @@ class Engine:
                              f"{self.model.kernels.name}'s")
         spec = config.speculation
         draft = spec and load_draft(spec, cfg, self.tokenizer, max_len, self.device, config.load_format)
+        if draft and draft.cfg.max_position_embeddings < max_len:  # the draft reads no further
+            if config.max_model_len:
+                raise ValueError(f"the draft model reads {draft.cfg.max_position_embeddings} positions at most: set "
+                                 f"max_model_len to at most that, not {max_len}")
+            max_len = draft.cfg.max_position_embeddings
+            log.info("context limit lowered to %d tokens, the draft model's", max_len)
         if on_cuda:  # the loading's staging copies go back to the device before the KV pool is sized from what is free
             torch.cuda.empty_cache()
         pages_per_seq = -(-max_len // page)

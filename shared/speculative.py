@@ -44,6 +44,8 @@ class SpeculativeConfig(BaseModel):
     @classmethod
     def _method(cls, data: object) -> object:
         if isinstance(data, dict) and data.get("method") is None and data.get("model") is not None:
+            if data["model"] in ("ngram", "[ngram]"):  # vLLM's older spelling of the method
+                return {**{k: v for k, v in data.items() if k != "model"}, "method": "ngram"}
             data = {**data, "method": "draft_model"}
         return data
 

@@ -41,9 +41,9 @@ if TYPE_CHECKING:
 
 def load_draft(config: SpeculativeConfig, target: ModelConfig, tokenizer: Tokenizer, max_len: int,
                device: torch.device, load_format: str) -> Transformer | None:
-    """The draft model a config names, loaded in the target's dtype on its device (None: the config has none);
-    ValueError for one that cannot draft for this target: another tokenizer, more tokens, a shorter context. One
-    rank only (EngineConfig.validate)."""
+    """The draft model a config names, loaded in the target's dtype on its device (None: the config has none), for
+    contexts up to max_len or its own limit if shorter (the engine's context is then cut to it); ValueError for one
+    that cannot draft for this target: another tokenizer, more tokens. One rank only (EngineConfig.validate)."""
     if config.model is None:
         return None
     checkpoint = resolve(config.model, revision=config.revision, check=load_config)
@@ -52,15 +52,11 @@ def load_draft(config: SpeculativeConfig, target: ModelConfig, tokenizer: Tokeni
     if cfg.vocab_size > target.vocab_size:
         raise ValueError(f"the draft model {config.model} has {cfg.vocab_size} token embeddings, the model "
                          f"{target.vocab_size}: its drafts would name tokens the model has not")
-    if cfg.max_position_embeddings < max_len:
-        raise ValueError(f"the draft model {config.model} reads {cfg.max_position_embeddings} positions at most, "
-                         f"the context limit is {max_len}: set max_model_len to at most "
-                         f"{cfg.max_position_embeddings}")
     if config.quantization != "fp8":
         quant.check(config.quantization, device, load_format, 1)
     fp8.check(config.quantization, cfg.fp8, 1)
-    return Transformer.from_checkpoint(checkpoint.path, cfg, max_len, device, load_format,
-                                       quantization=config.quantization)
+    return Transformer.from_checkpoint(checkpoint.path, cfg, min(max_len, cfg.max_position_embeddings), device,
+                                       load_format, quantization=config.quantization)
 
 
 def _same_tokenizer(draft: Tokenizer, target: Tokenizer, name: str) -> None:
@@ -74,7 +70,7 @@ def _same_tokenizer(draft: Tokenizer, target: Tokenizer, name: str) -> None:
 
 class DraftModel:
     def __init__(self, model: Transformer, num_pages: int, page_size: int):
-        self.model = model
+        self.model, self.page_size = model, page_size
         shape = self.cache_shape(model.cfg, num_pages, page_size)
         # As the pool's: zeroed (padding reads finite values), in huge pages on the CPU.
         self.k, self.v = (huge_pages.zeros(shape, model.cfg.dtype, model.embed.device) for _ in range(2))
@@ -97,14 +93,16 @@ class DraftModel:
         layers = self.model.cfg.num_layers / target.cfg.num_layers
         return (layers + self.model.weight_bytes() / target.weight_bytes()) / 2
 
-    def propose(self, state: Slots, plan: StepPlan, shape: StepShape, page_size: int) -> None:
+    def propose(self, state: Slots, plan: StepPlan, shape: StepShape) -> None:
         """Writes each slot's `state.draft_len[s]` drafts after its sequence and into `plan.input_ids`, on the
         step's buckets: shape.draft_rows, the rows a draft's forward computes (at least the drafting slots);
         shape.draft_steps, the forwards after the first (at least the longest draft)."""
-        model, kernels, table = self.model, self.model.kernels, state.block_table
+        model, kernels, table, page_size = self.model, self.model.kernels, state.block_table, self.page_size
         B, S, rows, context = shape.tokens, state.num_slots, shape.draft_rows, shape.context
         batch = kernels.attention_batch(plan, shape, table, page_size)
-        hidden = model.forward(plan.input_ids[:B], plan.token_pos[:B], batch, self.k, self.v)
+        # A draft with fewer token embeddings reads the ones it lacks as its last (their drafts are only rejected).
+        ids = plan.input_ids[:B].clamp(max=model.cfg.vocab_size - 1)
+        hidden = model.forward(ids, plan.token_pos[:B], batch, self.k, self.v)
         if not rows:
             return
         k = state.draft_len

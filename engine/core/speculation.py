@@ -1,11 +1,12 @@
-"""Speculative decoding inside the step (`--speculative-config`, method ngram): drafts proposed, verified and
-accepted as tensor work on the engine's device, with no host read.
+"""Speculative decoding inside the step (`--speculative-config`, methods ngram and draft_model): drafts proposed,
+verified and accepted as tensor work on the engine's device, with no host read.
 
 - `Speculation.draft` (in the plan, after the token budget is handed out): for each decoding slot allowed to
   speculate, the latest earlier occurrence of its last n tokens (n from prompt_lookup_max down to prompt_lookup_min)
   in its own prompt and output; up to K tokens that followed it are the draft, written after the sequence
-  (`state.tokens[s, seq_len:seq_len + k]`, uncommitted) with `state.draft_len[s] = k`. The slot then computes
-  1 + k tokens in the step, a multi-token run like a prefill chunk, and each of them is a sampling row.
+  (`state.tokens[s, seq_len:seq_len + k]`, uncommitted) with `state.draft_len[s] = k`. With a draft model
+  (`lookup` off) only k is planned here; engine/core/draft_model.py writes the tokens in the step. The slot then
+  computes 1 + k tokens in the step, a multi-token run like a prefill chunk, and each of them is a sampling row.
 - `Speculation.settle` (the commit's settler): each row sampled as plain decoding would have for that position (its
   step_index is the position's), so the accepted run is the longest prefix of drafts equal to the target's own
   draws, and the tokens emitted are the rows' up to and including the first that differs (its correction, or the
@@ -70,8 +71,10 @@ class Speculation:
         """draft_ratio: a draft model's forward as a share of the model's (DraftModel.cost_ratio), when one drafts."""
         share = 0.0 if model is None else model.vocab_size * model.hidden_size / _layers_weights(model)
         if config.model is None:
-            return cls(config.num_speculative_tokens, config.lookup_min, config.lookup_max, True, decode_runs, share)
-        return cls(config.num_speculative_tokens, 1, 1, False, decode_runs, share, draft_ratio)
+            return cls(config.num_speculative_tokens, config.lookup_min, config.lookup_max, decode_runs=decode_runs,
+                       row_share=share)
+        return cls(config.num_speculative_tokens, 1, 1, lookup=False, decode_runs=decode_runs, row_share=share,
+                   draft_ratio=draft_ratio)
 
     @property
     def token_share(self) -> float:

@@ -144,7 +144,7 @@ class Step:
         B, R = shape.tokens, shape.rows
         batch = self._attention_batch(plan, shape)
         if self.drafter is not None:  # the draft model's tokens into the batch its target verifies
-            self.drafter.propose(state, plan, shape, pool.page_size)
+            self.drafter.propose(state, plan, shape)
         hidden = model.forward(plan.input_ids[:B], plan.token_pos[:B], batch, pool.k, pool.v)
         # The step's sampling straight from the state (the fused sampler's kernels), or from gathered rows.
         sampling = self.sampler.step or self.gathered

@@ -11,6 +11,7 @@ when it likes, to pick the next bucket.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import numpy as np
 import torch
@@ -20,6 +21,7 @@ from blink.engine.core.bookkeeping import Bookkeeping
 from blink.engine.core.policy import StepCostModel
 from blink.engine.core.sampler import SamplerFeatures
 from blink.engine.core.scheduler import PlanKernels, max_chunk_rows, plan
+from blink.engine.core.speculation import Speculation
 from blink.engine.core.step import StepShape
 from blink.engine.drive.device_grammars import READY, DeviceGrammars
 from blink.engine.drive.table_memory import TableMemory, device_alias
@@ -105,8 +107,7 @@ class DeviceStep:
         if engine.pool.prefix_cache is not None:
             engine.pool.prefix_cache.kernels = None if self.step.planner is not plan else page_release.KERNELS
         planned = self.step.planner(state, engine.pool, bucket, self.step.policy, self.mirror, self.step.cost,
-                                    self.prompt_rows(bucket), self.step.plan_kernels,
-                                    speculation=self.step.speculation)
+                                    self.prompt_rows(bucket), self.step.plan_kernels, speculation=self._speculation())
         sizes = planned.sizes
         self._last_tokens.copy_(sizes.tokens)
         if self.mirror is not None:
@@ -120,6 +121,13 @@ class DeviceStep:
         self.grammars.advance(out.token, out.finish_reason)  # before emit: a finished slot's state is gone first
         emit(self.table, inbox, state, out, self.page_bytes)
         report_demand(state, self._demand)
+
+    def _speculation(self) -> Speculation | None:
+        """The step's speculation as this step plans with it: a draft model's forwards run at the shape's rows
+        whether any slot drafts or not, a cost the drafting threshold must not weigh here (the host mode runs them
+        for the drafting slots only)."""
+        speculation = self.step.speculation
+        return speculation and dataclasses.replace(speculation, draft_ratio=0.0)
 
     def _time_previous_step(self) -> None:
         """Seconds since the previous step, by the clock the step reads: what that step took (the step-cost fit
@@ -165,10 +173,12 @@ class DeviceStep:
         S, speculation = self.state.num_slots, self.step.speculation
         rows = min(S, bucket) if speculation is None else speculation.rows(S, bucket)  # with drafts: 1 + K a slot
         decode_rows = rows if speculation is not None and speculation.decode_runs else min(S, bucket)
-        drafts = self.step.drafter is not None  # every slot's row in each draft forward, and K forwards after the first
+        # A draft model's forwards: a row for each slot that can draft in the bucket (two tokens at least), K after
+        # the first.
+        drafts = self.step.drafter is not None
         return StepShape(tokens=bucket, context=self.step.context_buckets[-1], decode_rows=decode_rows,
                          chunk_rows=max_chunk_rows(bucket, S), rows=rows, prompt_rows=self.prompt_rows(bucket),
-                         draft_rows=S if drafts else 0, draft_steps=speculation.k if drafts else 0)
+                         draft_rows=min(S, bucket // 2) if drafts else 0, draft_steps=speculation.k if drafts else 0)
 
     @staticmethod
     def prompt_rows(bucket: int) -> int:

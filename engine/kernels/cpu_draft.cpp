@@ -39,10 +39,10 @@ struct Vec {
 
 template <typename T>
 Vec<T> vec(const at::Tensor& t, int64_t n, const char* name) {
-  TORCH_CHECK(t.device().is_cpu(), "blink_cpu::draft_ngram: ", name, " must be on the CPU");
-  TORCH_CHECK(t.scalar_type() == c10::CppTypeToScalarType<T>::value, "blink_cpu::draft_ngram: ", name, " must be ",
+  TORCH_CHECK(t.device().is_cpu(), "blink_cpu::plan_drafts: ", name, " must be on the CPU");
+  TORCH_CHECK(t.scalar_type() == c10::CppTypeToScalarType<T>::value, "blink_cpu::plan_drafts: ", name, " must be ",
               c10::CppTypeToScalarType<T>::value, ", got ", t.scalar_type());
-  TORCH_CHECK(t.dim() <= 1 && t.numel() == n, "blink_cpu::draft_ngram: ", name, " must have ", n, " elements, got ",
+  TORCH_CHECK(t.dim() <= 1 && t.numel() == n, "blink_cpu::plan_drafts: ", name, " must have ", n, " elements, got ",
               t.sizes());
   return {t.data_ptr<T>(), t.dim() == 1 ? t.stride(0) : 0};
 }
@@ -74,7 +74,7 @@ inline uint32_t equal16(const int32_t* block, int32_t key) {
 template <typename T>
 T clamp_min(T x, T lo) { return std::isnan(x) ? x : std::max(x, lo); }
 
-at::Tensor draft_ngram(const at::Tensor& live_t, const at::Tensor& take_t, const at::Tensor& order_t,
+at::Tensor plan_drafts(const at::Tensor& live_t, const at::Tensor& take_t, const at::Tensor& order_t,
                        const at::Tensor& cap_t, const at::Tensor& seq_len_t, const at::Tensor& computed_t,
                        const at::Tensor& max_tokens_t, const at::Tensor& repetition_t, const at::Tensor& presence_t,
                        const at::Tensor& frequency_t, const at::Tensor& prompt_logprobs_t, const at::Tensor& scored_t,
@@ -86,10 +86,10 @@ at::Tensor draft_ngram(const at::Tensor& live_t, const at::Tensor& take_t, const
                        int64_t page, bool by_class,
                        double retry_d, double earn_d, double min_rate_d) {
   const int64_t S = take_t.numel();
-  TORCH_CHECK(K >= 1 && K <= MAX_DRAFT, "blink_cpu::draft_ngram: k must be in [1, ", MAX_DRAFT, "], got ", K);
-  TORCH_CHECK(lookup_min >= 1 && lookup_max >= lookup_min, "blink_cpu::draft_ngram: bad lookup range [", lookup_min,
+  TORCH_CHECK(K >= 1 && K <= MAX_DRAFT, "blink_cpu::plan_drafts: k must be in [1, ", MAX_DRAFT, "], got ", K);
+  TORCH_CHECK(lookup_min >= 1 && lookup_max >= lookup_min, "blink_cpu::plan_drafts: bad lookup range [", lookup_min,
               ", ", lookup_max, "]");
-  TORCH_CHECK(page >= 1, "blink_cpu::draft_ngram: page_size must be positive");
+  TORCH_CHECK(page >= 1, "blink_cpu::plan_drafts: page_size must be positive");
   auto live = vec<bool>(live_t, S, "live");
   auto take = vec<int64_t>(take_t, S, "take");
   auto order = vec<int64_t>(order_t, S, "order");
@@ -112,16 +112,16 @@ at::Tensor draft_ngram(const at::Tensor& live_t, const at::Tensor& take_t, const
   auto draft_n = vec<int64_t>(draft_n_t, S, "draft_n");
   TORCH_CHECK(spec_rate_t.device().is_cpu() && spec_rate_t.scalar_type() == at::kFloat && spec_rate_t.dim() == 2 &&
                   spec_rate_t.size(0) == S && spec_rate_t.size(1) >= lookup_max,
-              "blink_cpu::draft_ngram: spec_rate must be the CPU's float32 [S, n] with a column per match length up "
+              "blink_cpu::plan_drafts: spec_rate must be the CPU's float32 [S, n] with a column per match length up "
               "to lookup_max ", lookup_max, ", got ", spec_rate_t.scalar_type(), " ", spec_rate_t.sizes());
   float* spec_rate = spec_rate_t.data_ptr<float>();
   const int64_t rate_row = spec_rate_t.stride(0), rate_col = spec_rate_t.stride(1);
   TORCH_CHECK(cost_t.device().is_cpu() && cost_t.scalar_type() == at::kDouble && cost_t.dim() == 1 &&
                   cost_t.numel() >= 2,
-              "blink_cpu::draft_ngram: cost must be the CPU's float64 [per_step, per_token, ...]");
+              "blink_cpu::plan_drafts: cost must be the CPU's float64 [per_step, per_token, ...]");
   TORCH_CHECK(tokens_t.device().is_cpu() && tokens_t.scalar_type() == at::kInt && tokens_t.dim() == 2 &&
                   tokens_t.size(0) == S && tokens_t.size(1) >= 1 && tokens_t.stride(1) == 1,
-              "blink_cpu::draft_ngram: tokens must be the CPU's int32 [S, max_len + 1], rows contiguous");
+              "blink_cpu::plan_drafts: tokens must be the CPU's int32 [S, max_len + 1], rows contiguous");
   const double per_step = cost_t.data_ptr<double>()[0], per_token = cost_t.data_ptr<double>()[cost_t.stride(0)];
   int32_t* tokens = tokens_t.data_ptr<int32_t>();
   const int64_t row = tokens_t.stride(0), max_len = tokens_t.size(1) - 1;
@@ -160,7 +160,7 @@ at::Tensor draft_ngram(const at::Tensor& live_t, const at::Tensor& take_t, const
   for (int64_t s = 0; s < S; ++s) {
     if (!able[s]) continue;
     const int64_t seq = seq_len[s];
-    TORCH_CHECK(seq >= 1 && seq <= max_len, "blink_cpu::draft_ngram: slot ", s, "'s seq_len ", seq,
+    TORCH_CHECK(seq >= 1 && seq <= max_len, "blink_cpu::plan_drafts: slot ", s, "'s seq_len ", seq,
                 " is outside its tokens [1, ", max_len, "]");
     // A draft model's drafts (Speculation.lookup off): K for any able slot, under the rate of column 0.
     int64_t found = K;
@@ -206,7 +206,7 @@ at::Tensor draft_ngram(const at::Tensor& live_t, const at::Tensor& take_t, const
     const float rate = column;
     const bool sensitive = by_class && service_class[s] == 0;
     const double drafting = std::max(static_cast<double>(sensitive ? able_sensitive : sampling), 1.0);
-    const double scaled = per_draft * drafting;  // rounded before the sum, as the reference's (no FMA)
+    const double scaled = per_draft * drafting;  // rounded before the sum, as the reference's (built without FMA)
     const float need = clamp_min(static_cast<float>(scaled + forward), min_rate);
     if (!(rate >= need)) {
       column = rate + retry * (1.0f - rate);  // regains some rate, so it tries again later
@@ -235,7 +235,7 @@ at::Tensor draft_ngram(const at::Tensor& live_t, const at::Tensor& take_t, const
   int64_t before = 0, extra_sum = 0;
   for (int64_t o = 0; o < S; ++o) {
     const int64_t s = order[o];
-    TORCH_CHECK(s >= 0 && s < S, "blink_cpu::draft_ngram: order must be a permutation of the slots, got ", s);
+    TORCH_CHECK(s >= 0 && s < S, "blink_cpu::plan_drafts: order must be a permutation of the slots, got ", s);
     const int64_t wanted = k[s];
     const int64_t cut = std::min(std::max(left - before, int64_t{0}), wanted);
     before += wanted;
@@ -262,11 +262,11 @@ at::Tensor draft_ngram(const at::Tensor& live_t, const at::Tensor& take_t, const
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(blink_cpu, m) {
-  m.def("draft_ngram(Tensor live, Tensor take, Tensor order, Tensor cap, Tensor seq_len, Tensor num_computed, "
+  m.def("plan_drafts(Tensor live, Tensor take, Tensor order, Tensor cap, Tensor seq_len, Tensor num_computed, "
         "Tensor max_tokens, Tensor repetition_penalty, Tensor presence_penalty, Tensor frequency_penalty, "
         "Tensor prompt_logprobs, Tensor scored, Tensor prompt_len, Tensor draft_off, Tensor service_class, "
         "Tensor room, Tensor pages_held, Tensor cost, Tensor num_free, Tensor(a!) tokens, Tensor(b!) draft_len, "
         "Tensor(c!) draft_n, Tensor(d!) spec_rate, int k, bool lookup, int lookup_min, int lookup_max, float share, "
         "float draft_ratio, int page_size, bool by_class, float retry, float earn, float min_rate) -> Tensor",
-        &draft_ngram);
+        &plan_drafts);
 }

@@ -1,4 +1,4 @@
-"""The drafts' proposal for the CPU's host mode in one C++ call (cpu_draft.cpp's blink_cpu::draft_ngram), in place of
+"""The drafts' proposal for the CPU's host mode in one C++ call (cpu_draft.cpp's blink_cpu::plan_drafts), in place of
 its torch reference, blink.engine.core.speculation.Speculation.draft (about 170 small ops, a few microseconds of
 dispatch each): the same arguments (the speculation first), effects and result. engine/kernels/draft.py is its Triton
 twin for the device step; tests/engine/test_cpu_draft.py holds this one to the reference."""
@@ -19,7 +19,7 @@ def draft(speculation, state: Slots, pool: PagePool, policy: Policy, cost: StepC
     """Speculation.draft's arguments (the speculation first), effects and result: [S] draft tokens each slot
     computes on top of `take`, written after its sequence in state.tokens, with state.draft_len, state.draft_n (the
     match length each slot's drafts followed) and the retrying slots' state.spec_rate (their match length's column)."""
-    return ops().draft_ngram(
+    return ops().plan_drafts(
         live, take, order, cap, state.seq_len, state.num_computed, state.max_tokens, state.repetition_penalty,
         state.presence_penalty, state.frequency_penalty, state.prompt_logprobs, state.scored, state.prompt_len,
         state.draft_off, state.service_class, state.room, state.pages_held, cost.values, pool.num_free, state.tokens,

@@ -5,7 +5,7 @@ launches. `_propose`, a program per slot: the step's sums (every program reads t
 launch to share them), the slot's threshold, the search over its own history, in blocks up to its own length (the
 latest earlier occurrence of its last n tokens, the longest n in [lookup_min, lookup_max]), then the retry and earned
 cap by its rate for that n. `_fit`, one program: the budget's order, the tokens and pages left, the drafts copied after
-each sequence and the match length they followed.
+each sequence and the match length they followed. A draft model's drafts (LOOKUP and COPY off): no search, no copy.
 tests/engine/test_draft_kernel.py holds them to the reference."""
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ def _propose(live, take, seq_len, computed, max_tokens, repetition, presence, fr
         found = tl.where(best > 0, tl.minimum(seq - end - 1, K), 0)
     else:  # a draft model's drafts (Speculation.lookup off): K for any able slot, under the rate of column 0
         best = able.to(tl.int32)
-        end = seq * 0
+        end = seq * 0 - 1  # start 0, as the reference's (seq * 0: int64, as the search's results)
         found = tl.where(able, seq * 0 + K, 0)
     # The slot's rate for drafts after a match of this length: a short match's drafts fail more often.
     rates = spec_rate + s.to(tl.int64) * rates_stride

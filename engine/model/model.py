@@ -181,8 +181,15 @@ class Transformer:
 
     def weight_bytes(self) -> int:
         """The bytes a decode token's forward reads: the layers' weights as held (quantized ones in their codes and
-        scales) and the output projection's; the embedding is a row a token."""
-        return sum(map(_held_bytes, (*self.layers, self.lm_head)))
+        scales), a mixture's experts as many as a token runs, and the output projection's; the embedding is a row a
+        token."""
+        total = _held_bytes(self.lm_head)
+        for w in self.layers:
+            total += _held_bytes(w)
+            if w.moe is not None:
+                idle = 1 - self.cfg.moe.top_k / self.cfg.moe.num_experts
+                total -= idle * (_held_bytes(w.moe.gate_up) + _held_bytes(w.moe.down))
+        return int(total)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [R, hidden] rows that sample. Returns float32 logits [R, vocab]."""

@@ -112,7 +112,7 @@ def test_a_draft_model_s_drafts_are_planned_as_the_reference_plans_them(K):
     copied (the draft model writes the drafts in the step)."""
     rng = random.Random(K + 7)
     torch.manual_seed(rng.randrange(1 << 30))
-    speculation = Speculation(K, 1, 1, lookup=False, row_share=0.37, draft_ratio=rng.choice([0.33, 0.68, 1.0]))
+    speculation = Speculation(K, 1, 1, lookup=False, row_share=0.37, draft_ratio=rng.choice([0.0, 0.33, 0.68, 1.0]))
     drafted = 0
     for case in range(16):
         S = rng.choice([1, 3, 8, 13])

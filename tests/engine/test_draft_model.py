@@ -96,6 +96,26 @@ def test_max_tokens_and_stop_ids_inside_a_run_end_it_there(models, plain):
     assert out.finish_reason == "stop"
 
 
+def test_a_draft_with_fewer_token_embeddings_reads_the_ones_it_lacks_as_its_last(models, plain, tmp_path):
+    """A draft whose vocabulary stops short of the model's (as Qwen2.5-0.5B's 151,936 against 7B's 152,064): prompt
+    ids past it are read as its last; the model's tokens come out."""
+    from safetensors.torch import load_file, save_file
+
+    small = tmp_path / "small"
+    shutil.copytree(models["llama-gqa"], small)
+    config = json.loads((small / "config.json").read_text())
+    (small / "config.json").write_text(json.dumps({**config, "vocab_size": 1000}))
+    weights = load_file(small / "model.safetensors")
+    save_file({name: t[:1000].contiguous() if name in ("model.embed_tokens.weight", "lm_head.weight") else t
+               for name, t in weights.items()}, small / "model.safetensors", metadata={"format": "pt"})
+    llm = _drafting(LLM(str(models["qwen3"]), **ENGINE, speculative_config=_draft(small)))
+    prompts = [[1100, 1150, 1173, 5, 6, 1100, 1150], PROMPTS[1]]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    want = [o.token_ids for o in plain.generate(prompts, params)]
+    assert [o.token_ids for o in llm.generate(prompts, params)] == want
+    assert int(llm.engine.state.spec_counts[0]) > 0
+
+
 def test_the_device_step_drafts_with_a_draft_model(models):
     """The graph and persistent modes' step, eagerly with its kernels in Triton's interpreter: every slot's row in
     each draft forward, K forwards, the tokens plain decoding's (a draft that is the model: all accepted)."""
@@ -162,8 +182,10 @@ def test_a_draft_that_cannot_draft_for_the_model_is_refused(models, tmp_path):
         Engine(EngineConfig(model=target, **ENGINE, speculative_config=_draft(other)))
     short = _edited(models["llama-gqa"], tmp_path / "short", "config.json",
                     lambda config: {**config, "max_position_embeddings": 64})
-    with pytest.raises(ValueError, match="max_model_len to at most 64"):
+    with pytest.raises(ValueError, match="reads 64 positions at most: set max_model_len"):  # 128 asked for
         Engine(EngineConfig(model=target, **ENGINE, speculative_config=_draft(short)))
+    unset = {k: v for k, v in ENGINE.items() if k != "max_model_len"}  # the model's 256 cut to the draft's
+    assert Engine(EngineConfig(model=target, **unset, speculative_config=_draft(short))).max_model_len == 64
     with pytest.raises(ValueError, match="tensor_parallel_size 1"):
         Engine(EngineConfig(model=target, **ENGINE, tensor_parallel_size=2, speculative_config=_draft(target)))
     with pytest.raises(ValueError, match="needs the draft's"):

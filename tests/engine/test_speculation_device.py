@@ -6,6 +6,7 @@ run, the window's room respected, no page left behind."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 
@@ -168,14 +169,18 @@ def test_the_compiled_bookkeeping_drafts_and_settles_as_the_eager_one(plain):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("drafts", ["ngram", "draft_model"])
 @pytest.mark.parametrize("mode", ["graph", "persistent"])
-def test_the_device_modes_serve_plain_decoding_s_tokens_with_drafts_accepted(mode):
-    """On a GPU, the captured step (graph replays, or the persistent loop) with drafts: the host mode's tokens
-    without them, drafts accepted, no page left behind."""
+def test_the_device_modes_serve_plain_decoding_s_tokens_with_drafts_accepted(mode, drafts):
+    """On a GPU, the captured step (graph replays, or the persistent loop) with drafts, looked up or a draft model's
+    (the model itself, its cost taken as none so that it drafts): the host mode's tokens without them, drafts
+    accepted, no page left behind."""
     from blink.engine.drive.modes import build, unavailable
 
     def serve(mode: str, spec: dict | None) -> tuple[dict[int, list[int]], Engine]:
         engine = Engine(EngineConfig(model=str(ensure_tiny_model()), **ENGINE, speculative_config=spec))
+        if engine.step.drafter is not None:
+            engine.step.speculation = dataclasses.replace(engine.step.speculation, draft_ratio=0.0)
         table = SlotTable.create(f"test-{uuid.uuid4().hex[:10]}", Geometry(4, 64, 8, page_size=8))
         try:
             driver = build(mode, engine, table)
@@ -202,6 +207,7 @@ def test_the_device_modes_serve_plain_decoding_s_tokens_with_drafts_accepted(mod
     if why is not None:
         pytest.skip(why)
     want, _ = serve("host", None)
-    got, engine = serve(mode, _spec(4))
+    got, engine = serve(mode, _spec(4) if drafts == "ngram" else
+                        {"model": str(ensure_tiny_model()), "num_speculative_tokens": 3})
     assert got == want
     assert int(engine.state.spec_counts[2]) > 0

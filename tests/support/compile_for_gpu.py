@@ -34,9 +34,11 @@ from blink.engine.kernels import (  # noqa: E402
 TARGET = GPUTarget("cuda", 90, 32)
 
 
-def compile_one(kernel, name: str, signature: dict[str, str], constexprs: dict) -> bool:
+def compile_one(kernel, name: str, signature: dict[str, str], constexprs: dict, options: dict | None = None) -> bool:
+    """options: the compile options the kernel is launched with (enable_fp_fusion)."""
     try:
-        compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs), target=TARGET)
+        compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs), target=TARGET,
+                                  options=options)
     except Exception as e:  # every kernel is tried; the exit status says whether one failed
         print(f"FAIL {name}: {type(e).__name__}: {str(e)[:3000]}")
         return False
@@ -44,10 +46,10 @@ def compile_one(kernel, name: str, signature: dict[str, str], constexprs: dict) 
     return True
 
 
-def build(kernel, name: str, constexprs: dict, types: dict[str, str]) -> bool:
+def build(kernel, name: str, constexprs: dict, types: dict[str, str], options: dict | None = None) -> bool:
     """Compiles `kernel` with these constexprs; an argument not in `types` is an int32 (sizes and strides)."""
     signature = {arg: "constexpr" if arg in constexprs else types.get(arg, "i32") for arg in kernel.arg_names}
-    return compile_one(kernel, name, signature, constexprs)
+    return compile_one(kernel, name, signature, constexprs, options)
 
 
 def pointers(dtype: str, *names: str) -> dict[str, str]:
@@ -134,7 +136,7 @@ results = [
                      "service_class", "room", "wanted_out", "start_out", "match_out")
             | pointers("fp32", "repetition", "presence", "frequency", "spec_rate") | pointers("i1", "live", "draft_off")
             | {"cost": "*fp64", "tokens": "*i32", "share_bits": "i64", "ratio_bits": "i64", "RETRY": "fp32",
-               "EARN": "fp32", "MIN_RATE": "fp32"})
+               "EARN": "fp32", "MIN_RATE": "fp32"}, options={"enable_fp_fusion": False})
       for name, lookup in (("ngram", True), ("a draft model's", False))),
     build(draft._fit, "drafts: the fit, a draft model's", dict(COPY=False, BLOCK_S=256, BLOCK_K=4),
           pointers("i64", "order", "wanted", "start", "match", "take", "seq_len", "computed", "pages_held",
@@ -191,9 +193,9 @@ seen = set()
 for launch in recorded_launches():
     kernel = getattr(importlib.import_module(launch["module"]), launch["name"])
     signature, constexprs = signature_of(kernel, launch["arguments"])
-    key = (launch["module"], launch["name"], json.dumps([signature, constexprs], sort_keys=True))
+    key = (launch["module"], launch["name"], json.dumps([signature, constexprs, launch["options"]], sort_keys=True))
     if key not in seen:
         seen.add(key)
         results.append(compile_one(kernel, f"the device step's {launch['module']}.{launch['name']}", signature,
-                                   constexprs))
+                                   constexprs, launch["options"] or None))
 sys.exit(0 if all(results) else 1)

@@ -32,10 +32,11 @@ def main() -> None:
     interpreted_run = InterpretedFunction.run
 
     def record(self, *args, grid, warmup, **kwargs):
-        # The kernel's arguments; compile options given at the launch (enable_fp_fusion) are not among them.
+        # The kernel's arguments, and apart the compile options given at the launch (enable_fp_fusion).
         arguments = dict(zip(self.arg_names, args, strict=False)) | {k: v for k, v in kwargs.items()
                                                                      if k in self.arg_names}
-        print(json.dumps({"module": self.fn.__module__, "name": self.fn.__name__,
+        options = {k: v for k, v in kwargs.items() if k not in self.arg_names}
+        print(json.dumps({"module": self.fn.__module__, "name": self.fn.__name__, "options": options,
                           "arguments": {name: described(v) for name, v in arguments.items()}}), flush=True)
         return interpreted_run(self, *args, grid=grid, warmup=warmup, **kwargs)
 
