@@ -233,7 +233,14 @@ def test_the_config_is_vllm_s_and_bad_ones_are_refused():
     assert speculative_config('{"method": "ngram", "num_speculative_tokens": 3}').lookup_max == 5  # vLLM's default
     assert speculative_config({"num_speculative_tokens": 2, "prompt_lookup_max": 3}).lookup_min == 3
     assert speculative_config(None) is None and speculative_config("") is None
+    # A draft model: named, its method implied; vLLM's older "[ngram]" model name is the ngram method.
+    assert speculative_config({"model": "org/draft", "num_speculative_tokens": 4}).method == "draft_model"
+    assert speculative_config({"model": "[ngram]", "num_speculative_tokens": 2}).model is None
     for bad, says in (({"method": "eagle", "num_speculative_tokens": 2}, "method"),
+                      ({"method": "draft_model", "num_speculative_tokens": 2}, "needs the draft"),
+                      ({"method": "ngram", "model": "org/draft", "num_speculative_tokens": 2}, "name a draft model"),
+                      ({"model": "org/draft", "num_speculative_tokens": 2, "prompt_lookup_max": 3}, "ngram's"),
+                      ({"model": "org/draft", "num_speculative_tokens": 2, "quantization": "int3"}, "quantization"),
                       ({"num_speculative_tokens": 2, "draft": 1}, "draft"),
                       ({"method": "ngram"}, "num_speculative_tokens"),
                       ({"num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "at least"),
