@@ -25,7 +25,7 @@ from typing import Protocol
 
 import structlog
 import zmq
-from pydantic import SecretStr
+from pydantic import BaseModel, SecretStr
 
 from blink.services import listener
 from blink.shared import control, sockets, transports
@@ -49,9 +49,12 @@ class Supervisor(Protocol):
 
 
 def _variable(value: object) -> str:
-    """A setting as its BLINK_* variable: lists and mappings as JSON, which Settings reads back."""
+    """A setting as its BLINK_* variable: lists, mappings and configs (--speculative-config) as JSON, which Settings
+    reads back."""
     if isinstance(value, SecretStr):
         return value.get_secret_value()
+    if isinstance(value, BaseModel):
+        return value.model_dump_json(exclude_none=True)
     return json.dumps(value) if isinstance(value, list | dict) else str(value)
 
 

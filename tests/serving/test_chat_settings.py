@@ -46,7 +46,8 @@ def _settings(*flags: str) -> Settings:
 def test_list_flags_as_vllm_takes_them(monkeypatch):
     assert _settings("--served-model-name", "a", "b").served_model_name == ["a", "b"]
     given = _settings("--served-model-name", '["a", "b"]', "--allowed-origins", '["*"]', "--allowed-headers",
-                      "x-a", "x-b", "--default-chat-template-kwargs", '{"enable_thinking": false}')
+                      "x-a", "x-b", "--default-chat-template-kwargs", '{"enable_thinking": false}',
+                      "--speculative-config", '{"model": "org/draft", "num_speculative_tokens": 4}')
     assert given.served_model_name == ["a", "b"] and given.allowed_origins == ["*"]
     assert given.allowed_headers == ["x-a", "x-b"] and given.default_chat_template_kwargs == {"enable_thinking": False}
     for bad in (["--served-model-name", "[x"], ["--served-model-name", "a", ""], ["--allowed-origins", '["*"'],
