@@ -176,7 +176,7 @@ class Engine:
         stored = str(cfg.dtype) if self.kv_dtype == cfg.dtype else f"{cfg.dtype} as {self.kv_dtype}"
         self.prefix_seed = prefix_seed(str(self.model_dir.resolve()), stored, str(page))
         self.state = Slots(num_slots, max_len, pages_per_seq, cfg.vocab_size, self.device)
-        mirror_pages = min(int(config.swap_space * 2**30) // self.pool.page_bytes,
+        mirror_pages = min(int(config.swap_space * 2**30) // (self.pool.page_bytes + draft_page),  # both KVs
                            num_slots * pages_per_seq) + 1
         self._mirror_pages = mirror_pages if config.swap_space > 0 and mirror_pages > 1 else 0
         drafter = DraftModel(draft, num_pages, page) if draft else None
@@ -218,7 +218,9 @@ class Engine:
     def mirror(self) -> HostMirror | None:
         """The host memory KV pages rotate to (--swap-space), made when a driver that rotates first asks for it:
         the device modes do not, and do not hold its pinned memory."""
-        return HostMirror(self.pool, self._mirror_pages) if self._mirror_pages else None
+        drafter = self.step.drafter
+        draft = (drafter.k, drafter.v) if drafter is not None else None
+        return HostMirror(self.pool, self._mirror_pages, draft) if self._mirror_pages else None
 
     def _pages_that_fit(self, cfg: ModelConfig, page: int, useful: int, draft_page: int = 0) -> int:
         fraction = self.config.kv_memory_fraction or (0.9 if self.device.type == "cuda" else 0.25)

@@ -84,9 +84,9 @@ class DeviceStep:
         # KV rotation (--swap-space): the plan lays out page moves on the device and the step copies them between
         # the pool and the mirror's pinned memory, which the device addresses directly.
         self.mirror = engine.mirror
-        if self.mirror is not None:
-            data = device_alias(self.mirror.data, device)  # [pages, K/V, layers, page, heads, dim]
-            self._mirror_kv = (data[:, 0].transpose(0, 1), data[:, 1].transpose(0, 1))
+        if self.mirror is not None:  # each cache's, the pool's and a draft model's: [pages, K/V, layers, page, ...]
+            self._mirror_kv = [(data[:, 0].transpose(0, 1), data[:, 1].transpose(0, 1))
+                               for data in (device_alias(data, device) for data in self.mirror.data)]
         self._in_stream = torch.cuda.Stream(device) if self.mirror is not None and pinned else None
         self._last_now = torch.zeros(1, dtype=torch.float64, device=device)
         self._last_tokens = torch.zeros((), dtype=torch.int64, device=device)  # what the previous step computed
@@ -149,9 +149,9 @@ class DeviceStep:
             yield
 
     def _rotate(self, src: torch.Tensor, dst: torch.Tensor, count: torch.Tensor, to_mirror: bool) -> None:
-        pool = self.engine.pool
-        for pool_half, mirror_half in zip((pool.k, pool.v), self._mirror_kv, strict=True):
-            copy_pages(*((pool_half, mirror_half) if to_mirror else (mirror_half, pool_half)), src, dst, count)
+        for cache, mirrored in zip(self.mirror.caches, self._mirror_kv, strict=True):
+            for pool_half, mirror_half in zip(cache, mirrored, strict=True):
+                copy_pages(*((pool_half, mirror_half) if to_mirror else (mirror_half, pool_half)), src, dst, count)
 
     def take(self) -> None:
         """Admission: what the ingress published into the state, through the one admission (blink.engine.core.admission)

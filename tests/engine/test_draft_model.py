@@ -116,6 +116,23 @@ def test_a_draft_with_fewer_token_embeddings_reads_the_ones_it_lacks_as_its_last
     assert int(llm.engine.state.spec_counts[0]) > 0
 
 
+def test_rotated_pages_carry_the_draft_s_kv_out_and_back(models, plain):
+    """KV rotation under a pool too small for the batch: the draft's KV leaves and comes back with the model's pages,
+    so a draft that is the model still has every draft accepted (pages coming back with another request's draft KV
+    would have their drafts rejected); the tokens are the model's, nothing recomputed."""
+    prompts = [list(range(3 + i, 40 + i)) for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    tight = dict(ENGINE, max_model_len=96, num_pages=16, swap_space=1)  # 15 pages of 8: under two 77-token sequences
+    llm = _drafting(LLM(str(models["qwen3"]), **tight, speculative_config=_draft(models["qwen3"], 3)))
+    want = [o.token_ids for o in plain.generate(prompts, params)]
+    assert [o.token_ids for o in llm.generate(prompts, params)] == want
+    engine = llm.engine
+    out, back = engine.mirror.pages_moved.tolist()
+    assert out > 0 and back == out and int(engine.state.num_recomputes) == 0
+    _, draft_tokens, accepted = engine.state.spec_counts.tolist()
+    assert draft_tokens > 0 and accepted >= 0.98 * draft_tokens
+
+
 def test_the_device_step_drafts_with_a_draft_model(models):
     """The graph and persistent modes' step, eagerly with its kernels in Triton's interpreter: every slot's row in
     each draft forward, K forwards, the tokens plain decoding's (a draft that is the model: all accepted)."""
