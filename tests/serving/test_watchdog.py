@@ -67,7 +67,9 @@ def run_and_kill(server, table, prompts, max_tokens: int, when, sig=signal.SIGKI
     return results, killed_at, pid
 
 
-LONG_PROMPT = [5 + i % 1000 for i in range(1500)]  # 1,500 tokens: ~24 steps of prefill at 64 tokens a step
+# 1,500 tokens each, all different from their first page (no prefix cache hit): 16 of them take ~375 steps of prefill
+# at 64 tokens a step (one shared prompt was cached after the first and all 16 ran in half a second, under the poll).
+LONG_PROMPTS = [[5 + (97 * i + j) % 1000 for j in range(1500)] for i in range(16)]
 
 
 @pytest.mark.parametrize("phase", ["queued", "prefilling", "decoding", "finishing"])
@@ -80,15 +82,15 @@ def test_sigkill_the_engine(server, table, phase):
         when = lambda t: (states == SlotState.SUBMITTED).sum() == 16  # noqa: E731
     elif phase == "prefilling":
         # Killed while most prompts are still prefilling: the first may be through before the last arrives.
-        prompts, max_tokens = [LONG_PROMPT] * 16, 8
+        prompts, max_tokens = LONG_PROMPTS, 8
         when = lambda t: ((states == SlotState.ADMITTED) & (produced == 0)).sum() >= 8  # noqa: E731
     elif phase == "decoding":
         prompts, max_tokens = ["decode for a long time"] * 16, 1500
         when = decoding(table, 16)
-    else:  # some have finished, the rest are about to
-        prompts, max_tokens = [f"finish soon {i}" for i in range(16)], 24
+    else:  # some have finished, the rest are about to (16 steps from the end: a window the 20 ms poll sees)
+        prompts, max_tokens = [f"finish soon {i}" for i in range(16)], 64
         when = lambda t: ((states == SlotState.FINISHED).any()  # noqa: E731
-                          or ((states == SlotState.ADMITTED) & (produced >= 20)).any())
+                          or ((states == SlotState.ADMITTED) & (produced >= 48)).any())
 
     results, killed_at, pid = run_and_kill(server, table, prompts, max_tokens, when)
 
