@@ -42,7 +42,7 @@ class StepShape:
     rows: int  # logits rows: min(slots, tokens); with drafts min(slots * (1 + K), tokens)
     prompt_rows: int = 0  # prompt logprobs the step may compute (plan caps them at this)
     # With a draft model: the rows its draft forwards compute (the host mode's drafting slots, the device step's
-    # slots), and how many forwards follow its first (the longest draft, or K).
+    # slots that its bucket fits), and how many forwards follow its first (the longest draft, or K).
     draft_rows: int = 0
     draft_steps: int = 0
 
