@@ -151,7 +151,7 @@ class Engine:
         if on_cuda:  # the loading's staging copies go back to the device before the KV pool is sized from what is free
             torch.cuda.empty_cache()
         pages_per_seq = -(-max_len // page)
-        draft_page = DraftModel.bytes_per_page(draft.cfg, page) if draft else 0  # a page holds the draft's KV too
+        draft_page = PagePool.bytes_per_page(draft.cfg, page) if draft else 0  # a page holds the draft's KV too
         num_pages = config.num_pages or self._pages_that_fit(self.model.cfg, page, num_slots * pages_per_seq + 1,
                                                              draft_page)
         if self.shard is not None and not config.num_pages:

@@ -71,18 +71,10 @@ def _same_tokenizer(draft: Tokenizer, target: Tokenizer, name: str) -> None:
 class DraftModel:
     def __init__(self, model: Transformer, num_pages: int, page_size: int):
         self.model, self.page_size = model, page_size
-        shape = self.cache_shape(model.cfg, num_pages, page_size)
+        cfg = model.cfg
+        shape = cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim  # PagePool's, in its own dtype
         # As the pool's: zeroed (padding reads finite values), in huge pages on the CPU.
-        self.k, self.v = (huge_pages.zeros(shape, model.cfg.dtype, model.embed.device) for _ in range(2))
-
-    @staticmethod
-    def cache_shape(cfg: ModelConfig, num_pages: int, page_size: int) -> tuple[int, ...]:
-        return cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim
-
-    @staticmethod
-    def bytes_per_page(cfg: ModelConfig, page_size: int) -> int:
-        """A page's K and V over the draft's layers."""
-        return 2 * cfg.num_layers * page_size * cfg.kv_size * cfg.dtype.itemsize
+        self.k, self.v = (huge_pages.zeros(shape, cfg.dtype, model.embed.device) for _ in range(2))
 
     def cost_ratio(self, target: Transformer) -> float:
         """A draft forward's time as a share of the target's, by the mean of their layers' and their weights' ratios: a
