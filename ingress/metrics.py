@@ -127,6 +127,13 @@ class Metrics:
         self.structured_ended = Gauge("blink:structured_output_engine_ended_requests", "Constrained requests the "
                                       "engine ended, by reason (failed: the grammar did not compile or lower there; "
                                       "timeout: not within the time limit)", [*labels, "reason"], registry=r)
+        # The device modes' grammar arena (--grammar-arena-bytes): set once the engine reports one (graph, persistent).
+        self.grammar_arena_used = Gauge("blink:grammar_arena_used_bytes", "Device grammar arena bytes the resident "
+                                        "grammar tables take", list(labels), registry=r)
+        self.grammar_arena_capacity = Gauge("blink:grammar_arena_capacity_bytes", "Device grammar arena size in bytes",
+                                            list(labels), registry=r)
+        self.grammar_tables = Gauge("blink:num_grammar_tables_resident", "Grammar tables in the device arena (one per "
+                                    "spec, shared by its requests)", list(labels), registry=r)
         self.policies = dict(policies or {})
         self.info = Gauge("blink:engine_info", "The engine's drive mode, transport and scheduling policies",
                           ["drive", "transport", *self.policies, *labels], registry=r)
@@ -205,4 +212,8 @@ class Metrics:
                     self.spec_per_pos.labels(**self._labels, position=str(position)).set(count)
             for reason, count in engine.structured_output_ended.items():
                 self.structured_ended.labels(**self._labels, reason=reason).set(count)
+            if engine.grammar_arena_bytes_total:  # the engine walks grammars on the device
+                self.grammar_arena_used.labels(**self._labels).set(engine.grammar_arena_bytes_used)
+                self.grammar_arena_capacity.labels(**self._labels).set(engine.grammar_arena_bytes_total)
+                self.grammar_tables.labels(**self._labels).set(engine.grammar_tables_resident)
         return generate_latest(self.registry)

@@ -230,6 +230,7 @@ class EngineService:
                 kv_host_pages_total=host_total,
                 **_speculation_counts(self.engine),
                 structured_output_ended=dict(getattr(self.engine.step.grammar, "ended", {})),  # none: no grammar yet
+                **_grammar_arena(self.engine),
             )
         if isinstance(message, control.RdmaConnect):
             return self._accept_rdma(message.peer)
@@ -271,6 +272,16 @@ def run_engine(settings: Settings) -> None:
         with contextlib.suppress(OSError):
             if pid_file.read_text() == str(os.getpid()):
                 pid_file.unlink()
+
+
+def _grammar_arena(engine: Engine) -> dict:
+    """The device grammar arena's figures (none in the host mode, whose grammars have no arena)."""
+    usage = getattr(engine.step.grammar, "arena_usage", None)
+    figures = usage() if usage is not None else None
+    if figures is None:
+        return {}
+    used, total, tables = figures
+    return {"grammar_arena_bytes_used": used, "grammar_arena_bytes_total": total, "grammar_tables_resident": tables}
 
 
 def _speculation_counts(engine: Engine) -> dict:

@@ -166,6 +166,11 @@ class EngineStatus(BaseModel):
     spec_decode_num_accepted_tokens_per_pos: list[int] = Field(default_factory=list)  # per draft position
     # Constrained records the engine ended (blink.engine.core.grammar.ENDED_REASONS: failed, timeout), since the start.
     structured_output_ended: dict[str, int] = Field(default_factory=dict)
+    # The device modes' grammar arena (blink.engine.drive.device_grammars): bytes its resident tables take, its size
+    # (--grammar-arena-bytes), and those tables (one per spec). All 0 where the engine has none (the host mode).
+    grammar_arena_bytes_used: int = 0
+    grammar_arena_bytes_total: int = 0
+    grammar_tables_resident: int = 0
 
 
 class Ack(BaseModel):

@@ -12,7 +12,7 @@ class DriveMode:
     summary: str  # for --drive's help
     how: str  # blink doctor's, where it can run
     needs_cuda: bool  # doctor says it cannot run where torch or a CUDA GPU is missing, without asking the engine
-    grammars: bool = False  # masks structured outputs' grammars (the ingress refuses them to the others)
+    grammars: bool = False  # masks structured outputs' grammars (every mode does; doctor names those on the host)
     # Walks them on the device: those that lower to a token automaton (blink.shared.grammar_backends.device_regex).
     walks_grammars: bool = False
 

@@ -120,27 +120,36 @@ KIND_WORDS = {GrammarKind.JSON_SCHEMA: "JSON schema", GrammarKind.REGEX: "regex"
 class GrammarCompiler:
     """A backend's compiles, cached by spec (the error too: a bad spec is refused again without recompiling), on
     `threads` worker threads, each awaited at most `timeout_s`. A compile that runs out of time goes on in its thread
-    and lands in the cache; the caller is refused meanwhile."""
+    and lands in the cache; the caller is refused meanwhile. The cache keeps the `cached` specs used last, beside those
+    submitted pinned, which it never evicts."""
 
     def __init__(self, backend: Backend, timeout_s: float = COMPILE_TIMEOUT_S, threads: int = 2,
                  cached: int = CACHED_GRAMMARS):
         self.backend, self.timeout_s, self.cached = backend, timeout_s, cached
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="grammar-compile")
-        self._futures: OrderedDict[GrammarSpec, Future] = OrderedDict()
+        self._futures: OrderedDict[GrammarSpec, Future] = OrderedDict()  # least recently used first
+        # Outside `cached`: a compile that outlasts the time limit (json_object's lowering) would be refused once
+        # evicted, so the one made at start-up stays.
+        self._pinned: dict[GrammarSpec, Future] = {}
         self._lock = threading.Lock()
         self.compiles = 0  # cold compiles started (the cache's misses)
 
-    def submit(self, spec: GrammarSpec) -> Future:
-        """The spec's compile: the cached one, or one started now."""
+    def submit(self, spec: GrammarSpec, pin: bool = False) -> Future:
+        """The spec's compile: the cached one, or one started now; `pin` keeps it cached for good."""
         with self._lock:
-            future = self._futures.get(spec)
+            pinned = self._pinned.get(spec)
+            if pinned is not None:
+                return pinned
+            future = self._futures.pop(spec, None)
             if future is None:
-                future = self._futures[spec] = self._pool.submit(self.backend.compile, spec)
+                future = self._pool.submit(self.backend.compile, spec)
                 self.compiles += 1
-                while len(self._futures) > self.cached:
-                    self._futures.popitem(last=False)
-            else:
-                self._futures.move_to_end(spec)
+            if pin:
+                self._pinned[spec] = future
+                return future
+            self._futures[spec] = future  # the last used: at the end
+            while len(self._futures) > self.cached:
+                self._futures.popitem(last=False)
             return future
 
     def compile(self, spec: GrammarSpec, timeout_s: float | None = None) -> Any:

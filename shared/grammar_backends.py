@@ -11,6 +11,7 @@ token 32 * w + b.
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import numpy as np
@@ -149,15 +150,17 @@ def device_regex(spec: GrammarSpec) -> str:
         raise GrammarError(f"unknown grammar kind {int(spec.kind)}")
     from outlines_core.json_schema import build_regex_from_schema
 
-    schema, where = _device_schema(json.loads(spec.text), "#")
+    integers = _Integers(spec.text)
+    schema, where = _device_schema(json.loads(spec.text), "#", integers)
     if where is not None:
         raise GrammarError(f"the JSON schema keyword at {where[:200]} is not enforced by the device's grammar walk "
                            "(graph and persistent drive modes); the host drive mode serves it")
     try:
-        return ascii_classes(build_regex_from_schema(json.dumps(schema), DEVICE_WHITESPACE))
+        regex = build_regex_from_schema(json.dumps(schema), DEVICE_WHITESPACE)
     except (ValueError, TypeError) as e:
         raise GrammarError(f"the JSON schema cannot be walked on the device (graph and persistent drive modes): "
                            f"{first_line(e)}; the host drive mode serves it") from None
+    return ascii_classes(integers.substitute(regex))
 
 
 def choice_options(text: str) -> list[str] | None:
@@ -189,18 +192,22 @@ def _escape(literal: str) -> str:
 # Keywords outlines-core's regex leaves out (checked by hand on 0.2.14: the regex is the same without them).
 DEVICE_UNENFORCED = frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf",
                                "uniqueItems", "minProperties", "maxProperties", "patternProperties", "propertyNames"})
+BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 RANGE_AS_ENUM = 1024  # an integer range at most this wide becomes the enum of its values, which the regex enforces
+# Digits of a bounded integer on the device (as outlines-core's minDigits/maxDigits would bound them): what an int64
+# holds, and a model that writes digits on and on must end the number there.
+INTEGER_DIGITS = 18
 
 
-def _device_schema(schema: Any, path: str) -> tuple[Any, str | None]:
-    """`schema` with each bounded integer range as the enum of its values, and where the first keyword of
-    DEVICE_UNENFORCED still is (None: nowhere)."""
+def _device_schema(schema: Any, path: str, integers: _Integers) -> tuple[Any, str | None]:
+    """`schema` with each bounded integer as the enum of its values (a range at most RANGE_AS_ENUM wide) or as a
+    stand-in for its regex (`integers`), and where the first keyword of DEVICE_UNENFORCED still is (None: nowhere)."""
     if isinstance(schema, list):
-        items = [_device_schema(item, f"{path}/{i}") for i, item in enumerate(schema)]
+        items = [_device_schema(item, f"{path}/{i}", integers) for i, item in enumerate(schema)]
         return [item for item, _ in items], next((w for _, w in items if w is not None), None)
     if not isinstance(schema, dict):
         return schema, None
-    schema = _integer_range(schema)
+    schema = _integer_range(schema, path, integers)
     out, found = {}, None
     for key, value in schema.items():
         if key in DEVICE_UNENFORCED and found is None:
@@ -209,27 +216,129 @@ def _device_schema(schema: Any, path: str) -> tuple[Any, str | None]:
             out[key] = value
             continue
         if key in NAMED_SCHEMAS and isinstance(value, dict):
-            subs = {name: _device_schema(sub, f"{path}/{key}/{name}") for name, sub in value.items()}
+            subs = {name: _device_schema(sub, f"{path}/{key}/{name}", integers) for name, sub in value.items()}
             out[key] = {name: sub for name, (sub, _) in subs.items()}
             where = next((w for _, w in subs.values() if w is not None), None)
         else:
-            out[key], where = _device_schema(value, f"{path}/{key}")
+            out[key], where = _device_schema(value, f"{path}/{key}", integers)
         found = found or where
     return out, found
 
 
-def _integer_range(schema: dict) -> dict:
-    """An integer schema bounded both ways (and at most RANGE_AS_ENUM wide) as the enum of its values."""
-    low, high = schema.get("minimum"), schema.get("maximum")
-    low = schema["exclusiveMinimum"] + 1 if isinstance(schema.get("exclusiveMinimum"), int) else low
-    high = schema["exclusiveMaximum"] - 1 if isinstance(schema.get("exclusiveMaximum"), int) else high
+def _integer_range(schema: dict, path: str, integers: _Integers) -> dict:
+    """An integer schema with bounds as what outlines-core enforces: a range at most RANGE_AS_ENUM wide as the enum
+    of its values (multipleOf too), any other (one bound, or a wider range, without multipleOf) as a stand-in for
+    integer_regex's. Left as it is where a bound is not a number or another keyword decides the value."""
+    bounds = {key: schema[key] for key in BOUNDS if key in schema}
+    if (schema.get("type") != "integer" or not bounds or "enum" in schema or "const" in schema
+            or not all(type(v) in (int, float) and math.isfinite(v) for v in bounds.values())):
+        return schema  # a draft-4 boolean exclusiveMinimum too: refused, its keyword named
+    low, high = _integer_bounds(bounds)
     step = schema.get("multipleOf", 1)
-    if (schema.get("type") != "integer" or not all(type(v) is int for v in (low, high, step)) or step <= 0
-            or high - low > RANGE_AS_ENUM or "enum" in schema or "const" in schema):
+    rest = {k: v for k, v in schema.items() if k not in ("type", *BOUNDS, "multipleOf")}
+    if None not in (low, high) and type(step) is int and step > 0 and high - low <= RANGE_AS_ENUM:
+        return {**rest, "enum": [v for v in range(low, high + 1) if v % step == 0]}
+    if step != 1:  # divisibility over an open range: not lowered
         return schema
-    rest = {k: v for k, v in schema.items()
-            if k not in ("type", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")}
-    return {**rest, "enum": [v for v in range(low, high + 1) if v % step == 0]}
+    regex = integer_regex(low, high)
+    if regex is None:
+        raise GrammarError(f"the integer bounds at {path[:200]} admit no integer of at most {INTEGER_DIGITS} digits, "
+                           "the most the device's grammar walk writes (graph and persistent drive modes); the host "
+                           "drive mode serves them")
+    return {**rest, "const": integers.stand_in(regex)}
+
+
+def _integer_bounds(bounds: dict) -> tuple[int | None, int | None]:
+    """The least and greatest integers `bounds` (JSON schema's, numbers) allow; None: no bound that way."""
+    lows = [math.ceil(bounds["minimum"])] if "minimum" in bounds else []
+    lows += [math.floor(bounds["exclusiveMinimum"]) + 1] if "exclusiveMinimum" in bounds else []
+    highs = [math.floor(bounds["maximum"])] if "maximum" in bounds else []
+    highs += [math.ceil(bounds["exclusiveMaximum"]) - 1] if "exclusiveMaximum" in bounds else []
+    return max(lows, default=None), min(highs, default=None)
+
+
+def integer_regex(low: int | None, high: int | None) -> str | None:
+    """The regex of the JSON integers from `low` to `high` (None: unbounded that way) of at most INTEGER_DIGITS
+    digits, written as JSON writes them (no leading zeros; no -0, as llguidance's bounded integers); None when there
+    is none."""
+    top = 10 ** INTEGER_DIGITS - 1
+    low, high = max(-top, -top if low is None else low), min(top, top if high is None else high)
+    if low > high:
+        return None
+    parts = []
+    if low < 0:  # the negatives' magnitudes, from the least to the greatest
+        negatives = _magnitudes(max(1, -high), -low)
+        parts.append("-" + (negatives[0] if len(negatives) == 1 else f"({'|'.join(negatives)})"))
+    if high >= 0:
+        parts += _magnitudes(max(0, low), high)
+    return f"({'|'.join(parts)})"
+
+
+def _magnitudes(low: int, high: int) -> list[str]:
+    """Alternatives that match the naturals from `low` to `high` (0 <= low <= high), without leading zeros: per count
+    of digits, the counts whose every number is in range as one class."""
+    out, full = [], []
+    if low == 0:
+        out.append("0")
+        low = 1
+    for digits in range(len(str(low)), len(str(high)) + 1) if low <= high else ():
+        first, last = max(low, 10 ** (digits - 1)), min(high, 10 ** digits - 1)
+        if (first, last) == (10 ** (digits - 1), 10 ** digits - 1):
+            full.append(digits)  # contiguous: only the shortest and the longest counts can be partial
+        else:
+            out += _same_length(str(first), str(last))
+    if full:
+        out.append("[1-9]" + _repeat(full[0] - 1, full[-1] - 1))
+    return out
+
+
+def _same_length(low: str, high: str) -> list[str]:
+    """Alternatives that match the digit strings from `low` to `high`, both of one length, low <= high."""
+    if low == high:
+        return [low]
+    if len(low) == 1:
+        return [f"[{low}-{high}]"]
+    if low[0] == high[0]:
+        return [low[0] + tail for tail in _same_length(low[1:], high[1:])]
+    rest, out, tail = len(low) - 1, [], []
+    first, last = int(low[0]), int(high[0])
+    if low[1:] != "0" * rest:  # low's leading digit, then from its tail up
+        out += [low[0] + t for t in _same_length(low[1:], "9" * rest)]
+        first += 1
+    if high[1:] != "9" * rest:  # high's leading digit, then up to its tail
+        tail = [high[0] + t for t in _same_length("0" * rest, high[1:])]
+        last -= 1
+    if first <= last:
+        out.append((str(first) if first == last else f"[{first}-{last}]") + _repeat(rest, rest))
+    return out + tail
+
+
+def _repeat(least: int, most: int) -> str:
+    """[0-9] from `least` to `most` times."""
+    if most == 0:
+        return ""
+    return "[0-9]" + ("" if (least, most) == (1, 1) else f"{{{least}}}" if least == most else f"{{{least},{most}}}")
+
+
+class _Integers:
+    """Integer regexes outlines-core has no keyword for (integer_regex's), each stood in for in the schema by a const
+    string whose quoted text its regex then replaces: a number, unquoted, where the value goes."""
+
+    def __init__(self, text: str):
+        self.tag = "blinkinteger"
+        while self.tag in text:  # a name the schema's own strings do not hold
+            self.tag += "x"
+        self.regexes: dict[str, str] = {}
+
+    def stand_in(self, regex: str) -> str:
+        name = f"{self.tag}{len(self.regexes)}"
+        self.regexes[json.dumps(name)] = regex
+        return name
+
+    def substitute(self, regex: str) -> str:
+        for quoted, integer in self.regexes.items():
+            regex = regex.replace(quoted, integer)
+        return regex
 
 
 # Perl classes as ASCII, as llguidance reads them: Rust's regex (outlines-core's) reads them as Unicode, so a date's

@@ -38,7 +38,7 @@ READY, TAKEN = 1, 2  # a slot's ready word: its block is in the arena; the devic
 # The gate's poll when nothing wakes it: records arrive in shared memory from the ingress's process (or by RDMA, with
 # no CPU at all), which signals no thread here; a lowering that completes wakes it at once.
 POLL_S = 1e-3
-CACHED_TABLES = 32  # lowered specs kept (by spec) beside the arena
+CACHED_TABLES = 32  # lowered specs kept (by spec, the least used evicted) beside the arena; json_object's pinned
 
 
 class Arena:
@@ -47,15 +47,18 @@ class Arena:
     def __init__(self, words: int):
         self.words = words
         self._free: list[tuple[int, int]] = [(0, words)]  # (start, size), by start
+        self.used = 0  # words taken: read by the engine's status thread, which must not walk _free as it changes
 
     def take(self, size: int) -> int | None:
         for i, (start, room) in enumerate(self._free):
             if room >= size:
                 self._free[i:i + 1] = [(start + size, room - size)] if room > size else []
+                self.used += size
                 return start
         return None
 
     def give(self, start: int, size: int) -> None:
+        self.used -= size
         i = bisect.bisect(self._free, (start, size))
         self._free.insert(i, (start, size))
         merged: list[tuple[int, int]] = []
@@ -128,6 +131,13 @@ class DeviceGrammars:
             self._compiler = GrammarCompiler(_Lowerer(Lowering(self._tokenizer, self._vocab, self._eos)),
                                              cached=CACHED_TABLES)
         return self._compiler
+
+    def arena_usage(self) -> tuple[int, int, int] | None:
+        """The arena's bytes in use, its capacity, and the tables resident (/metrics); None while the slot table
+        carries no grammar (the arena is a placeholder word)."""
+        if not self.table.geometry.max_grammar_bytes:
+            return None
+        return 4 * self.space.used, 4 * self.space.words, len(self.blocks)
 
     def poll(self) -> bool:
         """Frees the blocks of requests that left, readies the submitted constrained slots whose block is in the
@@ -218,8 +228,9 @@ class DeviceGrammars:
         """The gate's thread (no thread while the table carries no grammar)."""
         if self.table.geometry.max_grammar_bytes and self._thread is None:
             # json_object's table, a generic JSON object over the whole vocabulary, takes seconds to lower (12 s on a
-            # loaded 2-core VM): lowered once now, so its first request does not wait past the compile limit.
-            self.compiler.submit(GrammarSpec.json_schema(ANY_OBJECT))
+            # loaded 2-core VM): lowered once now, so its first request does not wait past the compile limit, and
+            # pinned, as lowering it again after CACHED_TABLES other specs evicted it would outlast that limit.
+            self.compiler.submit(GrammarSpec.json_schema(ANY_OBJECT), pin=True)
             self._stop.clear()
             self._thread = threading.Thread(target=self._loop, name="grammar-gate", daemon=True)
             self._thread.start()

@@ -1,7 +1,7 @@
 """The device modes' grammars lowered on the host (blink.engine.core.grammar_table, outlines-core): random walks of a
 regex's, a choice's and JSON schemas' tables make strings that match or parse; the table's masks agree with
 llguidance's (the ingress's check, the host mode's default) on sampled prefixes, but where the two libraries differ
-by design; what does not lower is refused saying why."""
+by design; integer bounds lower to exactly their integers; what does not lower is refused saying why."""
 
 from __future__ import annotations
 
@@ -128,7 +128,11 @@ def test_the_tables_masks_agree_with_llguidance_but_where_the_libraries_differ(l
 
 @pytest.mark.parametrize(("spec", "words"), [
     (GrammarSpec(GrammarKind.EBNF, 'root ::= "a" root | "b"'), "a grammar is not walked on the device"),
-    (GrammarSpec.json_schema({"type": "integer", "minimum": 0}), "#/minimum is not enforced"),
+    (GrammarSpec.json_schema({"type": "number", "minimum": 0}), "#/minimum is not enforced"),
+    (GrammarSpec.json_schema({"type": "integer", "minimum": 0, "multipleOf": 2}), "#/minimum is not enforced"),
+    (GrammarSpec.json_schema({"type": "integer", "minimum": 5, "exclusiveMinimum": True}), "#/minimum"),  # draft 4
+    (GrammarSpec.json_schema({"properties": {"n": {"type": "integer", "minimum": 10 ** 18}}}),
+     "bounds at #/properties/n admit no integer of at most 18 digits"),
     (GrammarSpec.json_schema({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}), "uniqueItems"),
     (GrammarSpec.json_schema({"type": "string", "format": "hostname"}), "hostname"),
     (GrammarSpec(GrammarKind.REGEX, "(?=a)b"), "cannot be walked on the device"),
@@ -150,15 +154,72 @@ def test_a_bounded_integer_range_becomes_its_values():
     assert {v for v in map(str, range(-5, 40)) if re.fullmatch(regex, v)} == {"3", "6", "9"}
 
 
+# Integer bounds outlines-core leaves out, as the device walks them: one-sided, exclusive, fractional, wide.
+BOUNDS = [
+    {"minimum": 0}, {"minimum": 17}, {"minimum": -5}, {"maximum": 0}, {"maximum": -1}, {"maximum": 12345},
+    {"exclusiveMinimum": 0}, {"exclusiveMaximum": -10}, {"minimum": 0.5}, {"exclusiveMinimum": 2.5},
+    {"minimum": -987, "maximum": 4321}, {"minimum": 0, "exclusiveMinimum": 7, "maximum": 10 ** 20},
+    {"minimum": 123456789012}, {"maximum": -(10 ** 17)}, {"minimum": 999, "maximum": 100000, "multipleOf": 1},
+]
+
+
+def _sampled(bounds: dict) -> set[int]:
+    """Integers in and around the bounds: each bound and its neighbours, powers of ten, the 18-digit limits, and
+    random ones of every length."""
+    rng = random.Random(str(bounds))
+    near = {int(v) + d for v in bounds.values() if abs(v) < 10 ** 21 for d in (-2, -1, 0, 1, 2)}
+    powers = {sign * (10 ** k + d) for k in range(20) for d in (-1, 0) for sign in (1, -1)}
+    return near | powers | {rng.choice((1, -1)) * rng.randrange(10 ** rng.randint(1, 19)) for _ in range(2000)}
+
+
+@pytest.mark.parametrize("bounds", BOUNDS, ids=[",".join(f"{k}={v}" for k, v in b.items()) for b in BOUNDS])
+def test_integer_bounds_lower_to_exactly_their_integers(bounds):
+    """Every sampled integer in range of at most 18 digits matches, as JSON writes it; none out of range does, nor a
+    leading zero or -0 (which llguidance, the ingress's check, refuses for a bounded integer)."""
+    schema = {"type": "integer", **bounds}
+    regex = device_regex(GrammarSpec.json_schema(schema))
+    for value in _sampled(bounds):
+        try:
+            jsonschema.validate(value, schema)
+            inside = abs(value) < 10 ** 18
+        except jsonschema.ValidationError:
+            inside = False
+        assert bool(re.fullmatch(regex, str(value))) == inside, (value, regex)
+        if value > 0:
+            assert not re.fullmatch(regex, f"0{value}") and not re.fullmatch(regex, f"-0{value}")
+    assert not re.fullmatch(regex, "-0") and not re.fullmatch(regex, "00")
+    assert not any(re.fullmatch(regex, s) for s in ("+1", "1.0", "1e2", '"1"', " 1"))
+
+
+def test_a_pydantic_model_s_one_sided_bounds_lower_and_walk_within_them(lowering, tokenizer):
+    """Field(ge=0) and Field(lt=0) as pydantic writes them, lowered to a table whose walks parse under the schema."""
+    from pydantic import BaseModel, Field
+
+    class Count(BaseModel):
+        n: int = Field(ge=0)
+        debt: int = Field(lt=0)
+        small: int | None = Field(None, gt=3)
+
+    schema = Count.model_json_schema()
+    table = lowering.lower(GrammarSpec.json_schema(schema))
+    seen = 0
+    for tokens in _walks(table, 4, count=40):
+        value = json.loads(tokenizer.decode(tokens))
+        jsonschema.validate(value, schema)
+        seen += value["n"] > 9 or value["debt"] < -9  # numbers of more than one digit came up
+    assert seen
+
+
 def test_the_ingress_lets_the_device_modes_take_what_lowers():
-    """graph and persistent take a regex, a choice and a bounded schema (the engine walks them), and refuse, naming
-    why, what does not lower; the host mode masks a GBNF grammar."""
+    """graph and persistent take a regex, a choice, a schema and a one-sided integer bound (the engine walks them),
+    and refuse, naming why, what does not lower; the host mode masks a GBNF grammar."""
     from types import SimpleNamespace
 
     from blink.ingress.errors import APIError
     from blink.ingress.structured import _check_serving
 
-    regular = [GrammarSpec(GrammarKind.REGEX, REGEX), GrammarSpec.choice(CHOICES), GrammarSpec.json_schema(SCHEMAS[1])]
+    regular = [GrammarSpec(GrammarKind.REGEX, REGEX), GrammarSpec.choice(CHOICES), GrammarSpec.json_schema(SCHEMAS[1]),
+               GrammarSpec.json_schema({"type": "integer", "minimum": 0})]
     gbnf = GrammarSpec(GrammarKind.EBNF, 'root ::= "a" root | "b"')
     for drive in ("graph", "persistent"):
         state = SimpleNamespace(info=SimpleNamespace(drive=drive, max_grammar_bytes=4096))

@@ -9,6 +9,7 @@ import json
 import re
 import time
 import uuid
+from types import SimpleNamespace
 
 import jsonschema
 import pytest
@@ -190,6 +191,46 @@ def test_the_gate_starts_lowering_json_object_when_it_starts(table, device):
     step = device()
     step.grammars.start()
     try:  # the cache's future: a json_object request finds it lowered or lowering
-        assert GrammarSpec.json_schema(ANY_OBJECT) in step.grammars.compiler._futures
+        assert GrammarSpec.json_schema(ANY_OBJECT) in step.grammars.compiler._pinned
     finally:
         step.grammars.stop()
+
+
+class _Counted:
+    """A lowering that counts its compiles by spec (json_object's real one takes 12 s, past the compile limit)."""
+
+    def __init__(self):
+        self.calls: dict[GrammarSpec, int] = {}
+
+    def compile(self, spec: GrammarSpec) -> str:
+        self.calls[spec] = self.calls.get(spec, 0) + 1
+        return f"table of {spec.text}"
+
+
+def test_json_object_s_table_stays_cached_past_the_cache_s_limit(table):
+    """The start-up lowering of json_object is pinned: CACHED_TABLES + 8 other specs later, a json_object request
+    is served from the cache, not lowered again (which would outlast the compile limit and be refused)."""
+    import torch
+
+    from blink.shared.grammar import GrammarCompiler
+
+    engine = SimpleNamespace(device=torch.device("cpu"), state=SimpleNamespace(num_slots=4),
+                             tokenizer=SimpleNamespace(raw=None), model_config=SimpleNamespace(vocab_size=64),
+                             generation=SimpleNamespace(eos_token_ids=[1]))
+    grammars = device_grammars.DeviceGrammars(engine, table, arena_bytes=1024)
+    backend = _Counted()
+    grammars._compiler = GrammarCompiler(backend, cached=device_grammars.CACHED_TABLES)
+    json_object = GrammarSpec.json_schema(ANY_OBJECT)
+    grammars.start()
+    try:
+        first = grammars.compiler.submit(json_object)
+        for i in range(device_grammars.CACHED_TABLES + 8):  # other specs, each used once after it
+            grammars.compiler.submit(GrammarSpec(GrammarKind.REGEX, f"a{{{i}}}")).result(10)
+        again = grammars.compiler.submit(json_object)
+        assert again is first and again.result(10) == f"table of {json_object.text}"
+        assert backend.calls[json_object] == 1
+        # the others are still bounded: the oldest was evicted and lowers again
+        grammars.compiler.submit(GrammarSpec(GrammarKind.REGEX, "a{0}")).result(10)
+        assert backend.calls[GrammarSpec(GrammarKind.REGEX, "a{0}")] == 2
+    finally:
+        grammars.close()

@@ -1,8 +1,8 @@
 """Structured outputs through the official `openai` SDK against `blink serve` (the host mode, the tiny random model):
 response_format (the SDK's `parse` with a pydantic model, json_schema, json_object), vLLM's structured_outputs and
-guided_* fields, forced and named tool calls, and the 400s. The model is random, so its answers are garbage: that
-they still parse is the mask's doing. Only completed answers are validated (a JSON cut by max_tokens ends `length`),
-and most must complete."""
+guided_* fields (on completions and chat; a GBNF grammar too), forced and named tool calls, and the 400s. The model
+is random, so its answers are garbage: that they still parse is the mask's doing. Only completed answers are
+validated (a JSON cut by max_tokens ends `length`), and most must complete."""
 
 from __future__ import annotations
 
@@ -136,6 +136,45 @@ def test_regexes_and_choices(client, stream):
                 text, finish = choice.text, choice.finish_reason
             assert finish == "stop", (body, text)
             assert re.fullmatch(pattern, text), (body, text)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_vllm_s_fields_on_chat_completions(client, stream):
+    """vLLM takes guided_choice, guided_regex and structured_outputs on chat as on completions (the SDK's
+    extra_body): the assistant's content follows them."""
+    schema = SCHEMAS["array_enum"]
+    cases = [({"guided_choice": ["yes", "no", "maybe so"]}, r"yes|no|maybe so"),
+             ({"guided_regex": r"[a-z]{2,6}@[a-z]{2,4}\.(com|org)"}, r"[a-z]{2,6}@[a-z]{2,4}\.(com|org)"),
+             ({"structured_outputs": {"regex": r"\d{3}-\d{4}"}}, r"\d{3}-\d{4}"),
+             ({"structured_outputs": {"choice": ["alpha", "beta"]}}, r"alpha|beta"),
+             ({"structured_outputs": {"json": schema}}, None)]
+    for body, pattern in cases:
+        for seed in range(2):
+            text, finish = _chat_text(client, stream, extra_body=body, max_tokens=120, temperature=1.0, seed=seed)
+            assert finish == "stop", (body, text)
+            if pattern is None:
+                jsonschema.validate(json.loads(text), schema)
+            else:
+                assert re.fullmatch(pattern, text), (body, text)
+
+
+# A GBNF grammar of several rules (xgrammar's and llguidance's syntax), and the language it spells as a regex.
+GBNF = """root ::= greeting " " name "!"
+greeting ::= "hello" | "hi"
+name ::= [a-z] [a-z]? [a-z]?"""
+GBNF_LANGUAGE = r"(hello|hi) [a-z]{1,3}!"
+
+
+def test_a_gbnf_grammar_is_followed(client):
+    """guided_grammar on completions and structured_outputs' grammar on chat, streamed: each answer is a sentence of
+    the grammar."""
+    for seed in range(3):
+        choice = client.completions.create(model=MODEL, prompt="Greet:", max_tokens=30, temperature=1.0, seed=seed,
+                                           extra_body={"guided_grammar": GBNF}).choices[0]
+        assert choice.finish_reason == "stop" and re.fullmatch(GBNF_LANGUAGE, choice.text), choice.text
+        text, finish = _chat_text(client, True, extra_body={"structured_outputs": {"grammar": GBNF}}, max_tokens=30,
+                                  temperature=1.0, seed=seed)
+        assert finish == "stop" and re.fullmatch(GBNF_LANGUAGE, text), text
 
 
 def test_unconstrained_requests_beside_constrained_ones_answer_as_alone(client):

@@ -66,6 +66,18 @@ def test_one_compile_per_spec_and_errors_cached_too():
     compiler.close()
 
 
+def test_a_pinned_spec_outlives_the_cache_s_limit():
+    backend = SlowBackend(seconds=0)
+    compiler = GrammarCompiler(backend, cached=2)
+    compiler.compile(GrammarSpec(GrammarKind.REGEX, "x"))
+    compiler.submit(GrammarSpec(GrammarKind.REGEX, "x"), pin=True)  # pinned after it was cached: no second compile
+    for text in "yzw":
+        compiler.compile(GrammarSpec(GrammarKind.REGEX, text))
+    assert compiler.compile(GrammarSpec(GrammarKind.REGEX, "x")) == "compiled x"
+    assert backend.calls == 4 and len(compiler._futures) == 2  # the others still evicted past 2
+    compiler.close()
+
+
 @pytest.mark.parametrize(("schema", "where"), [
     ({"not": {"type": "string"}}, "#/not"),
     ({"type": "object", "properties": {"a": {"if": {"type": "string"}, "then": {}}}}, "#/properties/a/if"),
@@ -102,7 +114,7 @@ def test_the_record_carries_the_grammar_within_its_area():
 
 
 GBNF = GrammarSpec(GrammarKind.EBNF, 'root ::= "a" root | "b"')
-UNBOUNDED = GrammarSpec.json_schema({"type": "object", "properties": {"n": {"type": "integer", "minimum": 0}}})
+UNBOUNDED = GrammarSpec.json_schema({"type": "object", "properties": {"n": {"type": "number", "minimum": 0}}})
 
 
 @pytest.mark.parametrize(("drive", "limit", "spec", "words"), [
@@ -110,7 +122,8 @@ UNBOUNDED = GrammarSpec.json_schema({"type": "object", "properties": {"n": {"typ
     ("host", 4, GrammarSpec(GrammarKind.REGEX, "[a-z]+"), "--max-grammar-bytes")])
 def test_the_ingress_refuses_what_its_engine_cannot_mask(drive, limit, spec, words):
     """The device modes walk what lowers to a token automaton (a GBNF grammar does not; outlines-core's JSON regex
-    leaves an open integer bound out); the host mode masks what fits the record."""
+    leaves a bound on a number out, and the device lowers only an integer's); the host mode masks what fits the
+    record."""
     info = SimpleNamespace(drive=drive, max_grammar_bytes=limit, model="m")
     state = SimpleNamespace(info=info, metrics=Metrics("m", drive, "shm"), grammars=None)
     with pytest.raises(APIError) as e:

@@ -1,6 +1,7 @@
 """/metrics counts how each structured-output request went (blink.ingress.structured, blink.ingress.metrics): served
 on the host or walked on the device, refused at the ingress by reason (unsupported in this drive mode, too large,
-invalid, a compile past the time limit), and ended by the engine (the totals its status reports)."""
+invalid, a compile past the time limit), and ended by the engine (the totals its status reports); the device modes'
+grammar arena, its bytes in use and resident tables."""
 
 from __future__ import annotations
 
@@ -110,3 +111,47 @@ def test_what_the_engine_ended_is_rendered_from_its_status():
     text = metrics.render(client, status, degraded=False).decode()
     assert 'blink:structured_output_engine_ended_requests{model_name="m",reason="failed"} 2.0' in text
     assert 'blink:structured_output_engine_ended_requests{model_name="m",reason="timeout"} 1.0' in text
+
+
+def test_the_device_grammar_arena_is_rendered_only_where_the_engine_has_one():
+    """Graph and persistent report their arena's bytes in use, its size and its resident tables; the host mode's
+    status carries none (0), so no series appears, as the speculation figures of an engine that does not draft."""
+    client = SimpleNamespace(running=0, waiting=0, failed_over=0, health=lambda: SimpleNamespace(failovers=0))
+    names = ("blink:grammar_arena_used_bytes", "blink:grammar_arena_capacity_bytes",
+             "blink:num_grammar_tables_resident")
+    device = EngineStatus(state="ready", epoch=1, steps=0, running=0, kv_pages_used=0, kv_pages_total=1,
+                          preemptions=0, grammar_arena_bytes_used=3 << 20, grammar_arena_bytes_total=64 << 20,
+                          grammar_tables_resident=2)
+    metrics = Metrics("m", "graph", "shm")
+    metrics.render(client, device, degraded=False)
+    got = [metrics.registry.get_sample_value(name, {"model_name": "m"}) for name in names]
+    assert got == [3 << 20, 64 << 20, 2]
+    host = EngineStatus(state="ready", epoch=1, steps=0, running=0, kv_pages_used=0, kv_pages_total=1, preemptions=0)
+    metrics = Metrics("m", "host", "shm")
+    text = metrics.render(client, host, degraded=False).decode()
+    assert not any(f"{name}{{" in text for name in names), text
+
+
+def test_the_engine_reports_its_grammar_arena_as_blocks_come_and_go():
+    """What the engine's status reads (DeviceGrammars.arena_usage): the arena's used words follow the blocks taken
+    and given back, and nothing is reported while the slot table carries no grammar."""
+    from blink.engine.drive.device_grammars import Arena, DeviceGrammars
+    from blink.services.engine_service import _grammar_arena
+
+    grammars = DeviceGrammars.__new__(DeviceGrammars)  # its gate's bookkeeping only: no engine, no device memory
+    grammars.table = SimpleNamespace(geometry=SimpleNamespace(max_grammar_bytes=1024))
+    grammars.space, grammars.blocks = Arena(100), {}
+    engine = SimpleNamespace(step=SimpleNamespace(grammar=grammars))
+    assert _grammar_arena(engine) == {"grammar_arena_bytes_used": 0, "grammar_arena_bytes_total": 400,
+                                      "grammar_tables_resident": 0}
+    a, b = grammars.space.take(30), grammars.space.take(20)
+    grammars.blocks.update({"a": (a, 30, {0}), "b": (b, 20, {1})})
+    assert _grammar_arena(engine)["grammar_arena_bytes_used"] == 200
+    grammars.space.give(a, 30)
+    del grammars.blocks["a"]
+    assert _grammar_arena(engine) == {"grammar_arena_bytes_used": 80, "grammar_arena_bytes_total": 400,
+                                      "grammar_tables_resident": 1}
+    assert grammars.space.used == grammars.space.words - grammars.space.free_words
+    grammars.table = SimpleNamespace(geometry=SimpleNamespace(max_grammar_bytes=0))
+    assert _grammar_arena(engine) == {}
+    assert _grammar_arena(SimpleNamespace(step=SimpleNamespace(grammar=None))) == {}  # the host mode's: no arena
