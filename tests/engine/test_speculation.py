@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,9 +17,11 @@ from blink.engine.core.speculation import Speculation
 from blink.engine.core.state import Slots, SlotStatus
 from blink.engine.drive.host import HostDriver, _events
 from blink.engine.engine import Engine, EngineConfig
+from blink.engine.kernels import commit
 from blink.engine.model.tiny_model import ensure_tiny_model
 from blink.shared.slot_table import Finish, Request
 from blink.shared.speculative import speculative_config
+from tests.engine.test_commit_kernel import cpp_kernels
 from tests.support.host_reads import host_reads_forbidden
 
 # Prompts whose continuation the tiny random model repeats, so drafts are found and accepted; and one with no repeat.
@@ -108,44 +111,66 @@ def test_seeded_sampling_draws_the_same_tokens_with_and_without_drafts(plain, sp
         assert _tokens(llm, PROMPTS[:2], params) == _tokens(plain, PROMPTS[:2], params), seed
 
 
-def test_a_draft_is_accepted_with_the_target_s_probability_and_the_output_distribution_kept():
-    """settle on crafted logits over a 4-token vocabulary: position 0 draws from p; the draft d is accepted exactly
-    when the draw is d (probability p(d), as rejection sampling of a point-mass draft), and the first token emitted
-    has the distribution p whatever the draft."""
-    V, n = 4, 4000
-    p = torch.tensor([0.1, 0.5, 0.3, 0.1])
+# The settles: the torch reference (None), the CPU's C++ and the device step's Triton (in Triton's interpreter, ~9 ms
+# a slot: fewer slots, wider bounds).
+SETTLES = {"torch": lambda: None, "cpp": lambda: cpp_kernels().settle_runs, "triton": lambda: commit.settle_runs}
+
+
+@pytest.mark.parametrize(("settle", "n"), [("torch", 4000), ("cpp", 4000), ("triton", 600)])
+def test_drafts_are_accepted_with_the_target_s_probabilities_and_the_output_distribution_kept(settle, n):
+    """settle on crafted logits over a 6-token vocabulary, top-k 3, runs of two drafts, a slot per seed: each row
+    draws from its position's filtered distribution q_i (plain decoding's draw there); draft i is accepted exactly when
+    its row drew it and the drafts before it were accepted (probability q_0(d_0) q_1(d_1) for both: rejection sampling
+    of point-mass drafts), and the tokens emitted are the rows' draws up to the first that differs from its draft, so
+    the first is distributed as q_0, the second as q_1 after an accepted d_0, none outside the top 3."""
+    V, K, top_k = 6, 2, 3
+    p = torch.tensor([[0.05, 0.30, 0.25, 0.10, 0.20, 0.10],  # position 0: top 3 = {1, 2, 4}
+                      [0.35, 0.05, 0.10, 0.25, 0.05, 0.20],  # position 1: {0, 3, 5}
+                      [0.05, 0.15, 0.40, 0.08, 0.25, 0.07]])  # the bonus row: {1, 2, 4}
+    q = torch.where(p >= p.topk(top_k, dim=1).values[:, -1:], p, 0)
+    q /= q.sum(1, keepdim=True)
+    drafts = [2, 3]  # in their positions' top 3, neither the likeliest
     state = Slots(n, max_len=8, max_pages=2, vocab_size=V, device=torch.device("cpu"))
     state.status.fill_(SlotStatus.RUNNING)
     state.prompt_len.fill_(3)
     state.seq_len.fill_(3)
-    state.num_computed.fill_(4)  # after the step's advance: 2 + the last token + one draft
+    state.num_computed.fill_(5)  # after the step's advance: 2 + the last token + two drafts
     state.max_tokens.fill_(5)
-    state.draft_len.fill_(1)
-    draft = 2
-    state.tokens[:, 3] = draft
-    slot = torch.arange(n).repeat_interleave(2)
-    rows = SamplingRows(temperature=torch.ones(2 * n), top_p=torch.ones(2 * n), top_k=torch.zeros(2 * n).long(),
-                        min_p=torch.zeros(2 * n), repetition_penalty=torch.ones(2 * n),
-                        presence_penalty=torch.zeros(2 * n), frequency_penalty=torch.zeros(2 * n),
-                        seed=slot * 7919 + 1, step_index=torch.arange(2).repeat(n) + 1)
-    logits = p.log().repeat(2 * n, 1)
-    out = sample(logits, rows, SamplerFeatures(random=True), hash32(torch.arange(V)))
+    state.draft_len.fill_(K)
+    state.tokens[:, 3:5] = torch.tensor(drafts, dtype=torch.int32)
+    R = n * (K + 1)
+    slot, i = torch.arange(n).repeat_interleave(K + 1), torch.arange(K + 1).repeat(n)
+    rows = SamplingRows(temperature=torch.ones(R), top_p=torch.ones(R), top_k=torch.full((R,), top_k),
+                        min_p=torch.zeros(R), repetition_penalty=torch.ones(R), presence_penalty=torch.zeros(R),
+                        frequency_penalty=torch.zeros(R), seed=slot * 7919 + 1, step_index=i)
+    logits = p.log()[i]
+    out = sample(logits, rows, SamplerFeatures(random=True, filtering=True), hash32(torch.arange(V)))
+    plan = SimpleNamespace(sample_slot=slot, sample_valid=torch.ones(R, dtype=torch.bool), sample_token=torch.arange(R),
+                           token_pos=i + 2)
 
-    class Plan:
-        sample_slot, sample_valid = slot, torch.ones(2 * n, dtype=torch.bool)
-        sample_token = torch.arange(2 * n)
-        token_pos = torch.arange(2).repeat(n) + 2
+    speculation = dataclasses.replace(Speculation(K, 1, 1), settle_kernel=SETTLES[settle]())
+    settled = speculation.settle(state, plan, R, out, logits, torch.tensor([-1]), False)
+    draws, count = out.tokens.view(n, K + 1), settled.runs.count
+    first, second = draws[:, 0], draws[:, 1]
+    assert torch.equal(count, torch.where(first != drafts[0], 1, torch.where(second != drafts[1], 2, 3)))
+    emitted = torch.arange(K + 1) < count[:, None]
+    assert torch.equal(settled.runs.token, torch.where(emitted, draws, -1))  # the draws themselves, in order
 
-    settled = Speculation(1, 1, 1).settle(state, Plan, 2 * n, out, logits, torch.tensor([-1]), False)
-    first = settled.runs.token[:, 0]
-    accepted = settled.runs.count == 2
-    assert torch.equal(accepted, first == draft)
-    assert torch.equal(first, out.tokens[0::2])  # the draw itself: the distribution is p's
-    freq = torch.bincount(first, minlength=V).float() / n
-    assert (freq - p).abs().max() < 0.03, freq
-    assert torch.equal(state.seq_len, 3 + settled.runs.count)
-    assert torch.equal(state.num_computed, 4 - 2 + settled.runs.count)  # the valid KV only
-    assert state.spec_counts.tolist() == [n, n, int(accepted.sum())]
+    def within_bounds(tokens: torch.Tensor, q: torch.Tensor) -> None:
+        """tokens' frequencies are q's within 2 / sqrt(count), four standard deviations at least; none where q is 0."""
+        freq = torch.bincount(tokens, minlength=V).float() / len(tokens)
+        assert torch.equal(freq > 0, q > 0) and (freq - q).abs().max() < 2 / len(tokens) ** 0.5, (freq, q)
+
+    within_bounds(first, q[0])
+    within_bounds(second[first == drafts[0]], q[1])
+    assert not (draws[count == 3, 2][:, None] == torch.tensor([0, 3, 5])).any()  # the bonus row's top 3 only
+    both = (count == 3).float().mean()
+    assert abs(both - q[0, drafts[0]] * q[1, drafts[1]]) < 2 / n ** 0.5
+    assert torch.equal(state.seq_len, 3 + count)
+    assert torch.equal(state.num_computed, 2 + count)  # the valid KV only
+    accepted = [int((count > 1).sum()), int((count > 2).sum())]
+    assert state.spec_counts.tolist() == [n, K * n, sum(accepted)]
+    assert state.spec_accepted_per_pos[:K].tolist() == accepted
 
 
 def test_no_page_is_lost_to_rejections_cancels_or_finishes_inside_a_run(speculating):

@@ -1,8 +1,8 @@
 """Speculative decoding in the device step (the `graph` and `persistent` modes' work: engine/drive/device_step.py), run
 eagerly on the CPU with its kernels in Triton's interpreter: drafts planned, laid out by the layout kernel, settled
 and published a run of tokens a slot per step, against the same device step without drafts. Greedy tokens, logprobs
-and finishes identical for a batch of speculating and plain rows, stop ids and max_tokens falling inside an accepted
-run, the window's room respected, no page left behind."""
+and finishes identical for a batch of speculating and plain rows at several K, stop ids and max_tokens falling inside
+an accepted run, the window's room respected, no page left behind."""
 
 from __future__ import annotations
 
@@ -89,9 +89,10 @@ def plain() -> Served:
     return _serve(None, MIXED)[0]
 
 
-@pytest.fixture(scope="module")
-def speculating() -> tuple[Served, Engine]:
-    return _serve(_spec(4), MIXED)
+@pytest.fixture(scope="module", params=[1, 3, 4], ids=lambda k: f"K={k}")
+def speculating(request) -> tuple[Served, Engine]:
+    """MIXED served with K drafts a run: the layout's and the settle's run widths (K + 1) a power of two and not."""
+    return _serve(_spec(request.param), MIXED)
 
 
 def test_the_device_step_s_greedy_tokens_are_plain_decoding_s_with_drafts_accepted(plain, speculating):
@@ -106,6 +107,7 @@ def test_the_device_step_s_greedy_tokens_are_plain_decoding_s_with_drafts_accept
     assert accepted > 0 and draft_tokens >= accepted
     # Runs of several tokens were published in one step, and in fewer steps than plain decoding took.
     assert max(len(step) for step in served.steps[0]) > 1
+    assert max(len(step) for slot in MIXED for step in served.steps[slot]) <= engine.step.speculation.k + 1
     assert len(served.steps[0]) < len(plain.steps[0])
     assert max(len(step) for step in served.steps[3]) == 1  # the penalised row decoded plainly
 
@@ -119,10 +121,13 @@ def _in_runs(served: Served, slot: int) -> list[tuple[int, bool]]:
     return found
 
 
+# K=1's runs (a draft and its bonus token) hold no token's first appearance in the tiny model's text: no stop id
+# can end one.
+@pytest.mark.parametrize("speculating", [3, 4], indirect=True, ids=lambda k: f"K={k}")
 def test_stop_ids_and_max_tokens_inside_an_accepted_run_end_it_there(plain, speculating):
     """max_tokens cutting a run before its last token; a stop id met at the first token of its id that came in a
     run (inside it where the model's repetitive text has one there); every other slot unchanged."""
-    served, _ = speculating
+    served, speculated = speculating
     limit = next(i for i, inside in _in_runs(served, 0) if inside and i > 0) + 1
     stops = [(slot, i, inside) for slot in (0, 1) for i, inside in _in_runs(served, slot)
              if served.tokens(slot)[i] not in served.tokens(slot)[:i]]
@@ -131,7 +136,7 @@ def test_stop_ids_and_max_tokens_inside_an_accepted_run_end_it_there(plain, spec
     requests = {0: Request(PROMPTS[0], limit, temperature=0.0, ignore_eos=True, logprobs=2),
                 1: Request(PROMPTS[stop_slot], 30, temperature=0.0, ignore_eos=True, stop_token_ids=(stop,)),
                 2: Request(PROMPTS[1], 20, temperature=0.0, ignore_eos=True)}
-    got, engine = _serve(_spec(4), requests)
+    got, engine = _serve(_spec(speculated.step.speculation.k), requests)
     assert got.tokens(0) == plain.tokens(0)[:limit] and got.finish[0] == Finish.LENGTH
     assert got.tokens(1) == served.tokens(stop_slot)[:at + 1] and got.finish[1] == Finish.STOP
     assert got.tokens(2) == plain.tokens(1) and got.finish[2] == Finish.LENGTH
