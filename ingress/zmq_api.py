@@ -24,6 +24,7 @@ from blink.ingress.generate import choice_deltas, slot_request
 from blink.ingress.protocol import CompletionRequest
 from blink.ingress.responses import finish_reason
 from blink.ingress.state import IngressState
+from blink.ingress.structured import grammar_of_body
 from blink.ingress.validation import check_model, check_token_ids, completion_prompts, context_room
 from blink.shared.sockets import unlink_ipc
 
@@ -104,11 +105,12 @@ class ZmqApi:
             raise APIError(400, f"the ZeroMQ API does not take {unsupported[0]} (the HTTP API does)",
                            param=unsupported[0])
         check_token_ids(state, [int(t) for t in body.logit_bias or ()], "logit_bias")
+        grammar = await grammar_of_body(state, body)
         prompt = (await completion_prompts(state, body))[0]
         room = context_room(state, prompt, body.max_tokens, "prompt")
         seed = body.seed if body.seed is not None else state.seeds.getrandbits(63)
         request = slot_request(prompt, body, body.max_tokens, room, body.logprobs, seed, state.classes,
-                               state.sampling_defaults)
+                               state.sampling_defaults, grammar=grammar)
         deltas = choice_deltas(state.client, state.tokenizer, request, body, 0, state.metrics, state.info.eos_token_ids)
         async with contextlib.aclosing(deltas):  # a client gone (a failed send) cancels the request now
             async for delta in deltas:

@@ -334,6 +334,14 @@ def test_zmq_client_sync_and_async_match_http(server, offline):
         assert [c.finish_reason for c in chunks].count("length") == 1 and chunks[-1].finish_reason == "length"
         with pytest.raises(BlinkError, match="max_tokens"):
             client.generate("x", max_tokens=-2)
+        # A structured output is followed as over HTTP (it was once dropped: the answer ran unconstrained), and
+        # refused with its reason where HTTP refuses it.
+        for seed in range(3):
+            chosen = client.generate(PROMPTS[0], max_tokens=10, temperature=1.0, seed=seed,
+                                     structured_outputs={"choice": ["yes", "no"]})
+            assert chosen.text in ("yes", "no") and chosen.finish_reason == "stop"
+        with pytest.raises(BlinkError, match="ignore_eos cannot be combined"):
+            client.generate("x", max_tokens=4, ignore_eos=True, structured_outputs={"regex": "[a-z]+"})
     finally:
         client.close()
 
