@@ -197,8 +197,9 @@ class CpuKernels(TorchKernels):
         """Every batch token a one-query row for the kernel, decodes and prefill chunks alike, each attending to its
         sequence's keys up to its own position (rope_and_cache writes every token's K/V before any row reads): faster
         than gathering a chunk's context for SDPA at every prompt length measured (docs/design.md, Decisions)."""
-        T = shape.tokens
-        rows = QueryRows(torch.arange(T), torch.ones(T, dtype=torch.long), plan.token_pos[:T], plan.token_slot[:T],
+        T, device = shape.tokens, plan.token_pos.device
+        rows = QueryRows(torch.arange(T, device=device), torch.ones(T, dtype=torch.long, device=device),
+                         plan.token_pos[:T], plan.token_slot[:T],
                          plan.sizes.tokens)
         return AttentionBatch(write_rows(plan, T, block_table, page_size), [], [(rows, 1)], block_table)
 

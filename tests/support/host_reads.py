@@ -1,5 +1,5 @@
-"""The device step's contract as a test checks it: no read of a tensor's value on the host inside plan() and run()
-(tests/engine/test_step.py, tests/engine/test_kernels.py)."""
+"""The device step's contract as a test checks it: no read of a tensor's value on the host inside plan() and run(),
+and no tensor made there on the default device (tests/engine/test_step.py, tests/engine/test_kernels.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,9 @@ def host_reads_forbidden():
     """Makes every way of reading a tensor's value on the host raise, with the step as a device runs it: the host
     mode's skips (state.none_set), which read, turned off as they are on a GPU and under torch.compile. A Python
     number assigned into a tensor (`t[i] = 0`) raises too: torch copies it from the host, which a CUDA graph's
-    capture refuses (fill_, index_fill_ or torch.where take a number without a copy)."""
+    capture refuses (fill_, index_fill_ or torch.where take a number without a copy). A tensor made without a device
+    lands on the meta device here: on a GPU it would be a host tensor, which a capture refuses to copy, so mixing it
+    with the step's tensors fails here too."""
     def refuse(*args, **kwargs):
         raise AssertionError("host read inside the step")
 
@@ -40,7 +42,8 @@ def host_reads_forbidden():
         module.none_set = lambda *masks: False
     speculation.host_bound = lambda x, top: top  # the drafts' search runs whole, as on a GPU
     try:
-        yield
+        with torch.device("meta"):
+            yield
     finally:
         for n, f in saved.items():
             setattr(torch.Tensor, n, f)
