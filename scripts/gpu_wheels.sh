@@ -20,6 +20,7 @@ wheels=(
     openai==3.54.0 jiter==0.19.0 distro==1.9.0 sniffio==1.3.1
     gguf==0.19.0  # blink.shared.checkpoints imports it
     llguidance==1.9.1 outlines-core==0.2.14  # structured outputs: the host mode's masks, the device modes' walk
+    nvidia-ml-py==13.615.71  # the interference phase's energy per token (NVML)
 )
 "$python" -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     "${platforms[@]}" -d .whl "${wheels[@]}"

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from pydantic import TypeAdapter
 
+from blink.bench.engine.step import REQUESTS
 from blink.engine.drive.driver import Driver
 from blink.engine.drive.modes import build, candidates
 from blink.engine.engine import Engine, EngineConfig
@@ -116,10 +117,12 @@ def _prompt(slot: int, length: int = 16) -> list[int]:
     return [(7 * slot + 3 * i) % 500 + 10 for i in range(length)]
 
 
-def step_times(directory: Path, dry_run: bool, mode: str, batches: list[int]) -> dict[str, dict]:
-    """Steady decode of `batch` requests in `mode`: milliseconds per step (the table's step counter) and tokens
-    per second (what a reader took), the medians of WINDOWS windows once every request has its first tokens, and
-    the slowest and fastest window's step time."""
+def step_times(directory: Path, dry_run: bool, mode: str, batches: list[int],
+               mixed: list[int] = ()) -> dict[str, dict]:
+    """Steady decode of `batch` greedy requests in `mode`: milliseconds per step (the table's step counter) and
+    tokens per second (what a reader took), the medians of WINDOWS windows once every request has its first tokens,
+    and the slowest and fastest window's step time; at the `mixed` batches, the same under `blink bench step`'s
+    mixed requests (every other one sampled with each filter, penalties, logprobs and a bias), as `mixed`."""
     engine = engine_for(directory, dry_run)
     table = _table(engine)
     started = time.monotonic()
@@ -128,32 +131,40 @@ def step_times(directory: Path, dry_run: bool, mode: str, batches: list[int]) ->
     try:
         driver.start()
         for batch in batches:
-            slots = range(batch)
-            for slot in slots:
-                table.publish(slot, Request(_prompt(slot), engine.max_model_len - 64, temperature=0.0,
-                                            ignore_eos=True))
-            _wait(driver, lambda slots=slots: all(int(table.slots["produced"][s]) >= 2 for s in slots), 60)
-            for slot in slots:
-                table.read(slot)
-            windows = [_window(table, slots) for _ in range(WINDOWS)]
-            step_ms = sorted(w[0] for w in windows)
-            results[str(batch)] = {"ms_per_step": statistics.median(step_ms), "ms_per_step_range": [step_ms[0],
-                                   step_ms[-1]], "tokens_per_s": statistics.median(w[1] for w in windows)}
             # CUPTI delivers a kernel's record when its launch ends, and the persistent loop's never does.
-            if torch.cuda.is_available() and mode != "persistent" and batch in (batches[0], batches[-1]):
-                try:
-                    results[str(batch)]["kernels"] = kernel_profile(table, slots, engine.model_config.num_layers)
-                except Exception as e:  # the step times stand without it
-                    results[str(batch)]["kernels"] = {"error": f"{type(e).__name__}: {e}"[:500]}
-            for slot in slots:
-                table.cancel(slot)
-            _wait(driver, lambda slots=slots: all(table.slots["state"][s] == SlotState.FINISHED for s in slots), 30)
-            for slot in slots:
-                table.read(slot)
-                table.free(slot)
+            profiled = torch.cuda.is_available() and mode != "persistent" and batch in (batches[0], batches[-1])
+            results[str(batch)] = _timed(driver, table, engine, batch, "greedy", profiled)
+        for batch in mixed:
+            results.setdefault(str(batch), {})["mixed"] = _timed(driver, table, engine, batch, "mixed", False)
     finally:
         _close(driver, table)
     return results
+
+
+def _timed(driver: Driver, table: SlotTable, engine: Engine, batch: int, kind: str, profiled: bool) -> dict:
+    """One batch of `kind` requests (bench/engine/step.py's REQUESTS) timed in steady decode, then cancelled."""
+    slots = range(batch)
+    for slot in slots:
+        table.publish(slot, Request(_prompt(slot), engine.max_model_len - 64, ignore_eos=True, **REQUESTS[kind](slot)))
+    _wait(driver, lambda: all(int(table.slots["produced"][s]) >= 2 for s in slots), 120)  # compiling, say
+    for slot in slots:
+        table.read(slot)
+    windows = [_window(table, slots) for _ in range(WINDOWS)]
+    step_ms = sorted(w[0] for w in windows)
+    row = {"ms_per_step": statistics.median(step_ms), "ms_per_step_range": [step_ms[0], step_ms[-1]],
+           "tokens_per_s": statistics.median(w[1] for w in windows)}
+    if profiled:
+        try:
+            row["kernels"] = kernel_profile(table, slots, engine.model_config.num_layers)
+        except Exception as e:  # the step times stand without it
+            row["kernels"] = {"error": f"{type(e).__name__}: {e}"[:500]}
+    for slot in slots:
+        table.cancel(slot)
+    _wait(driver, lambda: all(table.slots["state"][s] == SlotState.FINISHED for s in slots), 30)
+    for slot in slots:
+        table.read(slot)
+        table.free(slot)
+    return row
 
 
 WINDOWS, WINDOW_S = 3, 0.3
@@ -241,21 +252,25 @@ def _idle(spans: list[tuple[float, float, str]]) -> tuple[float, list[tuple[str,
     return idle, sorted(after.items(), key=lambda item: -item[1])[:5]
 
 
-def greedy(directory: Path, dry_run: bool, mode: str, prompts: dict[int, list[int]], n: int) -> dict[int, list]:
-    engine = engine_for(directory, dry_run)
+def greedy(directory: Path, dry_run: bool, mode: str, rounds: list[dict[int, list[int]]], n: int,
+           stats: list | None = None, **options) -> list[dict[int, list]]:
+    """Each round's prompts decoded greedily for `n` tokens, round after round on one engine (a later round may hit
+    the prefix cache an earlier one filled), with `options` over engine_options; each finished request's
+    RequestStats appended to `stats`."""
+    engine = Engine(EngineConfig(model=str(directory), **(engine_options(dry_run) | options)))
     table = _table(engine)
     driver = build(mode, engine, table)
     try:
-        requests = {slot: Request(p, n, temperature=0.0, ignore_eos=True) for slot, p in prompts.items()}
-        return drive_requests(driver, table, requests)
+        return [drive_requests(driver, table, {slot: Request(p, n, temperature=0.0, ignore_eos=True)
+                                               for slot, p in prompts.items()}, stats=stats) for prompts in rounds]
     finally:
         _close(driver, table)
 
 
 def drive_requests(driver: Driver, table: SlotTable, requests: dict[int, Request], restarts: int = 0,
-                   timeout_s: float = 120) -> dict[int, list[int]]:
+                   timeout_s: float = 120, stats: list | None = None) -> dict[int, list[int]]:
     """Publishes `requests`, runs the driver until all finished (stopping and restarting it `restarts` times with
-    every request in flight), frees their slots; returns each one's tokens."""
+    every request in flight), frees their slots; returns each one's tokens (and appends its stats to `stats`)."""
     for slot, request in requests.items():
         table.publish(slot, request)
     got: dict[int, list[int]] = {slot: [] for slot in requests}
@@ -271,6 +286,8 @@ def drive_requests(driver: Driver, table: SlotTable, requests: dict[int, Request
             if out.finish:
                 done.add(slot)
                 table.free(slot)
+                if stats is not None:
+                    stats.append(out.stats)
         if stops < restarts and min(len(t) for t in got.values()) >= 20 * (stops + 1):
             driver.stop()
             driver.start()

@@ -1,5 +1,6 @@
 """The CPU-interference phase of `blink bench gpu`: `blink serve` in each drive mode, loaded by `blink bench serve`
-alone and then with every host core busy with interference processes.
+alone and then with every host core busy with interference processes; a quarter of the requests ask for a
+structured output (a JSON schema), with figures of their own.
 
 The ingress and the load generator get cores of their own (a SmartNIC's role and a client elsewhere); the engine
 runs on the rest, the host cores, which the interference fills one process per core. What it shows: how much of
@@ -42,7 +43,8 @@ def interference(out: dict, dry_run: bool, save) -> None:
     weights = [] if dry_run else ["--load-format", "dummy", "--dtype", "bfloat16"]
     load = ["--num-prompts", "12" if dry_run else "300", "--max-concurrency", "4" if dry_run else "64",
             "--dataset-name", "random", "--random-input-len", "16" if dry_run else "256",
-            "--random-output-len", "8" if dry_run else "128", "--ignore-eos", "--disable-tqdm", "--no-energy"]
+            "--random-output-len", "8" if dry_run else "128", "--ignore-eos", "--disable-tqdm",
+            "--structured-output-ratio", "0.25"]  # issue 40: constrained requests' TPOT beside the plain ones
     results: dict[str, dict] = {}
     out["runs"] = results
     for mode in drive_modes(dry_run):
@@ -63,6 +65,22 @@ def interference(out: dict, dry_run: bool, save) -> None:
             results[mode]["throughput_kept"] = loaded["output_throughput"] / iso["output_throughput"]
             results[mode]["p99_tpot_ratio"] = loaded["p99_tpot_ms"] / iso["p99_tpot_ms"]
             results[mode]["p99_ttft_ratio"] = loaded["p99_ttft_ms"] / iso["p99_ttft_ms"]
+            tpots = [(run.get("constrained") or {}).get("p99_tpot_ms") for run in (iso, loaded)]
+            if all(tpots):
+                results[mode]["constrained_p99_tpot_ratio"] = tpots[1] / tpots[0]
+    _energy_against_host(results)
+
+
+def _energy_against_host(results: dict[str, dict]) -> None:
+    """Each mode's GPU joules per output token over the host mode's, per condition (the Blink paper's figure:
+    -48.6% against host-driven engines); absent where NVML gave none."""
+    host = results.get("host", {})
+    for mode, runs in results.items():
+        ratios = {condition: run["joules_per_output_token"] / host[condition]["joules_per_output_token"]
+                  for condition, run in runs.items() if isinstance(run, dict) and run.get("joules_per_output_token")
+                  and (host.get(condition) or {}).get("joules_per_output_token")}
+        if mode != "host" and ratios:
+            runs["energy_per_token_vs_host"] = ratios
 
 
 def bench_serve(url: str, cpus: str, flags: list[str], result_dir: Path) -> dict:
@@ -78,6 +96,10 @@ def bench_serve(url: str, cpus: str, flags: list[str], result_dir: Path) -> dict
         return {"error": (done.stdout + done.stderr)[-2000:]}
     saved = json.loads(path.read_text())
     figures = {k: saved.get(k) for k in FIGURES}
-    for name, kept in (saved["runs"][-1].get("classes") or {}).items():  # with --class-mix
+    energy = saved["runs"][-1].get("energy") or {}
+    figures["joules_per_output_token"] = energy.get("joules_per_output_token")  # None where NVML gave none
+    figures["mean_watts"] = energy.get("mean_watts")
+    groups = {**(saved["runs"][-1].get("classes") or {}), **(saved["runs"][-1].get("structured") or {})}
+    for name, kept in groups.items():  # with --class-mix, --structured-output-ratio
         figures[name] = {k: kept.get(k) for k in CLASS_FIGURES}
     return figures

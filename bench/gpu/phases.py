@@ -121,7 +121,7 @@ def model(out: dict, dry_run: bool, shape: str) -> None:
         modes = ["host"]
     for mode in modes:
         try:
-            out["steps"][mode] = step_times(directory, dry_run, mode, batches)
+            out["steps"][mode] = step_times(directory, dry_run, mode, batches, sorted({batches[0], batches[-1]}))
         except Exception as e:  # the next mode still runs
             out["steps"][mode] = {"error": failure(e)}
         _save(out)
@@ -185,21 +185,32 @@ def failure(e: BaseException, limit: int = 4000) -> str:
 
 
 def parity(out: dict, dry_run: bool) -> None:
-    """Greedy tokens of every drive mode against the host's: one short prompt (exact), then a mixed batch (the
-    first divergence per request: random bf16 weights give near-flat logits, so another bucket's rounding may
-    flip a token without a bug)."""
+    """Greedy tokens of every drive mode against the host's: one short prompt (exact); a mixed batch (the first
+    divergence per request: random bf16 weights give near-flat logits, so another bucket's rounding may flip a token
+    without a bug); prompts whose prefix an earlier request left in the cache (a hit under capture); and a pool too
+    small for its batch, so requests rotate out to host memory and back under capture."""
     directory = model_dir(SHAPES[0], dry_run)
     short = {0: list(range(100, 108))}
     mixed = {i: list(range(200 + 37 * i, 200 + 37 * i + n)) for i, n in enumerate((3, 17, 64, 130, 5, 250, 31, 9))}
+    shared = list(range(300, 396))  # six 16-token pages the first round leaves cached for the second
+    prefixed = [{0: [*shared, 7, 8, 9]}, {i: shared + list(range(600 + 11 * i, 604 + 11 * i)) for i in range(1, 4)}]
+    crowded = {i: [(11 * i + 3 * j) % 1000 + 10 for j in range(200)] for i in range(8)}  # 14 pages each: 8 x 14 > 79
+    pressure = {"num_pages": 40 if dry_run else 80, "swap_space": 1.0}
     tokens: dict[str, dict] = {}
+    stats: dict[str, dict] = {}
     for mode in drive_modes(dry_run):
         try:
-            tokens[mode] = {"short": greedy(directory, dry_run, mode, short, 16),
-                            "mixed": greedy(directory, dry_run, mode, mixed, 24)}
+            hits, rotated = [], []
+            tokens[mode] = {"short": greedy(directory, dry_run, mode, [short], 16)[0],
+                            "mixed": greedy(directory, dry_run, mode, [mixed], 24)[0],
+                            "prefixed": greedy(directory, dry_run, mode, prefixed, 16, stats=hits)[1],
+                            "rotated": greedy(directory, dry_run, mode, [crowded], 24, stats=rotated, **pressure)[0]}
+            stats[mode] = {"cached_tokens": sum(s.cached_tokens for s in hits),
+                           "pages_out": sum(s.pages_out for s in rotated), "pages_in": sum(s.pages_in for s in rotated)}
         except Exception as e:  # the next mode still runs
             tokens[mode] = {"error": failure(e)}
         _free()
-    out["tokens"] = tokens
+    out["tokens"], out["stats"] = tokens, stats
     host = tokens.get("host", {})
     out["against_host"] = {}
     for mode, got in tokens.items():
@@ -207,8 +218,8 @@ def parity(out: dict, dry_run: bool) -> None:
             continue
         out["against_host"][mode] = {
             "short_identical": got["short"] == host["short"],
-            "mixed_first_divergence": {slot: _first_divergence(host["mixed"][slot], got["mixed"][slot])
-                                       for slot in host["mixed"]},
+            **{f"{case}_first_divergence": {slot: _first_divergence(host[case][slot], got[case][slot])
+                                            for slot in host[case]} for case in ("mixed", "prefixed", "rotated")},
             "mixed_teacher_forced_gap": teacher_forced_gap(directory, dry_run, mixed, got["mixed"])}
 
 
@@ -273,22 +284,40 @@ GPU_TESTS = ("tests/engine/test_kernels.py", "tests/engine/test_device_step.py",
              "tests/engine/test_persistent_drive.py", "tests/engine/test_step.py", "tests/engine/test_loading.py",
              "tests/engine/test_window_rule.py", "tests/engine/test_sampler_kernel.py",
              "tests/engine/test_prefix_cache.py", "tests/engine/test_fp8.py",
+             "tests/engine/test_grammar_device_gpu.py",  # the grammar kernels captured, in both device modes
              # speculation captured (looked up and a draft model's), in both device modes
              "tests/engine/test_speculation_device.py::test_the_device_modes_serve_plain_decoding_s_tokens_with_drafts"
              "_accepted")
 
 
 def tests(out: dict, dry_run: bool) -> None:
-    """The `gpu`-marked tests and the kernel and device-step tests, compiled on the GPU (from a checkout)."""
+    """The `gpu`-marked tests and the kernel and device-step tests, compiled on the GPU (from a checkout). pytest's
+    report goes to tests.log as it runs, so a phase cut by the budget still shows what passed and failed."""
     if dry_run or not Path(GPU_TESTS[0]).is_file():
         out["skipped"] = "the suite runs in CI" if dry_run else "no checkout here (tests/ is not installed)"
         return
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE",
-                           "-o", "faulthandler_timeout=120", *GPU_TESTS], capture_output=True, text=True)
-    lines = done.stdout.splitlines()
-    out["summary"] = lines[-1] if lines else done.stderr[-500:]
+    log = _PATH.with_name("tests.log")
+    out["log"] = str(log)
+    _save(out)
+    with log.open("w") as f:
+        subprocess.run([sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", "-o",
+                        "faulthandler_timeout=120", *GPU_TESTS], stdout=f, stderr=subprocess.STDOUT, text=True)
+    lines = log.read_text().splitlines()
+    out["summary"] = lines[-1] if lines else ""
     out["failed"] = [line for line in lines if line.startswith(("FAILED", "ERROR"))]
-    out["log_tail"] = done.stdout[-6000:]
+    out["log_tail"] = "\n".join(lines)[-6000:]
+
+
+def compiled(out: dict, dry_run: bool, shape: str) -> None:
+    """`model` for a shape with the step's admission, planning and commit traced by torch.compile
+    (`--compile-bookkeeping`): beside the plain phase's figures, what compiling buys on this GPU. Not in a dry run:
+    compiling takes minutes on two cores (the CPU's figure is `blink bench cpu --compile-bookkeeping`'s, and
+    tests/engine/test_device_step.py checks the compiled step decides as the eager one)."""
+    if dry_run:
+        out["skipped"] = "compiling the bookkeeping takes minutes on the CPU"
+        return
+    os.environ["BLINK_COMPILE_BOOKKEEPING"] = "1"  # engine_options reads it, as `blink serve`'s settings would
+    model(out, dry_run, shape)
 
 
 def _first_divergence(a: list[int], b: list[int]) -> int | None:
@@ -354,6 +383,7 @@ PHASES = {"env": env, "model-llama3-1b": lambda o, d: model(o, d, SHAPES[0]),
           "model-llama3-8b": lambda o, d: model(o, d, SHAPES[1]),
           "model-llama3-8b-fp8": lambda o, d: fp8_model(o, d, SHAPES[1]), "parity": parity, "persistent": persistent,
           "model-llama3-8b-kv-fp8": lambda o, d: fp8_kv(o, d, SHAPES[1]),
+          "model-llama3-1b-compiled": lambda o, d: compiled(o, d, SHAPES[0]),
           "model-qwen3-30b-a3b-24l": lambda o, d: model(o, d, SHAPES[2]),
           "interference": lambda o, d: interference(o, d, _save), "kv-pressure": lambda o, d: kv_pressure(o, d, _save),
           "tests": tests}

@@ -32,6 +32,7 @@ class RequestRecord:
     output_len: int = 0
     error: str | None = None
     service_class: str | None = None  # the class the request was sent with, for per-class figures
+    constrained: bool = False  # it asked for a structured output: the constrained requests' figures
 
     @property
     def ok(self) -> bool:
@@ -55,6 +56,11 @@ def class_fields(sample: SampleRequest, options: RequestOptions) -> dict[str, ob
         return {}
     slos = options.class_slos_ms.get(sample.service_class, {})
     return {"service_class": sample.service_class, **{f"{metric}_slo_ms": ms for metric, ms in slos.items()}}
+
+
+def structured_fields(sample: SampleRequest) -> dict[str, object]:
+    """The body field of a request asking for a structured output; none for a plain one."""
+    return {} if sample.structured is None else {"structured_outputs": sample.structured}
 
 
 class Backend(Protocol):
@@ -85,12 +91,13 @@ class OpenAIBackend:
             body["logprobs"] = o.logprobs
             if self.chat:
                 body["logprobs"], body["top_logprobs"] = True, o.logprobs
-        if o.ignore_eos:  # vLLM's extension; OpenAI's own API would refuse the field
+        if o.ignore_eos and sample.structured is None:  # vLLM's extension; a grammar decides its own end
             body["ignore_eos"] = True
-        return body | class_fields(sample, o)
+        return body | class_fields(sample, o) | structured_fields(sample)
 
     async def __call__(self, sample: SampleRequest) -> RequestRecord:
-        record = RequestRecord(sample.prompt_len, start=time.perf_counter(), service_class=sample.service_class)
+        record = RequestRecord(sample.prompt_len, start=time.perf_counter(), service_class=sample.service_class,
+                               constrained=sample.structured is not None)
         try:
             async with asyncio.timeout(self.options.timeout_s):  # httpx's own timeout is per read, not total
                 async with self.client.stream("POST", self.url, json=self.body(sample)) as response:
@@ -147,9 +154,11 @@ class ZmqBackend:
         zmq.asyncio.Context.instance().set(zmq.MAX_SOCKETS, 1 << 16)  # a socket per request in flight
 
     async def __call__(self, sample: SampleRequest) -> RequestRecord:
-        record = RequestRecord(sample.prompt_len, start=time.perf_counter(), service_class=sample.service_class)
+        record = RequestRecord(sample.prompt_len, start=time.perf_counter(), service_class=sample.service_class,
+                               constrained=sample.structured is not None)
         params = {"max_tokens": sample.output_len, "temperature": self.options.temperature,
-                  "ignore_eos": self.options.ignore_eos, **class_fields(sample, self.options)}
+                  "ignore_eos": self.options.ignore_eos and sample.structured is None,
+                  **class_fields(sample, self.options), **structured_fields(sample)}
         client = None
         try:
             client = self._client_class(self.endpoint, api_key=self.api_key)

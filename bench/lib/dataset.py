@@ -39,6 +39,7 @@ class SampleRequest:
     output_len: int
     service_class: str | None = None  # None: the request names no class and the server's default applies
     prompt_ids: list[int] | None = None  # the prompt as tokens, where the dataset drew tokens
+    structured: dict | None = None  # vLLM's structured_outputs the request asks with (bench/serving/structured.py)
 
 
 @dataclass(frozen=True)

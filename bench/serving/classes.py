@@ -123,8 +123,8 @@ def one_class(records: list[RequestRecord], duration_s: float, slos_ms: dict[str
     return result
 
 
-def class_report(name: str, figures: Mapping[str, Any]) -> str:
-    """A block per class after vLLM's, in its layout; attainment in percent."""
+def class_report(name: str, figures: Mapping[str, Any], heading: str = "Service class") -> str:
+    """A block per class (or other group of requests) after vLLM's, in its layout; attainment in percent."""
     rows = [("Requests:", figures["requests"]), ("Successful requests:", figures["completed"]),
             ("Failed requests:", figures["failed"]), ("Output token throughput (tok/s):", figures["output_throughput"])]
     rows += [(f"{stat} {metric.upper()} (ms):", figures[f"{key}_{metric}_ms"]) for metric in SLO_METRICS
@@ -134,5 +134,5 @@ def class_report(name: str, figures: Mapping[str, Any]) -> str:
         for share, label in (("completed", "completed"), ("all", "all requests")):
             value = figures[f"{metric}_slo_attainment_{share}"]
             rows.append((f"{metric.upper()} SLO attainment, {label} (%):", None if value is None else value * 100))
-    lines = ["{:=^50}".format(f" Service class: {name} "), *(report_row(label, value) for label, value in rows)]
+    lines = ["{:=^50}".format(f" {heading}: {name} "), *(report_row(label, value) for label, value in rows)]
     return "\n".join([*lines, "=" * 50])

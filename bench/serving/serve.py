@@ -36,6 +36,7 @@ from blink.bench.lib.figures import LATENCIES, PERCENTILES, RequestTimes, comput
 from blink.bench.lib.interference import Interference
 from blink.bench.lib.loadgen import run_load
 from blink.bench.lib.machine import blink_source, machine, save
+from blink.bench.serving import structured
 from blink.bench.serving.classes import MergeSlos, assign, class_figures, class_report, parse_mix, parse_slo
 from blink.shared.cpus import parse_cpus
 
@@ -84,6 +85,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--class-slo", nargs="+", type=parse_slo, action=MergeSlos, default={},
                    metavar="CLASS:METRIC=MS,...", help="per-class SLOs sent with each request of the class and "
                    "judged in its figures, e.g. ls:ttft=500,tpot=50 be:ttft=5000 (needs --class-mix)")
+    structured.add_arguments(p)
     p.add_argument("--interference", type=_positive(int), metavar="N", help="CPU interference processes")
     p.add_argument("--interference-cpus", type=_cpus, help="pin them: 0,1 or 0-3")
     p.add_argument("--energy", action=argparse.BooleanOptionalAction, default=True, help="NVML energy per token")
@@ -172,6 +174,8 @@ async def sweep(args: argparse.Namespace, goodput: dict[str, float], load: Inter
     samples = draw(args, tokenizer, limits)
     if args.class_mix:
         samples = assign(samples, args.class_mix, args.seed)
+    if args.structured_output_ratio:
+        samples = structured.assign(samples, args.structured_output_ratio, args.structured_output, args.seed)
     options = RequestOptions(model, args.temperature, args.ignore_eos, args.request_timeout, args.class_slo,
                              args.logprobs)
     backend: Backend = (ZmqBackend(args.zmq_endpoint, options, args.api_key) if args.backend == "blink-zmq" else
@@ -186,6 +190,8 @@ async def sweep(args: argparse.Namespace, goodput: dict[str, float], load: Inter
         "input_len": args.input_len, "output_len": args.output_len, "ignore_eos": args.ignore_eos,
         "burstiness": args.burstiness, "max_concurrency": args.max_concurrency, "seed": args.seed,
         "goodput_slos_ms": goodput or None, "class_mix": args.class_mix, "class_slos_ms": args.class_slo or None,
+        "structured_output_ratio": args.structured_output_ratio or None,
+        "structured_output": args.structured_output if args.structured_output_ratio else None,
         "server": server, "interference": load.describe() if load else None,
         "machine": machine(), "blink": blink_source(), "runs": [], "complete": False,
         **dict(item.split("=", 1) for item in args.metadata)}
@@ -198,7 +204,7 @@ async def sweep(args: argparse.Namespace, goodput: dict[str, float], load: Inter
             result["complete"] = len(result["runs"]) == len(args.request_rate)
             # vLLM's keys at the top level too, the latest rate's: its tools read one run per file.
             result |= {"request_rate": run["request_rate"],
-                       **{k: v for k, v in run.items() if k not in ("requests", "classes", "energy")}}
+                       **{k: v for k, v in run.items() if k not in ("requests", "classes", "structured", "energy")}}
             if not args.append_result:  # after every rate: an interrupted sweep keeps some
                 path = save("serve", result, args.result_dir, path)
     finally:
@@ -240,18 +246,23 @@ async def one_rate(args: argparse.Namespace, backend: Backend, samples: list[Sam
     classes = class_figures(records, duration, args.class_slo) if args.class_mix else None
     for name, figures_of_class in (classes or {}).items():
         print(class_report(name, figures_of_class), flush=True)
+    groups = structured.figures(records, duration) if args.structured_output_ratio else None
+    for name, figures_of_group in (groups or {}).items():
+        print(class_report(name, figures_of_group, heading="Requests"), flush=True)
     detailed = {"input_lens": [r.prompt_len for r in records], "output_lens": [r.output_len for r in records],
                 "ttfts": [(r.chunk_times[0] - r.start) if r.ok else None for r in records],
                 "itls": [list(RequestTimes.of(r).itls) if r.ok else [] for r in records],
                 "errors": [r.error or "" for r in records]} if args.save_detailed else {}
     return {"request_rate": rate if math.isfinite(rate) else "inf", **figures, "energy": energy,
-            **({"classes": classes} if classes is not None else {}), **detailed,
+            **({"classes": classes} if classes is not None else {}),
+            **({"structured": groups} if groups is not None else {}), **detailed,
             "requests": [request_row(r) for r in records]}
 
 
 def request_row(r: RequestRecord) -> dict[str, object]:
     times = RequestTimes.of(r) if r.ok else None
-    return {"prompt_len": r.prompt_len, "output_len": r.output_len, "service_class": r.service_class, "error": r.error,
+    return {"prompt_len": r.prompt_len, "output_len": r.output_len, "service_class": r.service_class,
+            "constrained": r.constrained, "error": r.error,
             "ttft_ms": times.ttft * 1000 if times else None, "e2el_ms": times.e2el * 1000 if times else None,
             "chunks": len(r.chunk_times)}
 

@@ -315,13 +315,17 @@ def test_interference_stops_when_the_run_is_interrupted(tmp_path, tokenizer_dir,
 
 
 def test_against_blink_serve_every_backend_and_plots(tmp_path):
-    """A rate sweep with interference over HTTP, then the chat and ZeroMQ backends, then the plots."""
+    """A rate sweep with interference over HTTP, then the chat and ZeroMQ backends (constrained requests in the
+    chat's and ZeroMQ's load too), then the plots."""
     with running_server(tmp_path, "--max-num-seqs", "8") as server:
         common = ["--base-url", server.url, "--num-prompts", "8", "--output-len", "8", "--ignore-eos",
                   "--disable-tqdm"]
         runs = [(["--request-rate", "8,inf", "--interference", "1", "--interference-cpus", "0"], "sweep"),
                 (["--backend", "openai-chat"], "chat"),
-                (["--backend", "blink-zmq", "--zmq-endpoint", server.zmq_endpoint, "--label", "zmq"], "zmq")]
+                (["--backend", "blink-zmq", "--zmq-endpoint", server.zmq_endpoint, "--label", "zmq"], "zmq"),
+                (["--backend", "openai-chat", "--structured-output-ratio", "0.5"], "chat-json"),
+                (["--backend", "blink-zmq", "--zmq-endpoint", server.zmq_endpoint, "--structured-output-ratio", "1",
+                  "--structured-output", "regex"], "zmq-regex")]
         results = {}
         for flags, name in runs:
             out = tmp_path / name
@@ -339,7 +343,15 @@ def test_against_blink_serve_every_backend_and_plots(tmp_path):
         assert {"machine", "server", "blink", "date"} <= result.keys()
         for run in result["runs"]:
             assert all(run[key] is not None for key in FIGURES if key != "request_goodput")
-            assert (run["completed"], run["failed"], run["total_output_tokens"]) == (8, 0, 64)
+            assert (run["completed"], run["failed"]) == (8, 0)
+            # A grammar may close before 8 tokens (a random model can write `{"items": []}`): then it stops there.
+            assert run["total_output_tokens"] == 64 or result["structured_output_ratio"]
+    groups = {name: results[name]["runs"][0]["structured"] for name in ("chat-json", "zmq-regex")}
+    assert {n: g["completed"] for n, g in groups["chat-json"].items()} == {  # the seeded draw: both groups
+        "constrained": sum(r["constrained"] for r in results["chat-json"]["runs"][0]["requests"]),
+        "unconstrained": sum(not r["constrained"] for r in results["chat-json"]["runs"][0]["requests"])}
+    assert set(groups["chat-json"]) == {"constrained", "unconstrained"} and list(groups["zmq-regex"]) == ["constrained"]
+    assert "structured" not in results["chat"]["runs"][0] and results["zmq-regex"]["structured_output"] == "regex"
 
     plots = tmp_path / "plots"
     files = [next((tmp_path / name).glob("serve-*.json")) for name in ("sweep", "zmq")]
@@ -493,24 +505,30 @@ def test_bench_gpu_dry_run_runs_every_phase_and_says_what_it_skipped(tmp_path, c
     result = json.loads(path.read_text())
     phases = result["phases"]
     assert list(phases) == ["env", "model-llama3-1b", "parity", "persistent", "model-llama3-8b",
-                            "model-llama3-8b-fp8", "model-llama3-8b-kv-fp8", "model-qwen3-30b-a3b-24l",
-                            "interference", "kv-pressure", "tests"]
+                            "model-llama3-8b-fp8", "model-llama3-8b-kv-fp8", "model-llama3-1b-compiled",
+                            "model-qwen3-30b-a3b-24l", "interference", "kv-pressure", "tests"]
     assert all(p["status"] == "ok" for p in phases.values()), {n: p.get("output_tail") for n, p in phases.items()}
     assert result["machine"]["logical_cores"] >= 1 and phases["env"]["modes"] == ["host"]
     steps = phases["model-llama3-1b"]["steps"]["host"]
     # figures for each batch, not their speed: a loaded runner may see a window without a token (speed is the bench's)
     assert all(steps[b]["ms_per_step"] > 0 and steps[b]["tokens_per_s"] >= 0 for b in ("1", "4"))
+    assert all(steps[b]["mixed"]["ms_per_step"] > 0 for b in ("1", "4"))  # the mixed requests at the ends
     host = phases["parity"]["against_host"]["host"]  # the reference against itself, and against the offline engine
-    assert host["short_identical"] and set(host["mixed_first_divergence"].values()) == {None}
-    assert host["mixed_teacher_forced_gap"] < 1e-3
+    assert host["short_identical"] and host["mixed_teacher_forced_gap"] < 1e-3
+    assert all(set(host[f"{case}_first_divergence"].values()) == {None} for case in ("mixed", "prefixed", "rotated"))
+    hits_and_moves = phases["parity"]["stats"]["host"]  # the prefix cache hit, and pages went out and came back
+    assert hits_and_moves["cached_tokens"] > 0 and hits_and_moves["pages_out"] == hits_and_moves["pages_in"] > 0
     assert "skipped" in phases["persistent"] and "skipped" in phases["tests"]
     assert "skipped" in phases["model-llama3-8b-fp8"]  # FP8 products need a GPU
     assert "skipped" in phases["model-llama3-8b-kv-fp8"]  # and FP8 KV pages
+    assert "skipped" in phases["model-llama3-1b-compiled"]  # minutes of compiling on the CPU
     pressure = phases["kv-pressure"]["runs"]["host"]
     assert set(pressure) == {"rotation", "recompute"}
     assert all(r["completed"] == 16 and r["latency_sensitive"]["completed"] for r in pressure.values())
     kept = phases["interference"]["runs"]["host"]
     assert kept["isolated"]["completed"] == kept["interference"]["completed"] == 12
+    assert kept["isolated"]["joules_per_output_token"] is None  # no NVML here: none, not a made-up figure
+    assert kept["isolated"]["constrained"]["completed"] + kept["isolated"]["unconstrained"]["completed"] == 12
     out = capsys.readouterr().out
     assert f"interference host: throughput kept {kept['throughput_kept']:.1%}, P99 TPOT x{kept['p99_tpot_ratio']:.2f}" \
         in out
