@@ -125,7 +125,10 @@ def _run_batch(llm, prompts: list[list[int]], max_tokens: int):
 
 
 def _counts(llm) -> list[int]:
-    return llm.engine.state.spec_counts.tolist()
+    """vLLM's counters as the engine keeps them: drafts, draft tokens, accepted tokens, then the accepted tokens at
+    each draft position (spec_decode_num_accepted_tokens_per_pos)."""
+    state = llm.engine.state
+    return state.spec_counts.tolist() + state.spec_accepted_per_pos.tolist()
 
 
 def run(args: argparse.Namespace) -> None:
@@ -152,7 +155,7 @@ def run(args: argparse.Namespace) -> None:
                 for mode in (("off", "on") if r % 2 == 0 else ("on", "off")):
                     llm = engines[mode]
                     cell = cells.setdefault((batch, name, mode), {"tokens": 0, "seconds": 0.0, "tpots": [],
-                                                                  "texts": [], "counts": [0, 0, 0]})
+                                                                  "texts": [], "counts": None})
                     before = _counts(llm)
                     for batch_prompts in runs:
                         texts, wall, tpots = _run_batch(llm, batch_prompts, max_tokens)
@@ -161,7 +164,9 @@ def run(args: argparse.Namespace) -> None:
                         cell["tpots"] += tpots
                         if r == 0:
                             cell["texts"] += texts
-                    cell["counts"] = [c + a - b for c, a, b in zip(cell["counts"], _counts(llm), before, strict=True)]
+                    spent = [a - b for a, b in zip(_counts(llm), before, strict=True)]
+                    cell["counts"] = spent if cell["counts"] is None else [c + d for c, d in zip(cell["counts"], spent,
+                                                                                                 strict=True)]
     results = []
     for batch in batches:
         for name in prompts:
@@ -173,9 +178,12 @@ def run(args: argparse.Namespace) -> None:
                              "tpot_p50_ms": 1000 * statistics.median(tpots),
                              "tpot_p99_ms": 1000 * tpots[min(len(tpots) - 1, int(0.99 * len(tpots)))],
                              "output_tokens": cell["tokens"]}
-            drafts, drafted, accepted = on["counts"]
+            drafts, drafted, accepted, *per_pos = on["counts"]
             row["on"].update(drafts=drafts, draft_tokens=drafted, accepted_tokens=accepted,
-                             mean_acceptance_length=1 + accepted / drafts if drafts else None)
+                             mean_acceptance_length=1 + accepted / drafts if drafts else None,
+                             accepted_per_pos=per_pos[:spec.num_speculative_tokens],
+                             acceptance_rate_per_pos=[n / drafts for n in per_pos[:spec.num_speculative_tokens]]
+                             if drafts else None)
             row["speedup"] = row["on"]["tokens_per_s"] / row["off"]["tokens_per_s"]
             row["identical_greedy_text"] = sum(a == b for a, b in zip(off["texts"], on["texts"], strict=True))
             row["requests_compared"] = len(off["texts"])
@@ -195,11 +203,12 @@ def run(args: argparse.Namespace) -> None:
 
 def _print(results: list[dict]) -> None:
     print(f"{'batch':>5} {'prompts':<11} {'off tok/s':>9} {'on tok/s':>9} {'speedup':>7} {'P50 TPOT off/on ms':>19} "
-          f"{'P99 TPOT off/on ms':>19} {'accept len':>10} {'same text':>9}")
+          f"{'P99 TPOT off/on ms':>19} {'accept len':>10} {'same text':>9}  accepted by draft position")
     for r in results:
         off, on = r["off"], r["on"]
         length = on["mean_acceptance_length"]
         print(f"{r['batch']:>5} {r['prompts']:<11} {off['tokens_per_s']:>9.1f} {on['tokens_per_s']:>9.1f} "
               f"{r['speedup']:>6.2f}x {off['tpot_p50_ms']:>9.1f}/{on['tpot_p50_ms']:<9.1f} "
               f"{off['tpot_p99_ms']:>9.1f}/{on['tpot_p99_ms']:<9.1f} {length or 0:>10.2f} "
-              f"{r['identical_greedy_text']:>4}/{r['requests_compared']}")
+              f"{r['identical_greedy_text']:>4}/{r['requests_compared']}  "
+              + " ".join(f"{rate:.0%}" for rate in on["acceptance_rate_per_pos"] or ()))

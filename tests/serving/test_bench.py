@@ -367,6 +367,25 @@ def test_against_blink_serve_every_backend_and_plots(tmp_path):
         assert width > 400 and height > 300
 
 
+def test_bench_speculation_compares_drafts_on_and_off_with_vllm_s_counters(tmp_path, capsys):
+    """`blink bench speculation --quick` on the tiny model: both prompt sets on and off, the greedy text compared,
+    and vLLM's counters with the acceptance at each draft position (which can only fall from one to the next)."""
+    from blink.bench.cli import main
+    from blink.engine.model.tiny_model import ensure_tiny_model
+
+    config = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
+    assert main(["speculation", "--model", str(ensure_tiny_model()), "--dtype", "float32", "--quick",
+                 "--speculative-config", config, "--result-dir", str(tmp_path)]) == 0
+    rows = json.loads(next(tmp_path.glob("speculation-*.json")).read_text())["results"]
+    assert [(r["batch"], r["prompts"]) for r in rows] == [(1, "grounded"), (1, "open_ended")]
+    for row in rows:
+        on = row["on"]
+        assert row["identical_greedy_text"] == row["requests_compared"]  # float32: drafts change no token
+        assert len(on["accepted_per_pos"]) == 3 and sum(on["accepted_per_pos"]) == on["accepted_tokens"]
+        assert on["accepted_per_pos"] == sorted(on["accepted_per_pos"], reverse=True)
+    assert "accepted by draft position" in capsys.readouterr().out
+
+
 def test_bench_step_counts_what_a_step_does_outside_the_model(tmp_path, capsys):
     """The dry run of `blink bench step`: a small vocabulary, a few slots; it counts the step's kernels (a layer's
     times the shape's layers, the rest once) and the ops and bytes outside the model; more slots cost more bytes
