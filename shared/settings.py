@@ -46,9 +46,9 @@ class Settings(BaseSettings):
                                                   "random weights of their shapes (vLLM's; for benchmarks)")
     quantization: Literal[QUANTIZATIONS] | None = Field(
         None, description="weights in fewer bits (vLLM's flag): on the CPU, int8 (a scale per output channel) or int4 "
-        "(groups of 32) quantize a float checkpoint on load; gguf runs a .gguf file's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K blocks "
-        "as stored; on a GPU, fp8 quantizes it to FP8 E4M3 with a scale per output channel (an FP8 checkpoint needs no "
-        "flag) (default: the checkpoint's own weights)")
+        "(groups of 32) quantize a float checkpoint on load; gguf runs a .gguf file's blocks (Q8_0, Q5_0/1, Q4_0/1, "
+        "Q4_K, Q6_K) as stored; on a GPU, fp8 quantizes it to FP8 E4M3 with a scale per output channel (an FP8 "
+        "checkpoint needs no flag) (default: the checkpoint's own weights)")
     kv_cache_dtype: Literal[KV_CACHE_DTYPES] = Field(
         "auto", description="how KV cache pages are stored (vLLM's flag): auto, the model's dtype; fp8 (= fp8_e4m3) "
         "or fp8_e5m2 store a byte an element with a per-layer scale (the checkpoint's k_scale/v_scale, else 1.0), "

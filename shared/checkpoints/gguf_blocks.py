@@ -1,9 +1,11 @@
 """GGUF's quantized blocks repacked, not dequantized: codes, one per byte, with a scale and an offset per 32 inputs.
 
-Each 8- or 4-bit type is w = scale * code + offset over a group of 32 inputs of one output, codes unsigned:
-Q8_0 (code = q + 128, offset = -128 * d), Q4_0 (offset = -8 * d), Q4_1 (offset = its min), Q4_K (its 6-bit sub-block
-scales and mins times the super-block's d and dmin). Scales and offsets are float16, as the files store them: exact
-for Q8_0, Q4_0 and Q4_1; Q4_K's products d * scale are rounded to float16 (relative 2^-11, well inside 4 bits' error).
+Each 8-, 5- or 4-bit type is w = scale * code + offset over a group of 32 inputs of one output, codes unsigned:
+Q8_0 (code = q + 128, offset = -128 * d), Q5_0 (offset = -16 * d) and Q5_1 (offset = its min), their 5-bit codes run
+as 8-bit ones (no 5-bit kernel: exact, at a byte a weight), Q4_0 (offset = -8 * d), Q4_1 (offset = its min), Q4_K
+(its 6-bit sub-block scales and mins times the super-block's d and dmin). Scales and offsets are float16, as the files
+store them: exact for Q8_0, Q5_0, Q5_1, Q4_0 and Q4_1; Q4_K's products d * scale are rounded to float16 (relative
+2^-11, well inside 4 bits' error).
 
 Q6_K cannot take that form exactly: its int8 scales are per 16 inputs, and no code c with one float16 scale and
 offset per 32 holds d * s * (q - 32) for two different s (nor does s * (q - 32), up to 4,096, fit 8 bits). It is kept
@@ -26,8 +28,9 @@ SUB, SUPER = 16, 256  # Q6_K: inputs of a sub-block (an int8 scale) and of a sup
 FILE = "quantized.safetensors"
 BITS_KEY = "blink.bits"
 # type -> bits of its codes
-REPACKED = {GGMLQuantizationType.Q8_0: 8, GGMLQuantizationType.Q4_0: 4, GGMLQuantizationType.Q4_1: 4,
-            GGMLQuantizationType.Q4_K: 4, GGMLQuantizationType.Q6_K: 6}
+REPACKED = {GGMLQuantizationType.Q8_0: 8, GGMLQuantizationType.Q5_0: 8, GGMLQuantizationType.Q5_1: 8,
+            GGMLQuantizationType.Q4_0: 4, GGMLQuantizationType.Q4_1: 4, GGMLQuantizationType.Q4_K: 4,
+            GGMLQuantizationType.Q6_K: 6}
 
 
 def repack(kind: GGMLQuantizationType, data: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int] | None:
@@ -44,6 +47,8 @@ def repack(kind: GGMLQuantizationType, data: np.ndarray) -> tuple[np.ndarray, np
         d = blocks[..., :2].copy().view(np.float16)[..., 0]
         codes = (blocks[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
         return codes.reshape(rows, -1), d, (d * np.float16(-128)).astype(np.float16), 8
+    if kind in (GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1):
+        return _q5(data, rows, minimum=kind == GGMLQuantizationType.Q5_1)
     if kind in (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1):
         head = 2 if kind == GGMLQuantizationType.Q4_0 else 4
         blocks = data.reshape(rows, -1, head + 16)
@@ -61,6 +66,19 @@ def repack(kind: GGMLQuantizationType, data: np.ndarray) -> tuple[np.ndarray, np
     scale = (d * sc.astype(np.float32)).astype(np.float16).reshape(rows, -1)
     offset = (-(dmin * mins.astype(np.float32))).astype(np.float16).reshape(rows, -1)
     return codes, scale, offset, 4
+
+
+def _q5(data: np.ndarray, rows: int, minimum: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """A Q5_0 block: float16 d, qh (32 high bits, input i's at bit i), qs[16] (inputs 0-15 in the low nibbles, 16-31
+    in the high); Q5_1's has its float16 min after d."""
+    head = 4 if minimum else 2
+    blocks = data.reshape(rows, -1, head + 20)
+    d = blocks[..., :2].copy().view(np.float16)[..., 0]
+    offset = blocks[..., 2:4].copy().view(np.float16)[..., 0] if minimum else (d * np.float16(-16)).astype(np.float16)
+    high = blocks[..., head:head + 4].copy().view(np.uint32) >> np.arange(32, dtype=np.uint32) & 1
+    qs = blocks[..., head + 4:]
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1) | (high.astype(np.uint8) << 4)
+    return codes.reshape(rows, -1), d, offset, 8
 
 
 def _q6_k(blocks: np.ndarray, rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:

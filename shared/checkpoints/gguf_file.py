@@ -23,9 +23,9 @@ from blink.shared.checkpoints.errors import CheckpointError
 from blink.shared.model_cache import cache_root
 
 SHARD_BYTES = 2 << 30
-# The layout a converted directory has; a newer one (2: the repacked quantized matrices; 3: Q6_K among them) converts
-# the file again.
-LAYOUT = 3
+# The layout a converted directory has; a newer one (2: the repacked quantized matrices; 3: Q6_K among them; 4: Q5_0
+# and Q5_1 too) converts the file again.
+LAYOUT = 4
 
 
 def converted(path: Path, weights: bool = True, key: str | None = None, sampling: dict | None = None) -> Path:

@@ -108,11 +108,11 @@ def test_quantizing_on_load_keeps_each_weight_within_its_step(method):
     assert q.codes.dtype == torch.uint8 and int(q.codes.max()) < 2 ** q.bits
 
 
-@pytest.mark.parametrize("kind", [Q.Q8_0, Q.Q4_0, Q.Q4_1])
+@pytest.mark.parametrize("kind", [Q.Q8_0, Q.Q5_0, Q.Q5_1, Q.Q4_0, Q.Q4_1])
 def test_gguf_blocks_repack_to_exactly_what_they_dequantize_to(kind):
     data = gguf.quants.quantize(np.random.default_rng(1).standard_normal((64, 256)).astype(np.float32), kind)
     codes, scale, offset, bits = gguf_blocks.repack(kind, data)
-    assert codes.shape == (64, 256) and scale.shape == (64, 8) and bits == (8 if kind == Q.Q8_0 else 4)
+    assert codes.shape == (64, 256) and scale.shape == (64, 8) and bits == (4 if kind in (Q.Q4_0, Q.Q4_1) else 8)
     np.testing.assert_array_equal(gguf_blocks.dequantized(codes, scale, offset), gguf.quants.dequantize(data, kind))
 
 
@@ -159,18 +159,19 @@ def test_a_model_quantized_on_load_scores_text_as_its_float_run_does(method):
     assert error < (0.05 if method == "int8" else 0.5)
 
 
-@pytest.mark.parametrize("kind", ["llama-gqa", "llama-tied"])
-def test_a_gguf_runs_its_blocks_as_stored_and_generates_what_its_floats_do(checkpoint, tmp_path, kind):
-    """Q8_0 blocks (llama's q and k rows un-permuted, a tied embedding's blocks as the output projection), against
-    the same file dequantized: greedy tokens equal, log-probabilities close."""
-    path = str(write_gguf(checkpoint(kind), tmp_path / "q8.gguf", quantize=Q.Q8_0))
+@pytest.mark.parametrize(("kind", "blocks"), [("llama-gqa", Q.Q8_0), ("llama-tied", Q.Q8_0), ("llama-gqa", Q.Q5_1)])
+def test_a_gguf_runs_its_blocks_as_stored_and_generates_what_its_floats_do(checkpoint, tmp_path, kind, blocks):
+    """Q8_0 and Q5_1 blocks (llama's q and k rows un-permuted, a tied embedding's blocks as the output projection),
+    against the same file dequantized: greedy tokens equal, log-probabilities close."""
+    path = str(write_gguf(checkpoint(kind), tmp_path / "blocks.gguf", quantize=blocks))
     prompt = list(range(5, 40, 3))
     floats = LLM(path, num_pages=32)
     stored = LLM(path, num_pages=32, quantization="gguf")
     model = stored.engine.model
     assert all(isinstance(w, quant.LaidOut | quant.Quantized) for w in (model.layers[0].qkv, model.lm_head))
     assert model.layers[0].qkv.bits == 8 and isinstance(model.embed, torch.Tensor)
-    assert (_prompt_logprobs(stored, prompt) - _prompt_logprobs(floats, prompt)).abs().max() < 0.05
+    # The weights are the same numbers; the kernel rounds the activations to 8 bits (0.04-0.07 here for every type).
+    assert (_prompt_logprobs(stored, prompt) - _prompt_logprobs(floats, prompt)).abs().max() < 0.1
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     assert stored.generate([prompt], greedy)[0].token_ids == floats.generate([prompt], greedy)[0].token_ids
 
