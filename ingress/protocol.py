@@ -166,7 +166,7 @@ class ChatRequest(SamplingFields):
     add_generation_prompt: StrictBool = True
     tools: list[Tool] | None = Field(None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: StrictBool | None = None  # each call the model writes is returned, as OpenAI's default
+    parallel_tool_calls: StrictBool | None = None  # false: one call at most (the first the model writes)
     store: Literal[False] | None = Field(None, description="Blink stores no completions: only false is accepted")
     response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = Field(
@@ -258,6 +258,14 @@ class ResponseTextFormat(BaseModel):
     description: str | None = None
     schema_: dict | None = Field(None, alias="schema")
     strict: StrictBool | None = None
+
+    @model_validator(mode="after")
+    def _schema_fields_with_json_schema(self) -> ResponseTextFormat:
+        # Else a schema given with json_object (or text) would be accepted and not followed.
+        given = [name for name in ("name", "description", "schema_", "strict") if getattr(self, name) is not None]
+        if given and self.type != "json_schema":
+            raise ValueError(f"{given[0].rstrip('_')} belongs to type json_schema, not {self.type}")
+        return self
 
 
 class ResponseTextConfig(BaseModel):

@@ -60,7 +60,13 @@ def as_chat(body: ResponsesRequest) -> ChatRequest:
         return ChatRequest.model_validate(chat)
     except ValidationError as e:
         error = e.errors()[0]
-        raise APIError(400, f"{'.'.join(map(str, error['loc']))}: {error['msg']}", param="input") from None
+        field = str(error["loc"][0]) if error["loc"] else "messages"
+        raise APIError(400, f"{'.'.join(map(str, error['loc']))}: {error['msg']}",
+                       param=_RESPONSES_NAMES.get(field, field)) from None
+
+
+# The chat request's fields that as_chat names differently: a refusal names the field the client sent.
+_RESPONSES_NAMES = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text"}
 
 
 def _message(text: str, status: str = "completed", item_id: str | None = None) -> dict:

@@ -142,7 +142,25 @@ class ForcedParser:
         return 0
 
 
-ToolParser = HermesParser | Llama3JsonParser | ForcedParser
+class FirstCallOnly:
+    """parallel_tool_calls false: another parser's first call only, as OpenAI answers (and vLLM keeps), whatever
+    else the model wrote."""
+
+    def __init__(self, parser: HermesParser | Llama3JsonParser | ForcedParser):
+        self.parser, self.name = parser, parser.name
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall]] | None:
+        parsed = self.parser.parse(text)
+        return None if parsed is None else (parsed[0], parsed[1][:1])
+
+    def call_start(self, seen: str, unsent: str) -> int | None:
+        return self.parser.call_start(seen, unsent)
+
+    def undecided(self, seen: str, unsent: str) -> int:
+        return self.parser.undecided(seen, unsent)
+
+
+ToolParser = HermesParser | Llama3JsonParser | ForcedParser | FirstCallOnly
 PARSERS: dict[str, ToolParser] = {p.name: p for p in (HermesParser(), Llama3JsonParser())}
 
 

@@ -9,7 +9,7 @@ from blink.ingress.chat import render_chat
 from blink.ingress.errors import APIError
 from blink.ingress.protocol import ChatRequest, CompletionRequest, NamedToolChoice
 from blink.ingress.state import IngressState
-from blink.ingress.tools import ForcedParser, ToolParser
+from blink.ingress.tools import FirstCallOnly, ForcedParser, ToolParser
 from blink.shared.tokenizer import TokenizerError
 
 T = TypeVar("T")
@@ -87,7 +87,8 @@ async def encode(state: IngressState, tokenize: Callable[[], T], param: str) -> 
 
 def chat_tool_parser(state: IngressState, body: ChatRequest) -> ToolParser | None:
     """The parser that finds tool calls in this request's output (None: its output is all content). A forced call
-    ("required", or a named function) is read whole as the calls its grammar made (blink.ingress.structured)."""
+    ("required", or a named function) is read whole as the calls its grammar made (blink.ingress.structured); with
+    parallel_tool_calls false, only the first call the model writes is answered."""
     choice = body.tool_choice
     if choice not in (None, "none") and not body.tools:
         raise APIError(400, "tool_choice needs tools", param="tool_choice")
@@ -98,7 +99,7 @@ def chat_tool_parser(state: IngressState, body: ChatRequest) -> ToolParser | Non
     if state.tool_parser is None:
         raise APIError(400, "\"auto\" tool choice requires the server to run with --enable-auto-tool-choice and "
                        "--tool-call-parser", param="tool_choice")
-    return state.tool_parser
+    return FirstCallOnly(state.tool_parser) if body.parallel_tool_calls is False else state.tool_parser
 
 
 def context_room(state: IngressState, prompt: list[int], max_tokens: int | None, prompt_param: str) -> int:

@@ -2,7 +2,8 @@
 
 Wire format, one JSON frame each way after the DEALER's empty delimiter: the client sends a completion
 request (the OpenAI completions body plus an `id` the client picks, and `api_key` when the server has one;
-`model` may be left out; at most --max-request-bytes, or libzmq drops the connection); the ingress
+`model` may be left out; no echo, prompt_logprobs, logprobs or include_usage, which the chunks cannot carry;
+at most --max-request-bytes, or libzmq drops the connection); the ingress
 answers with chunks `{"id", "text", "token_ids", "finish_reason"}` until one carries a finish reason, or one
 `{"id", "error": {...}}` with OpenAI's error object.
 """
@@ -100,7 +101,10 @@ class ZmqApi:
         check_model(state, body.model)
         if body.n != 1 or (isinstance(body.prompt, list) and body.prompt and not isinstance(body.prompt[0], int)):
             raise APIError(400, "the ZeroMQ API takes one prompt and n=1 per request", param="prompt")
-        asked = {"echo": body.echo, "prompt_logprobs": body.prompt_logprobs is not None}
+        # What its chunks (text, token ids, a finish reason) cannot carry is refused, not computed and dropped.
+        asked = {"echo": body.echo, "prompt_logprobs": body.prompt_logprobs is not None,
+                 "logprobs": body.logprobs is not None,
+                 "stream_options": body.stream_options is not None and body.stream_options.include_usage}
         if unsupported := [name for name, given in asked.items() if given]:
             raise APIError(400, f"the ZeroMQ API does not take {unsupported[0]} (the HTTP API does)",
                            param=unsupported[0])
