@@ -44,6 +44,8 @@ from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
+from blink.shared.grammar import GrammarKind
+
 SHAPES = {  # Llama 3's vocabulary, its layers; the weight bytes one decode step reads in bf16
     "llama3-1b": {"vocab": 128256, "layers": 16, "weight_bytes": 2.47e9},
     "llama3-8b": {"vocab": 128256, "layers": 32, "weight_bytes": 16.06e9},
@@ -107,7 +109,12 @@ REQUESTS = {
     # Greedy, held by a bias to the token its prompt repeats (random weights follow no prompt): each step's last
     # tokens are found just before them, so every slot drafts (one token: what follows them) and it is accepted.
     "drafting": lambda slot: dict(temperature=0.0, logit_bias=((_repeated(slot), 100.0),)),
+    # Greedy, the first slot's output held to a regex (issue 40): the grammar's kernels and the mask's bytes with one
+    # constrained row resident.
+    "constrained": lambda slot: dict(temperature=0.0, **(dict(grammar_kind=int(GrammarKind.REGEX),
+                                                              grammar=CONSTRAINT) if slot == 0 else {})),
 }
+CONSTRAINT = "[a-z ]+"  # a small automaton (a bounded repetition's grows with its bound); checked still walking
 # `drafting`'s speculation: vLLM's n-gram method, as its docs show it.
 DRAFTING = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
 
@@ -167,9 +174,15 @@ def count_step(model_dir: Path, slots: int, context: int, bucket: int, kernels: 
         # The clock stands still: the step-cost fit learns nothing from interpreted steps (seconds, not a GPU's
         # milliseconds), and its zero fit lets drafts pay, as a GPU's fixed cost of a step does.
         device.clock[0] = time.monotonic()
+        deadline = time.monotonic() + 120  # a constrained record waits for its grammar's table (the gate's thread)
         with torch.inference_mode(), _as_on_a_gpu():
-            for _ in range(3):  # admission and prefill, then decodes
+            for i in range(10 ** 6):  # admission and prefill, then decodes: three steps once every slot produced
+                device.grammars.poll()  # a grammar's table to the arena, as the modes' gate thread does
                 device.run(device.buckets[-1])
+                if i >= 2 and all(int(table.slots["produced"][s]) > 0 for s in range(slots)):
+                    break
+                if time.monotonic() > deadline:
+                    raise TimeoutError("the requests were not all admitted and decoding within 120 s")
             engine.step.sampler = counted_sampler
             drafts_before = int(engine.state.spec_counts[0])  # read before the count: a host read is counted
             counter = kc.KernelCounter()
@@ -184,6 +197,7 @@ def count_step(model_dir: Path, slots: int, context: int, bucket: int, kernels: 
                 device.run(bucket)
                 seconds = time.perf_counter() - started
             drafted = int(engine.state.spec_counts[0]) - drafts_before  # slots that drafted in the step counted
+            first_ended = int(table.slots["finish_reason"][0]) != 0
         device.close()
     finally:
         table.unlink()
@@ -191,6 +205,8 @@ def count_step(model_dir: Path, slots: int, context: int, bucket: int, kernels: 
     summary = counter.summary()
     if summary["kernels"].get("layer", 0) and len(model.layers) != 1:
         raise AssertionError("the stand-in must have one layer: its layer's kernels are counted per layer")
+    if requests == "constrained" and first_ended:
+        raise AssertionError("the constrained request ended before the step counted: it counts no constrained row")
     if drafting and drafted < slots:
         raise AssertionError(f"only {drafted} of {slots} slots drafted in the step counted: it counts no drafting step")
     return {"ops": counter.ops, "bytes": counter.bytes, "seconds": seconds, "top": top, "slots_drafting": drafted,
@@ -292,7 +308,8 @@ def _kernel_passes(counter, kernels):
 @contextmanager
 def _stand_in(vocab: int, context: int):
     """A one-layer bfloat16 Llama with the real vocabulary and context, random weights, and the tiny model's
-    tokenizer (the step never detokenizes)."""
+    tokenizer and end-of-sequence id (the step never detokenizes; a grammar's table is made over the tokenizer, which
+    must hold the id that ends it)."""
     import shutil
 
     from safetensors.torch import save_file
@@ -302,10 +319,11 @@ def _stand_in(vocab: int, context: int):
     config = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=vocab, hidden_act="silu",
                   hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
                   num_key_value_heads=1, head_dim=32, max_position_embeddings=context, rms_norm_eps=1e-5,
-                  rope_theta=500000.0, tie_word_embeddings=False, torch_dtype="bfloat16", eos_token_id=vocab - 1)
+                  rope_theta=500000.0, tie_word_embeddings=False, torch_dtype="bfloat16")
     with tempfile.TemporaryDirectory(prefix="blink-bench-step-") as tmp:
         target = Path(tmp)
-        (target / "config.json").write_text(json.dumps(config))
+        tiny = json.loads((ensure_tiny_model() / "config.json").read_text())
+        (target / "config.json").write_text(json.dumps(config | {"eos_token_id": tiny["eos_token_id"]}))
         shutil.copy(ensure_tiny_model() / "tokenizer.json", target / "tokenizer.json")
         save_file(random_weights(config), str(target / "model.safetensors"), metadata={"format": "pt"})
         yield target

@@ -391,20 +391,24 @@ def test_bench_step_counts_what_a_step_does_outside_the_model(tmp_path, capsys):
     times the shape's layers, the rest once) and the ops and bytes outside the model; more slots cost more bytes
     (the per-slot state it walks), and requests that sample, filter and ask for logprobs cost the fused sampler's
     kernels more passes than greedy ones, in the same captured step (the same ops, the same kernels); a step whose
-    every slot drafts (n-gram speculation) keeps the same bound."""
+    every slot drafts (n-gram speculation) keeps the same bound, and one with a constrained row the same kernels."""
     from blink.bench.cli import main
 
     assert main(["step", "--shape", "llama3-1b", "llama3-8b", "--slots", "2", "8", "--vocab", "4096", "--context",
-                 "128", "--requests", "greedy", "mixed", "drafting", "--result-dir", str(tmp_path)]) == 0
+                 "128", "--requests", "greedy", "mixed", "drafting", "constrained", "--result-dir", str(tmp_path)]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("llama3-1b")]
-    assert len(lines) == 6
+    assert len(lines) == 8
     rows = json.loads(next(tmp_path.glob("step-*.json")).read_text())["rows"]
     nbytes = {(row["slots"], row["requests"]): row["bytes"] for row in rows if row["shape"] == "llama3-1b"}
     assert nbytes[(8, "greedy")] > nbytes[(2, "greedy")]
     assert nbytes[(8, "mixed")] > nbytes[(8, "greedy")]
     plain = [row for row in rows if row["requests"] != "drafting"]
     drafting = [row for row in rows if row["requests"] == "drafting"]
-    assert len(rows) == 12 and len({row["ops"] for row in plain}) == 1 and rows[0]["ops"] > 100
+    assert len(rows) == 16 and len({row["ops"] for row in plain}) == 1 and rows[0]["ops"] > 100
+    # A constrained row resident launches no kernel more: the grammar's kernels are in every captured step.
+    kernels = {(row["shape"], row["slots"], row["requests"]): row["kernels_per_step"] for row in rows}
+    assert all(kernels[(shape, slots, "constrained")] == kernels[(shape, slots, "greedy")]
+               for shape, slots, _ in kernels)
     assert all(row["slots_drafting"] == (row["slots"] if row in drafting else 0) for row in rows)
     for row in rows:
         assert row["layers"] == {"llama3-1b": 16, "llama3-8b": 32}[row["shape"]]
