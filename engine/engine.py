@@ -216,8 +216,8 @@ class Engine:
 
     @cached_property
     def mirror(self) -> HostMirror | None:
-        """The host memory KV pages rotate to (--swap-space), made when a driver that rotates first asks for it:
-        the device modes do not, and do not hold its pinned memory."""
+        """The host memory KV pages rotate to (--swap-space), made when a driver that rotates first asks for it (the
+        host mode's loop, or the device step, which maps it for its rotation kernels)."""
         drafter = self.step.drafter
         draft = (drafter.k, drafter.v) if drafter is not None else None
         return HostMirror(self.pool, self._mirror_pages, draft) if self._mirror_pages else None

@@ -237,7 +237,10 @@ def _integer_range(schema: dict, path: str, integers: _Integers) -> dict:
     step = schema.get("multipleOf", 1)
     rest = {k: v for k, v in schema.items() if k not in ("type", *BOUNDS, "multipleOf")}
     if None not in (low, high) and type(step) is int and step > 0 and high - low <= RANGE_AS_ENUM:
-        return {**rest, "enum": [v for v in range(low, high + 1) if v % step == 0]}
+        values = [v for v in range(low, high + 1) if v % step == 0]
+        if not values:  # an empty enum would lower to an empty regex: `{"a":}` for an optional property
+            raise GrammarError(f"the integer bounds at {path[:200]} admit no integer")
+        return {**rest, "enum": values}
     if step != 1:  # divisibility over an open range: not lowered
         return schema
     regex = integer_regex(low, high)

@@ -4,12 +4,14 @@ mode and batch, and greedy tokens per mode."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
 import statistics
 import tempfile
 import time
+import traceback
 import uuid
 from pathlib import Path
 
@@ -315,3 +317,17 @@ def _close(driver: Driver, table: SlotTable) -> None:
     driver.close()
     table.close()
     table.unlink()
+
+
+def failure(e: BaseException, limit: int = 4000) -> str:
+    """What failed, for a phase's JSON: the exception and the end of its traceback, its cause's included (a lent
+    GPU's run is read afterwards, so the frame that failed must be in it)."""
+    text = "".join(traceback.format_exception(e))
+    return f"{type(e).__name__}: {e}"[:500] + "\n" + text[-(limit - 500):]
+
+
+def free_memory() -> None:
+    """What one engine held on the GPU given back before the next is made."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

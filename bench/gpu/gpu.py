@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-# name: its own timeout in seconds, in the order they run (the cheap, telling ones first)
+# name: its own timeout in seconds, in the order a run without --phases or a profile takes them
 PHASES = {"env": 90, "model-llama3-1b": 150, "parity": 150, "persistent": 90, "model-llama3-8b": 200,
           "model-llama3-8b-fp8": 150, "model-llama3-8b-kv-fp8": 120, "model-llama3-1b-compiled": 240,
           "model-qwen3-30b-a3b-24l": 200, "interference": 300, "kv-pressure": 300, "tests": 240}
@@ -110,10 +110,11 @@ def _phase(name: str, work: Path, timeout_s: float, dry_run: bool, compile_bookk
         status = f"timed out after {timeout_s:.0f} s"
     path = work / f"{name}.json"
     found = json.loads(path.read_text()) if path.is_file() else {}
-    if "summary" not in found and Path(found.get("log", "")).is_file():  # the tests, cut: what they reached
-        lines = Path(found["log"]).read_text().splitlines()
-        found.update(failed=[line for line in lines if line.startswith(("FAILED", "ERROR"))],
-                     log_tail="\n".join(lines)[-6000:], summary=f"cut by the budget after {len(lines)} lines of log")
+    log = Path(found.pop("log", ""))  # in `work`, which goes with the run
+    if "summary" not in found and log.is_file():  # the tests, cut: what they reached
+        from blink.bench.gpu.phases import tests_report
+
+        found.update(tests_report(log.read_text(), whole=False))
     return {**found, "status": status, "seconds": time.monotonic() - started, "output_tail": output[-3000:]}
 
 
@@ -162,11 +163,18 @@ def summary(phases: dict[str, dict]) -> str:
                 lines.append("  eager step GPU ms: " + ", ".join(f"{k} {v:.3f}" for k, v in p["profile_ms"].items()))
     if against := phases.get("parity", {}).get("against_host"):
         for mode, r in against.items():
-            lines.append(f"\nparity {mode} vs host: short prompt identical {r['short_identical']}; mixed batch first "
-                         f"divergence per request {list(r['mixed_first_divergence'].values())}; largest "
-                         f"teacher-forced gap to greedy {r['mixed_teacher_forced_gap']:.4f} nats; after a prefix "
-                         f"hit {list(r['prefixed_first_divergence'].values())}; rotated "
-                         f"{list(r['rotated_first_divergence'].values())} ({phases['parity']['stats'].get(mode)})")
+            cells = [f"{case} failed" for case in ("short", "mixed", "prefixed", "rotated") if r.get(f"{case}_error")]
+            if "short_identical" in r:
+                cells.append(f"short prompt identical {r['short_identical']}")
+            for case, label in (("mixed", "mixed batch"), ("prefixed", "after a prefix hit"), ("rotated", "rotated")):
+                if f"{case}_first_divergence" in r:
+                    cells.append(f"{label} first divergence per request "
+                                 f"{list(r[f'{case}_first_divergence'].values())}")
+            if "mixed_teacher_forced_gap" in r:
+                cells.append(f"largest teacher-forced gap to greedy {r['mixed_teacher_forced_gap']:.4f} nats")
+            cells.append(f"prefix hit {r['prefix_hit']}, rotated out and back {r['rotated_out_and_back']} "
+                         f"({phases['parity']['stats'].get(mode)})")
+            lines.append(f"\nparity {mode} vs host: " + "; ".join(cells))
     if (p := phases.get("persistent", {})) and "conditional" in p:
         lines.append(f"\npersistent: {p['conditional']} nodes; restarts {p.get('restart')}; a sync from another "
                      f"thread while looping: {p.get('sync_while_running')}, after stop: {p.get('sync_after_stop')}")

@@ -8,7 +8,6 @@ A dry run (the CPU, in CI) runs the same code on the tiny random model in the ho
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import platform
@@ -17,7 +16,6 @@ import subprocess
 import sys
 import threading
 import time
-import traceback
 import uuid
 from importlib import metadata
 from pathlib import Path
@@ -28,16 +26,17 @@ from blink.bench.gpu.drive import (
     drive_modes,
     drive_requests,
     engine_for,
-    engine_options,
-    greedy,
+    failure,
+    free_memory,
     model_dir,
     step_times,
     weight_bytes,
 )
 from blink.bench.gpu.interference import interference
+from blink.bench.gpu.parity import parity
 from blink.bench.gpu.pressure import kv_pressure
 
-SHAPES = ("llama3-1b", "llama3-8b", "qwen3-30b-a3b-24l")
+SHAPES = ("llama3-1b", "llama3-8b", "qwen3-30b-a3b-24l")  # bench/gpu/drive.py's, in the order the phases run
 
 
 def env(out: dict, dry_run: bool) -> None:
@@ -110,7 +109,7 @@ def model(out: dict, dry_run: bool, shape: str) -> None:
         out.update(eager_step_checks(engine))
         _save(out)
     del engine
-    _free()
+    free_memory()
     batches = _SELECTION["batches"] or ([1, 4] if dry_run else [1, 8, 64, 256])
     if dry_run:  # the tiny model's 8 slots
         batches = [b for b in batches if b <= 8] or [1]
@@ -125,7 +124,7 @@ def model(out: dict, dry_run: bool, shape: str) -> None:
         except Exception as e:  # the next mode still runs
             out["steps"][mode] = {"error": failure(e)}
         _save(out)
-        _free()
+        free_memory()
     env_found = _env_result()
     probe = "read_gb_s" if env_found.get("read_gb_s") else "copy_gb_s"  # a run from before the read probe
     if bandwidth := env_found.get(probe):
@@ -170,78 +169,11 @@ def fp8_kv(out: dict, dry_run: bool, shape: str) -> None:
         except Exception as e:  # the other still runs
             out["steps"][kv] = {"error": failure(e)}
         _save(out)
-        _free()
+        free_memory()
     os.environ.pop("BLINK_KV_CACHE_DTYPE", None)
     times = [out["steps"][kv].get(str(batch), {}).get("ms_per_step") for kv in ("auto", "fp8")]
     if all(times):
         out["fp8_over_auto_ms_per_step"] = times[1] / times[0]
-
-
-def failure(e: BaseException, limit: int = 4000) -> str:
-    """What failed, for a phase's JSON: the exception and the end of its traceback, its cause's included (a lent
-    GPU's run is read afterwards, so the frame that failed must be in it)."""
-    text = "".join(traceback.format_exception(e))
-    return f"{type(e).__name__}: {e}"[:500] + "\n" + text[-(limit - 500):]
-
-
-def parity(out: dict, dry_run: bool) -> None:
-    """Greedy tokens of every drive mode against the host's: one short prompt (exact); a mixed batch (the first
-    divergence per request: random bf16 weights give near-flat logits, so another bucket's rounding may flip a token
-    without a bug); prompts whose prefix an earlier request left in the cache (a hit under capture); and a pool too
-    small for its batch, so requests rotate out to host memory and back under capture."""
-    directory = model_dir(SHAPES[0], dry_run)
-    short = {0: list(range(100, 108))}
-    mixed = {i: list(range(200 + 37 * i, 200 + 37 * i + n)) for i, n in enumerate((3, 17, 64, 130, 5, 250, 31, 9))}
-    shared = list(range(300, 396))  # six 16-token pages the first round leaves cached for the second
-    prefixed = [{0: [*shared, 7, 8, 9]}, {i: shared + list(range(600 + 11 * i, 604 + 11 * i)) for i in range(1, 4)}]
-    crowded = {i: [(11 * i + 3 * j) % 1000 + 10 for j in range(200)] for i in range(8)}  # 14 pages each: 8 x 14 > 79
-    pressure = {"num_pages": 40 if dry_run else 80, "swap_space": 1.0}
-    tokens: dict[str, dict] = {}
-    stats: dict[str, dict] = {}
-    for mode in drive_modes(dry_run):
-        try:
-            hits, rotated = [], []
-            tokens[mode] = {"short": greedy(directory, dry_run, mode, [short], 16)[0],
-                            "mixed": greedy(directory, dry_run, mode, [mixed], 24)[0],
-                            "prefixed": greedy(directory, dry_run, mode, prefixed, 16, stats=hits)[1],
-                            "rotated": greedy(directory, dry_run, mode, [crowded], 24, stats=rotated, **pressure)[0]}
-            stats[mode] = {"cached_tokens": sum(s.cached_tokens for s in hits),
-                           "pages_out": sum(s.pages_out for s in rotated), "pages_in": sum(s.pages_in for s in rotated)}
-        except Exception as e:  # the next mode still runs
-            tokens[mode] = {"error": failure(e)}
-        _free()
-    out["tokens"], out["stats"] = tokens, stats
-    host = tokens.get("host", {})
-    out["against_host"] = {}
-    for mode, got in tokens.items():
-        if "error" in got or "error" in host:
-            continue
-        out["against_host"][mode] = {
-            "short_identical": got["short"] == host["short"],
-            **{f"{case}_first_divergence": {slot: _first_divergence(host[case][slot], got[case][slot])
-                                            for slot in host[case]} for case in ("mixed", "prefixed", "rotated")},
-            "mixed_teacher_forced_gap": teacher_forced_gap(directory, dry_run, mixed, got["mixed"])}
-
-
-def teacher_forced_gap(directory: Path, dry_run: bool, prompts: dict[int, list[int]],
-                       generated: dict[int, list[int]]) -> float:
-    """How far from greedy a mode's tokens are, by the offline engine's own logprobs: each prompt followed by what
-    the mode generated, scored in one prefill (prompt_logprobs); the largest gap, in nats, between the top token's
-    logprob and the generated token's. A flip that rounding explains has a gap near 0; a bug, a large one."""
-    from blink.engine import LLM, SamplingParams
-
-    llm = LLM(str(directory), **engine_options(dry_run))
-    room = llm.engine.max_model_len - 1  # the scoring prefill generates one token too
-    sequences = [(prompts[slot] + generated[slot])[:room] for slot in prompts]
-    outs = llm.generate(sequences, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))
-    gap = 0.0
-    for slot, out in zip(prompts, outs, strict=True):
-        for position in range(len(prompts[slot]), len(out.prompt_token_ids)):
-            scored = out.prompt_logprobs[position]
-            gap = max(gap, max(e.logprob for e in scored.values()) - scored[out.prompt_token_ids[position]].logprob)
-    del llm
-    _free()
-    return gap
 
 
 def persistent(out: dict, dry_run: bool) -> None:
@@ -292,7 +224,8 @@ GPU_TESTS = ("tests/engine/test_kernels.py", "tests/engine/test_device_step.py",
 
 def tests(out: dict, dry_run: bool) -> None:
     """The `gpu`-marked tests and the kernel and device-step tests, compiled on the GPU (from a checkout). pytest's
-    report goes to tests.log as it runs, so a phase cut by the budget still shows what passed and failed."""
+    report goes to tests.log line by line (verbose, unbuffered), so a phase cut by the budget still shows each test
+    it reached and how it ended."""
     if dry_run or not Path(GPU_TESTS[0]).is_file():
         out["skipped"] = "the suite runs in CI" if dry_run else "no checkout here (tests/ is not installed)"
         return
@@ -300,12 +233,23 @@ def tests(out: dict, dry_run: bool) -> None:
     out["log"] = str(log)
     _save(out)
     with log.open("w") as f:
-        subprocess.run([sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", "-o",
-                        "faulthandler_timeout=120", *GPU_TESTS], stdout=f, stderr=subprocess.STDOUT, text=True)
-    lines = log.read_text().splitlines()
-    out["summary"] = lines[-1] if lines else ""
-    out["failed"] = [line for line in lines if line.startswith(("FAILED", "ERROR"))]
-    out["log_tail"] = "\n".join(lines)[-6000:]
+        subprocess.run([sys.executable, "-m", "pytest", "-v", "-rfE", "-p", "no:cacheprovider", "-o",
+                        "faulthandler_timeout=120", *GPU_TESTS], stdout=f, stderr=subprocess.STDOUT, text=True,
+                       env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    out.update(tests_report(log.read_text(), whole=True))
+
+
+def tests_report(log: str, whole: bool) -> dict:
+    """The tests phase's findings from pytest's verbose log: its last line (or where a cut left it), the tests that
+    failed or broke, and the log's tail."""
+    lines = log.splitlines()
+    if whole:  # -rfE's summary names each
+        failed = [line for line in lines if line.startswith(("FAILED", "ERROR"))]
+    else:  # only the progress lines so far: `path::test FAILED [ 20%]`
+        failed = [line for line in lines if "::" in line and (" FAILED" in line or " ERROR" in line)]
+    ran = sum("::" in line and " PASSED" in line for line in lines)
+    summary = (lines[-1] if lines else "") if whole else f"cut by the budget: {ran} passed, {len(failed)} failed so far"
+    return {"summary": summary, "failed": failed, "log_tail": "\n".join(lines)[-6000:]}
 
 
 def compiled(out: dict, dry_run: bool, shape: str) -> None:
@@ -317,12 +261,9 @@ def compiled(out: dict, dry_run: bool, shape: str) -> None:
         out["skipped"] = "compiling the bookkeeping takes minutes on the CPU"
         return
     os.environ["BLINK_COMPILE_BOOKKEEPING"] = "1"  # engine_options reads it, as `blink serve`'s settings would
+    # The device modes: the host mode would compile inside its timed steps (and `blink serve` refuses it compiled).
+    _SELECTION["modes"] = [m for m in _SELECTION["modes"] or drive_modes(dry_run) if m != "host"]
     model(out, dry_run, shape)
-
-
-def _first_divergence(a: list[int], b: list[int]) -> int | None:
-    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
-                None if len(a) == len(b) else min(len(a), len(b)))
 
 
 def _kv_bytes_per_token(engine) -> int:
@@ -357,12 +298,6 @@ def _version(name: str) -> str | None:
         return metadata.version(name)
     except metadata.PackageNotFoundError:
         return None
-
-
-def _free() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 _PATH: Path | None = None

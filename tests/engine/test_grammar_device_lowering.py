@@ -133,6 +133,10 @@ def test_the_tables_masks_agree_with_llguidance_but_where_the_libraries_differ(l
     (GrammarSpec.json_schema({"type": "integer", "minimum": 5, "exclusiveMinimum": True}), "#/minimum"),  # draft 4
     (GrammarSpec.json_schema({"properties": {"n": {"type": "integer", "minimum": 10 ** 18}}}),
      "bounds at #/properties/n admit no integer of at most 18 digits"),
+    # An empty range (an optional property's once lowered to `{"a":}`), and one with no multiple in it.
+    (GrammarSpec.json_schema({"properties": {"a": {"type": "integer", "minimum": 5, "maximum": 3}}}),
+     "bounds at #/properties/a admit no integer"),
+    (GrammarSpec.json_schema({"type": "integer", "minimum": 5, "maximum": 7, "multipleOf": 4}), "admit no integer"),
     (GrammarSpec.json_schema({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}), "uniqueItems"),
     (GrammarSpec.json_schema({"type": "string", "format": "hostname"}), "hostname"),
     (GrammarSpec(GrammarKind.REGEX, "(?=a)b"), "cannot be walked on the device"),

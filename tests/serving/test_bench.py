@@ -568,6 +568,18 @@ def test_bench_gpu_keeps_what_a_hung_phase_found(tmp_path, monkeypatch):
     assert found["cpus"]["ingress_and_client"]  # written before the server started
 
 
+def test_a_cut_tests_phase_reports_what_it_reached():
+    """The tests phase's log read after the budget killed it: the tests passed and failed so far, by name."""
+    from blink.bench.gpu.phases import tests_report
+
+    log = "tests/a.py::test_x PASSED [ 10%]\ntests/a.py::test_y FAILED [ 20%]\ntests/a.py::test_z[1] ERROR [ 30%]\n"
+    report = tests_report(log, whole=False)
+    assert report["summary"] == "cut by the budget: 1 passed, 2 failed so far"
+    assert [line.split()[0] for line in report["failed"]] == ["tests/a.py::test_y", "tests/a.py::test_z[1]"]
+    whole = tests_report(log + "FAILED tests/a.py::test_y - boom\n= 1 failed, 1 passed, 1 error in 3s =", whole=True)
+    assert whole["failed"] == ["FAILED tests/a.py::test_y - boom"] and whole["summary"].startswith("= 1 failed")
+
+
 def test_bench_gpu_quick_profile_dry_run(tmp_path):
     """`--profile quick` picks issue 39's phases, modes and batches within 7.5 minutes; its flags override parts
     (here the phases), and its dry run times the host mode in the modes' stead."""
