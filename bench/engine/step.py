@@ -114,6 +114,7 @@ REQUESTS = {
     "constrained": lambda slot: dict(temperature=0.0, **(dict(grammar_kind=int(GrammarKind.REGEX),
                                                               grammar=CONSTRAINT) if slot == 0 else {})),
 }
+WARM_STEPS = 50  # a constrained record waits for its grammar's table (lowered on the gate's threads, a second)
 CONSTRAINT = "[a-z ]+"  # a small automaton (a bounded repetition's grows with its bound); checked still walking
 # `drafting`'s speculation: vLLM's n-gram method, as its docs show it.
 DRAFTING = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
@@ -174,15 +175,15 @@ def count_step(model_dir: Path, slots: int, context: int, bucket: int, kernels: 
         # The clock stands still: the step-cost fit learns nothing from interpreted steps (seconds, not a GPU's
         # milliseconds), and its zero fit lets drafts pay, as a GPU's fixed cost of a step does.
         device.clock[0] = time.monotonic()
-        deadline = time.monotonic() + 120  # a constrained record waits for its grammar's table (the gate's thread)
         with torch.inference_mode(), _as_on_a_gpu():
-            for i in range(10 ** 6):  # admission and prefill, then decodes: three steps once every slot produced
-                device.grammars.poll()  # a grammar's table to the arena, as the modes' gate thread does
+            for i in range(WARM_STEPS):  # admission and prefill, then decodes: three steps once every slot produced
+                if device.grammars.poll():  # a grammar's table to the arena, as the modes' gate thread does
+                    time.sleep(0.1)  # still lowering: the steps wait for it, not run out
                 device.run(device.buckets[-1])
                 if i >= 2 and all(int(table.slots["produced"][s]) > 0 for s in range(slots)):
                     break
-                if time.monotonic() > deadline:
-                    raise TimeoutError("the requests were not all admitted and decoding within 120 s")
+                if i == WARM_STEPS - 1:
+                    raise TimeoutError(f"not every request was admitted and decoding after {WARM_STEPS} steps")
             engine.step.sampler = counted_sampler
             drafts_before = int(engine.state.spec_counts[0])  # read before the count: a host read is counted
             counter = kc.KernelCounter()
