@@ -199,8 +199,7 @@ class CpuKernels(TorchKernels):
         than gathering a chunk's context for SDPA at every prompt length measured (docs/design.md, Decisions)."""
         T, device = shape.tokens, plan.token_pos.device
         rows = QueryRows(torch.arange(T, device=device), torch.ones(T, dtype=torch.long, device=device),
-                         plan.token_pos[:T], plan.token_slot[:T],
-                         plan.sizes.tokens)
+                         plan.token_pos[:T], plan.token_slot[:T], plan.sizes.tokens)
         return AttentionBatch(write_rows(plan, T, block_table, page_size), [], [(rows, 1)], block_table)
 
     def decode_batch(self, rows: QueryRows, block_table: torch.Tensor, page_size: int,

@@ -21,7 +21,7 @@ from blink.engine.core.speculation import Speculation
 from blink.engine.core.state import Slots
 from blink.engine.kernels import cpu_draft
 from blink.engine.model.tiny_model import ensure_tiny_model
-from tests.engine.test_draft_kernel import STATE, _case
+from tests.engine.test_draft_kernel import STATE, _case, draft_model_cases
 from tests.engine.test_speculation import ENGINE, PROMPTS, _spec
 from tests.support.cpu_kernels import cpu_kernels_or_skip
 
@@ -70,12 +70,8 @@ def test_the_kernel_drafts_as_the_reference_does(K, lookup):
 def test_a_draft_model_s_drafts_are_planned_as_the_reference_plans_them(K):
     """Without lookup (a draft model's): every slot that may draft offers K under its rate of column 0, and nothing is
     copied (the draft model writes the drafts in the step)."""
-    rng = random.Random(K)
-    speculation = Speculation(K, 1, 1, lookup=False, row_share=0.37, draft_ratio=rng.choice([0.0, 0.33, 0.68, 1.0]))
     drafted = 0
-    for case in range(60):
-        S = rng.choice([1, 3, 8, 13])
-        state, pool, policy, cost, take, live, order, cap = _case(rng, S, K, ["fcfs", "priority", "slo"][case % 3])
+    for case, speculation, (state, pool, policy, cost, take, live, order, cap) in draft_model_cases(K, K, 60):
         reference = copy.deepcopy(state)
         want = speculation.draft(reference, pool, policy, cost, take, live, order, cap)
         got = cpu_draft.draft(speculation, state, pool, policy, cost, take, live, order, cap)

@@ -106,17 +106,22 @@ def test_the_kernels_draft_as_the_reference_does(K, lookup, block, monkeypatch):
     assert len(lengths) > 1 or lookup[0] == lookup[1], lengths
 
 
+def draft_model_cases(seed: int, K: int, count: int):
+    """A draft model's speculation (no lookup) and `count` plans' states to draft in, (case, speculation, _case's)."""
+    rng = random.Random(seed)
+    torch.manual_seed(rng.randrange(1 << 30))  # _case's tokens
+    speculation = Speculation(K, 1, 1, lookup=False, row_share=0.37, draft_ratio=rng.choice([0.0, 0.33, 0.68, 1.0]))
+    for case in range(count):
+        S = rng.choice([1, 3, 8, 13])
+        yield case, speculation, _case(rng, S, K, ["fcfs", "priority", "slo"][case % 3])
+
+
 @pytest.mark.parametrize("K", [1, 4])
 def test_a_draft_model_s_drafts_are_planned_as_the_reference_plans_them(K):
     """Without lookup (a draft model's): every slot that may draft offers K under its rate of column 0, and nothing is
     copied (the draft model writes the drafts in the step)."""
-    rng = random.Random(K + 7)
-    torch.manual_seed(rng.randrange(1 << 30))
-    speculation = Speculation(K, 1, 1, lookup=False, row_share=0.37, draft_ratio=rng.choice([0.0, 0.33, 0.68, 1.0]))
     drafted = 0
-    for case in range(16):
-        S = rng.choice([1, 3, 8, 13])
-        state, pool, policy, cost, take, live, order, cap = _case(rng, S, K, ["fcfs", "priority", "slo"][case % 3])
+    for case, speculation, (state, pool, policy, cost, take, live, order, cap) in draft_model_cases(K + 7, K, 16):
         theirs = copy.deepcopy(state)
         want = speculation.draft(theirs, pool, policy, cost, take, live, order, cap)
         got = draft(speculation, state, pool, policy, cost, take, live, order, cap)
