@@ -159,8 +159,8 @@ def count_step(model_dir: Path, slots: int, context: int, bucket: int, kernels: 
                                      max_num_batched_tokens=max(bucket, slots), max_model_len=context, swap_space=0,
                                      speculative_config=DRAFTING if drafting else None))
     counted_sampler = engine.step.sampler
-    if kernels == "triton":  # interpreted, a wide block runs faster; the passes counted do not depend on it
-        wide = dict(block=4096)
+    if kernels == "triton":  # interpreted, wide blocks run faster; the passes and launches counted do not depend on it
+        wide = dict(block=4096, chunk=32768)
         counted_sampler = Sampler(partial(sampler_kernels.fused_sample, **wide),
                                   partial(sampler_kernels.token_logprobs, **wide),
                                   replace(counted_sampler.step, **wide))
@@ -273,10 +273,10 @@ def _kernel_passes(counter, kernels):
         finally:
             counter.in_launch = False
 
-    def counted_draw(logits, rows, block):
+    def counted_draw(logits, rows, block, chunk):
         outer, counter.bytes_paused = counter.bytes_paused, True
         try:
-            tokens, passes = draw(logits, rows, block)
+            tokens, passes = draw(logits, rows, block, chunk)
         finally:
             counter.bytes_paused = outer
         read("triton.sample", passes, logits)
@@ -291,10 +291,10 @@ def _kernel_passes(counter, kernels):
         read("triton.logprobs", out[3], logits)
         return out
 
-    def counted_step(logits, passes, args, constants):
+    def counted_step(logits, passes, launch):
         outer, counter.bytes_paused = counter.bytes_paused, True
         try:
-            step_run(logits, passes, args, constants)
+            step_run(logits, passes, launch)
         finally:
             counter.bytes_paused = outer
         read("triton.step_sample", passes, logits)

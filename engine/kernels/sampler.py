@@ -1,18 +1,22 @@
 """The sampler as Triton kernels: each row's logits read as often as its own request needs, and no sort.
 
 `fused_sample` is `blink.engine.core.sampler.sample` (the reference, which the CPU runs) for the device: the same
-tokens for the same inputs. Each row is one program and pays for what its own request asked: a greedy row is one
-argmax pass; a row that samples is one pass of noise and argmax; min-p, top-k and top-p add a pass for the row's
-maximum and a threshold search each; logprobs a pass for the log-sum-exp, a search and a pass to write the top.
-So a captured step that must serve every feature costs a batch of greedy requests one pass, not the sort and the
-[rows, vocab] temporaries of the reference.
+tokens for the same inputs. Each row pays for what its own request asked: a greedy row is one argmax pass; a row
+that samples is one pass of noise and argmax; min-p, top-k and top-p add a pass for the row's maximum and a
+threshold search each; logprobs a pass for the log-sum-exp, a search and a pass to write the top. So a captured
+step that must serve every feature costs a batch of greedy requests one pass, not the sort and the [rows, vocab]
+temporaries of the reference.
 
-The filters keep values, not positions (as the reference does), so each is a threshold on the logits' order: top-k
-keeps what has fewer than k kept tokens above it, top-p what has less than top_p of the kept mass above it. The
-kernel finds a threshold by searching the 32-bit keys whose integer order is the floats' order: each pass counts
-(or weighs) the row against PIVOTS keys at once, so the search narrows 2**32 keys to one in about eight passes.
-The sparse edits (logit biases, penalties, held tokens) are the reference's own, done in place on the ids they
-name and undone after the draw, so the logits stay raw for the logprobs.
+The draw, the pass every row makes, runs over many programs a row (`_draw_kernel`, CHUNK logits each, the best of
+each chunk packed with its id so the largest is torch's argmax), so a batch of one fills the GPU rather than one of
+its SMs; the filters' thresholds are planned first in the row's own program (`_plan_draw`), and the chunks'
+best combined after (`draw_chunks`' caller). The filters keep values, not positions (as the reference does), so
+each is a threshold on the logits' order: top-k keeps what has fewer than k kept tokens above it, top-p what has
+less than top_p of the kept mass above it. The kernel finds a threshold by searching the 32-bit keys whose integer
+order is the floats' order: each pass counts (or weighs) the row against PIVOTS keys at once, so the search narrows
+2**32 keys to one in about eight passes. The sparse edits (logit biases, penalties, held tokens) are the
+reference's own, done in place on the ids they name and undone after the draw, so the logits stay raw for the
+logprobs.
 """
 
 from __future__ import annotations
@@ -33,6 +37,9 @@ from blink.shared.request_schema import MAX_LOGPROBS
 
 BLOCK = 1024  # logits a program reads at a time
 PIVOTS = 16  # keys a threshold-search pass tests at once
+CHUNK = 4096  # logits one program of a row's draw reads: a 128K vocabulary over 32 programs
+DRAW = 8  # words of a row's draw (_plan_draw), a row apart
+_LOWEST = tl.constexpr(-(1 << 63))  # below every packed key
 _MUL2 = tl.constexpr(0x846CA68B - (1 << 32))  # lowbias32's second multiplier as an int32 (products wrap as it wants)
 _GOLDEN = tl.constexpr(0x9E3779B9 - (1 << 32))  # what noise_key mixes into the seed's high word, as an int32
 
@@ -110,12 +117,13 @@ def _search(row, V, T, top, log_min_p, k_floor, limit, MASS: tl.constexpr, BLOCK
 
 
 @triton.jit
-def _draw_row(row, V, T, lmp, k, p, key, BLOCK: tl.constexpr, PIVOTS: tl.constexpr):
-    """One row's token (T: its temperature, 0 below GREEDY_BELOW: greedy; lmp, k, p: its filters; key: its
-    noise_key), and the passes over its logits it took."""
+def _plan_draw(row, V, T, lmp, k, p, key, draw, BLOCK: tl.constexpr, PIVOTS: tl.constexpr):
+    """What one row's draw needs, written to `draw` (DRAW words): T (its temperature, 0 below GREEDY_BELOW: greedy),
+    lmp, k, p (its filters), its noise key, and the thresholds its filters come to (the row's maximum, which min-p
+    measures from, and the top-k and top-p key floors), searched here in the row's own program. Returns the passes
+    over its logits the draw takes, the draw's own included."""
     random = T > 0.0
-    T = tl.where(random, T, 1.0)
-    top = tl.full([], float("inf"), tl.float32)  # what min-p measures from: the row's maximum, if it filters
+    top = tl.full([], float("inf"), tl.float32)
     k_floor = tl.full([], -(1 << 31), tl.int32)
     p_floor = tl.full([], -(1 << 31), tl.int32)
     n = tl.full([], 1, tl.int32)
@@ -133,33 +141,45 @@ def _draw_row(row, V, T, lmp, k, p, key, BLOCK: tl.constexpr, PIVOTS: tl.constex
         if p < 1.0:
             p_floor, searched = _search(row, V, T, top, lmp, k_floor, p, True, BLOCK, PIVOTS)
             n += searched
-    best = tl.full([], float("-inf"), tl.float32)
-    token = tl.full([], 0, tl.int32)
-    start = tl.full([], 0, tl.int32)
-    while start < V:  # not range(): Triton 3.6's interpreter cannot range over an argument
-        s, ids, _ = _scaled(row, start, V, T, BLOCK)
-        if random:  # Gumbel-max over what the filters kept, with the reference's noise
-            bits = _hash(key ^ _hash(ids))
-            u = (_shr(bits, 9).to(tl.float32) + 0.5) * (1.0 / (1 << 23))
-            kept = _kept(s, top, lmp, k_floor) & (_key(s) >= p_floor) & (s > float("-inf"))
-            s = tl.where(kept, s - tl.log(-tl.log(u)), float("-inf"))
-        block_best = tl.max(s, 0)
-        if block_best > best:  # strictly: the first of equal maxima wins, as torch's argmax
-            best = block_best
-            token = start + tl.argmax(s, 0)
-        start += BLOCK
-    return token, n
+    tl.store(draw + 0, T.to(tl.int32, bitcast=True))
+    tl.store(draw + 1, lmp.to(tl.int32, bitcast=True))
+    tl.store(draw + 2, top.to(tl.int32, bitcast=True))
+    tl.store(draw + 3, k_floor)
+    tl.store(draw + 4, p_floor)
+    tl.store(draw + 5, key.to(tl.int32))
+    return n
 
 
 @triton.jit
-def _sample_kernel(logits, stride, V, temperature, log_min_p, top_k, top_p, seed, step_index, tokens, passes,
-                   GREEDY_BELOW: tl.constexpr, BLOCK: tl.constexpr, PIVOTS: tl.constexpr):
+def _draw_kernel(logits, stride, V, draw, best, CHUNK: tl.constexpr, DRAW: tl.constexpr):
+    """A row's draw over many programs (grid: rows x chunks of the vocabulary): each program the best of its chunk
+    as a packed key (the value's key, then the id reversed, so the largest is the highest value and, among equal
+    ones, the lowest id: torch's argmax), in `best` [rows, chunks]."""
+    r = tl.program_id(0)
+    c = tl.program_id(1)
+    at = draw + r * DRAW
+    T = tl.load(at + 0).to(tl.float32, bitcast=True)
+    random = T > 0.0
+    s, ids, real = _scaled(logits + r.to(tl.int64) * stride, c * CHUNK, V, tl.where(random, T, 1.0), CHUNK)
+    if random:  # Gumbel-max over what the filters kept, with the reference's noise
+        lmp = tl.load(at + 1).to(tl.float32, bitcast=True)
+        top = tl.load(at + 2).to(tl.float32, bitcast=True)
+        bits = _hash(tl.load(at + 5) ^ _hash(ids))
+        u = (_shr(bits, 9).to(tl.float32) + 0.5) * (1.0 / (1 << 23))
+        kept = _kept(s, top, lmp, tl.load(at + 3)) & (_key(s) >= tl.load(at + 4)) & (s > float("-inf"))
+        s = tl.where(kept, s - tl.log(-tl.log(u)), float("-inf"))
+    packed = tl.where(real, (_key(s).to(tl.int64) << 32) | (V - 1 - ids).to(tl.int64), _LOWEST)
+    tl.store(best + r * tl.num_programs(1) + c, tl.max(packed, 0))
+
+
+@triton.jit
+def _filter_kernel(logits, stride, V, temperature, log_min_p, top_k, top_p, seed, step_index, draw, passes,
+                   GREEDY_BELOW: tl.constexpr, BLOCK: tl.constexpr, PIVOTS: tl.constexpr, DRAW: tl.constexpr):
     r = tl.program_id(0)
     T = tl.load(temperature + r)
     key = _noise_key(tl.load(seed + r), tl.load(step_index + r))
-    token, n = _draw_row(logits + r.to(tl.int64) * stride, V, tl.where(T >= GREEDY_BELOW, T, 0.0),
-                         tl.load(log_min_p + r), tl.load(top_k + r), tl.load(top_p + r), key, BLOCK, PIVOTS)
-    tl.store(tokens + r, token.to(tl.int64))
+    n = _plan_draw(logits + r.to(tl.int64) * stride, V, tl.where(T >= GREEDY_BELOW, T, 0.0), tl.load(log_min_p + r),
+                   tl.load(top_k + r), tl.load(top_p + r), key, draw + r * DRAW, BLOCK, PIVOTS)
     tl.store(passes + r, n)
 
 
@@ -219,6 +239,7 @@ def fused_sample(
     seen: torch.Tensor | None = None,
     counts: torch.Tensor | None = None,
     block: int = BLOCK,
+    chunk: int = CHUNK,
 ) -> SampleOutput:
     """`blink.engine.core.sampler.sample` as kernels (vocab_hash is recomputed in them, from the ids). logits:
     float32 [R, V], rows contiguous; edited in place while the draw runs and given back raw. Rows whose request
@@ -227,7 +248,7 @@ def fused_sample(
     edited = edits(rows, features, seen)
     raw = [logits.gather(1, ids.clamp(min=0)) for ids in edited]
     edit_logits(logits, rows, features, seen, counts)
-    tokens, passes = _draw(logits, rows, block)
+    tokens, passes = _draw(logits, rows, block, chunk)
     for ids, values in zip(edited, raw, strict=True):
         logits.scatter_(1, ids.clamp(min=0), values)
     if not features.logprobs:
@@ -244,16 +265,28 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, asked: torch.Tens
     return _logprobs(logits, torch.zeros_like(tokens) if asked is None else asked, tokens, block)[:3]
 
 
-def _draw(logits: torch.Tensor, rows: SamplingRows, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _draw(logits: torch.Tensor, rows: SamplingRows, block: int, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's token, and the passes over its logits it took."""
     R, V = logits.shape
-    tokens = torch.empty(R, dtype=torch.int64, device=logits.device)
+    draw = torch.empty(R, DRAW, dtype=torch.int32, device=logits.device)
     passes = torch.empty(R, dtype=torch.int32, device=logits.device)
     if R:
-        _sample_kernel[(R,)](logits, logits.stride(0), V, rows.temperature, rows.min_p.log(), rows.top_k,
-                             rows.top_p, rows.seed, rows.step_index, tokens, passes,
-                             GREEDY_BELOW=GREEDY_BELOW, BLOCK=block, PIVOTS=PIVOTS, num_warps=4)
-    return tokens, passes
+        _filter_kernel[(R,)](logits, logits.stride(0), V, rows.temperature, rows.min_p.log(), rows.top_k, rows.top_p,
+                             rows.seed, rows.step_index, draw, passes, GREEDY_BELOW=GREEDY_BELOW, BLOCK=block,
+                             PIVOTS=PIVOTS, DRAW=DRAW, num_warps=4)
+    best = draw_chunks(logits, draw, chunk)
+    return V - 1 - (best.amax(1) & 0xFFFFFFFF), passes
+
+
+def draw_chunks(logits: torch.Tensor, draw: torch.Tensor, chunk: int) -> torch.Tensor:
+    """[R, chunks] the best packed key of each chunk of each row's logits, by the row's planned draw (_plan_draw's
+    words in `draw`): the row's token is the largest's id."""
+    R, V = logits.shape
+    best = torch.empty(R, triton.cdiv(V, chunk), dtype=torch.int64, device=logits.device)
+    if R:
+        _draw_kernel[best.shape](logits, logits.stride(0), V, draw, best, CHUNK=chunk, DRAW=DRAW,
+                                 num_warps=max(1, min(8, chunk // 512)))
+    return best
 
 
 def _logprobs(logits: torch.Tensor, asked: torch.Tensor, tokens: torch.Tensor,

@@ -1,21 +1,24 @@
-"""The step's sampling in two launches: which batch rows the output embedding reads, then every row's draw and
-logprobs, read from the slot state by each row's slot (engine/core/step.py runs the torch reference's gathers and
-`sample` instead where no kernels are set).
+"""The step's sampling in four launches: which batch rows the output embedding reads, then every row's edits, its
+draw over many programs, and its token and logprobs, read from the slot state by each row's slot (engine/core/step.py
+runs the torch reference's gathers and `sample` instead where no kernels are set).
 
 `_rows_kernel` (one program) lays out the rows whose logits the step computes: the sampling rows' batch tokens,
 then the prompt tokens scored this step (engine/core/step.py `_prompt_tokens`, packed), their slots and the prompt
 token each scores (engine/core/commit.py `score_prompt`), and where each slot's run of them starts.
 
-`_step_kernel` (a program per logits row) does for a sampling row what `blink.engine.core.sampler.sample` does: its
-parameters loaded from the state at its slot, the sparse edits (logit bias, penalties over the tokens its sequence
-holds, min_tokens' held ids) written in place into its own logits row, the draw (blink.engine.kernels.sampler), the
-row given back raw, then its logprobs with the top ones sorted in the kernel. A prompt row scores the token it is
-given. The edits save each id's raw value first, in a scratch row as long as the context (sized, not read, past
-the sequence), so repeated ids are rewritten from their raw value, never twice.
+Then, for a sampling row, what `blink.engine.core.sampler.sample` does: `_edit_kernel` (a program per row) loads its
+parameters from the state at its slot, writes the sparse edits (logit bias, penalties over the tokens its sequence
+holds, min_tokens' held ids) in place into its own logits row and plans its draw (its filters' thresholds,
+blink.engine.kernels.sampler `_plan_draw`); the draw runs over chunks of the vocabulary, many programs a row
+(`draw_chunks`); `_finish_kernel` (a program per logits row) takes the best chunk's token, gives the row back raw and
+scores its logprobs, the top ones sorted in the kernel. A prompt row scores the token it is given. The edits save
+each id's raw value first, in a scratch row as long as the context (sized, not read, past the sequence), so repeated
+ids are rewritten from their raw value, never twice.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -24,7 +27,19 @@ import triton
 import triton.language as tl
 
 from blink.engine.core.sampler import GREEDY_BELOW, SampleOutput, Sampler, SamplerFeatures
-from blink.engine.kernels.sampler import BLOCK, PIVOTS, _draw_row, _noise_key, _score_row, fused_sample, token_logprobs
+from blink.engine.kernels.sampler import (
+    _LOWEST,
+    BLOCK,
+    CHUNK,
+    DRAW,
+    PIVOTS,
+    _noise_key,
+    _plan_draw,
+    _score_row,
+    draw_chunks,
+    fused_sample,
+    token_logprobs,
+)
 from blink.shared.request_schema import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_IDS
 
 if TYPE_CHECKING:
@@ -34,7 +49,6 @@ if TYPE_CHECKING:
 
 SEEN_BLOCK = 64  # sequence tokens a program penalises at a time
 LAYOUT_BLOCK = 256  # batch tokens the layout reads at a time
-_LOWEST = tl.constexpr(-(1 << 63))  # below every packed top key
 
 
 @triton.jit
@@ -103,75 +117,110 @@ def _save(row, ids, saved, used):
 
 
 @triton.jit
-def _step_kernel(
-        logits, stride, V, R, sample_slot, sample_token, token_pos,
+def _row_edits(r, sample_slot, sample_token, token_pos, prompt_len, seq_len, repetition, presence, frequency,
+               min_tokens, ignore_eos, stop_ids, bias_ids, bias, eos_ids, E, PENALTIES: tl.constexpr,
+               BIAS: tl.constexpr, HOLD: tl.constexpr, NB: tl.constexpr, NS: tl.constexpr, NE: tl.constexpr):
+    """A sampling row's slot, its token's step index, and the sparse edits its request asks of its logits: the
+    sequence's length and penalties (penalise: any), the biased ids (biased: any), and the ids held back while it
+    is young (eos unless ignored, the stop ids)."""
+    slot = tl.load(sample_slot + r)
+    step_index = tl.load(token_pos + tl.load(sample_token + r)) + 1 - tl.load(prompt_len + slot)
+    seen_n = tl.load(seq_len + slot)
+    rep, pres, freq = tl.load(repetition + slot), tl.load(presence + slot), tl.load(frequency + slot)
+    penalise = PENALTIES & (seen_n > 0) & ((rep != 1.0) | (pres != 0.0) | (freq != 0.0))
+    b_ids = tl.load(bias_ids + slot * NB + tl.arange(0, NB))
+    b = tl.load(bias + slot * NB + tl.arange(0, NB))
+    biased = BIAS & (tl.max(b_ids, 0) >= 0)
+    young = HOLD & (step_index < tl.load(min_tokens + slot))
+    e = tl.arange(0, NE)
+    eos = tl.load(eos_ids + e, mask=(e < E) & (tl.load(ignore_eos + slot) == 0), other=-1)
+    stops = tl.load(stop_ids + slot * NS + tl.arange(0, NS))
+    return slot, step_index, seen_n, rep, pres, freq, penalise, b_ids, b, biased, young, eos, stops
+
+
+@triton.jit
+def _edit_kernel(
+        logits, stride, V, sample_slot, sample_token, token_pos,
         temperature, top_p, top_k, min_p, repetition, presence, frequency, seed, prompt_len, min_tokens, ignore_eos,
-        asked, seq_len, tokens, tokens_stride, counts, counts_stride, stop_ids, bias_ids, bias, eos_ids, E,
-        prompt_slot, prompt_token, saved, saved_stride,
+        seq_len, tokens, tokens_stride, counts, counts_stride, stop_ids, bias_ids, bias, eos_ids, E,
+        saved, saved_stride, draw, passes,
+        RANDOM: tl.constexpr, PENALTIES: tl.constexpr, BIAS: tl.constexpr, HOLD: tl.constexpr, NB: tl.constexpr,
+        NS: tl.constexpr, NE: tl.constexpr, SEEN: tl.constexpr, GREEDY_BELOW: tl.constexpr, BLOCK: tl.constexpr,
+        PIVOTS: tl.constexpr, DRAW: tl.constexpr):
+    """A sampling row's edits written into its logits (their raw values saved first), then its draw planned."""
+    r = tl.program_id(0)
+    row = logits + r.to(tl.int64) * stride
+    slot, step_index, seen_n, rep, pres, freq, penalise, b_ids, b, biased, young, eos, stops = _row_edits(
+        r, sample_slot, sample_token, token_pos, prompt_len, seq_len, repetition, presence, frequency, min_tokens,
+        ignore_eos, stop_ids, bias_ids, bias, eos_ids, E, PENALTIES, BIAS, HOLD, NB, NS, NE)
+    save = saved + r.to(tl.int64) * saved_stride  # [seen | biased | held] raw values
+    seen_at = tokens + slot * tokens_stride
+    # 1: every id's raw value, before any edit.
+    if biased:
+        _save(row, b_ids, save + seen_n + tl.arange(0, NB), b_ids >= 0)
+    if penalise:
+        start = tl.full([], 0, tl.int64)
+        while start < seen_n:
+            i = start + tl.arange(0, SEEN)
+            t = tl.load(seen_at + i, mask=i < seen_n, other=-1)
+            _save(row, t, save + i, t >= 0)
+            start += SEEN
+    if young:
+        _save(row, eos, save + seen_n + NB + tl.arange(0, NE), eos >= 0)
+        _save(row, stops, save + seen_n + NB + NE + tl.arange(0, NS), stops >= 0)
+    tl.debug_barrier()
+    # 2: the biases (repeated ids add up, as scatter_add does), then the penalties from each id's raw value plus
+    # its bias, then the held ids: the reference's order.
+    if biased:
+        tl.atomic_add(row + b_ids, b, mask=b_ids >= 0)
+    tl.debug_barrier()
+    if penalise:
+        start = tl.full([], 0, tl.int64)
+        while start < seen_n:
+            i = start + tl.arange(0, SEEN)
+            t = tl.load(seen_at + i, mask=i < seen_n, other=-1)
+            x = tl.load(save + i, mask=t >= 0, other=0.0)
+            if biased:
+                x += tl.sum(tl.where(t[:, None] == b_ids[None, :], b[None, :], 0.0), 1)
+            c = tl.load(counts + slot * counts_stride + t, mask=t >= 0, other=0).to(tl.float32)
+            x = tl.where(x > 0, x / rep, x * rep) - freq * c - pres * (c > 0).to(tl.float32)
+            tl.store(row + t, x, mask=t >= 0)
+            start += SEEN
+    tl.debug_barrier()
+    if young:
+        tl.store(row + eos, tl.full([NE], float("-inf"), tl.float32), mask=eos >= 0)
+        tl.store(row + stops, tl.full([NS], float("-inf"), tl.float32), mask=stops >= 0)
+    tl.debug_barrier()
+    T = tl.where(RANDOM, tl.load(temperature + slot), 0.0)
+    n = _plan_draw(row, V, tl.where(T >= GREEDY_BELOW, T, 0.0), _log_min_p(tl.load(min_p + slot)),
+                   tl.load(top_k + slot), tl.load(top_p + slot), _noise_key(tl.load(seed + slot), step_index),
+                   draw + r * DRAW, BLOCK, PIVOTS)
+    tl.store(passes + r, n)
+
+
+@triton.jit
+def _finish_kernel(
+        logits, stride, V, R, sample_slot, sample_token, token_pos, repetition, presence, frequency, prompt_len,
+        min_tokens, ignore_eos, asked, seq_len, tokens, tokens_stride, stop_ids, bias_ids, bias, eos_ids, E,
+        prompt_slot, prompt_token, saved, saved_stride, best, chunks,
         out_token, out_logprob, top_ids, top_logprobs, top_keys, passes,
-        RANDOM: tl.constexpr, PENALTIES: tl.constexpr, BIAS: tl.constexpr, HOLD: tl.constexpr,
-        LOGPROBS: tl.constexpr, NB: tl.constexpr, NS: tl.constexpr, NE: tl.constexpr, SEEN: tl.constexpr,
-        TOP: tl.constexpr, TOP_ROOM: tl.constexpr, TOP_CELLS: tl.constexpr, GREEDY_BELOW: tl.constexpr,
-        BLOCK: tl.constexpr, PIVOTS: tl.constexpr):
+        PENALTIES: tl.constexpr, BIAS: tl.constexpr, HOLD: tl.constexpr, LOGPROBS: tl.constexpr, NB: tl.constexpr,
+        NS: tl.constexpr, NE: tl.constexpr, SEEN: tl.constexpr, CHUNKS: tl.constexpr, TOP: tl.constexpr,
+        TOP_ROOM: tl.constexpr, TOP_CELLS: tl.constexpr, BLOCK: tl.constexpr, PIVOTS: tl.constexpr):
+    """A sampling row's token (the best of its draw's chunks) and its logits given back raw; then, for it or for a
+    prompt row (its token given), the logprobs asked, the top ones sorted here."""
     r = tl.program_id(0)
     row = logits + r.to(tl.int64) * stride
     n = tl.full([], 0, tl.int32)
     if r < R:
-        slot = tl.load(sample_slot + r)
-        step_index = tl.load(token_pos + tl.load(sample_token + r)) + 1 - tl.load(prompt_len + slot)
-        save = saved + r.to(tl.int64) * saved_stride  # [seen | biased | held] raw values
-        seen_n = tl.load(seq_len + slot)
-        rep, pres, freq = tl.load(repetition + slot), tl.load(presence + slot), tl.load(frequency + slot)
-        penalise = PENALTIES & (seen_n > 0) & ((rep != 1.0) | (pres != 0.0) | (freq != 0.0))
-        b_ids = tl.load(bias_ids + slot * NB + tl.arange(0, NB))
-        b = tl.load(bias + slot * NB + tl.arange(0, NB))
-        biased = BIAS & (tl.max(b_ids, 0) >= 0)
-        young = HOLD & (step_index < tl.load(min_tokens + slot))
-        e = tl.arange(0, NE)
-        eos = tl.load(eos_ids + e, mask=(e < E) & (tl.load(ignore_eos + slot) == 0), other=-1)
-        stops = tl.load(stop_ids + slot * NS + tl.arange(0, NS))
+        slot, _, seen_n, _, _, _, penalise, b_ids, _, biased, young, eos, stops = _row_edits(
+            r, sample_slot, sample_token, token_pos, prompt_len, seq_len, repetition, presence, frequency,
+            min_tokens, ignore_eos, stop_ids, bias_ids, bias, eos_ids, E, PENALTIES, BIAS, HOLD, NB, NS, NE)
+        c = tl.arange(0, CHUNKS)
+        token = V - 1 - (tl.max(tl.load(best + r * chunks + c, mask=c < chunks, other=_LOWEST), 0) & 0xFFFFFFFF)
+        n = tl.load(passes + r)
+        save = saved + r.to(tl.int64) * saved_stride
         seen_at = tokens + slot * tokens_stride
-        # 1: every id's raw value, before any edit.
-        if biased:
-            _save(row, b_ids, save + seen_n + tl.arange(0, NB), b_ids >= 0)
-        if penalise:
-            start = tl.full([], 0, tl.int64)
-            while start < seen_n:
-                i = start + tl.arange(0, SEEN)
-                t = tl.load(seen_at + i, mask=i < seen_n, other=-1)
-                _save(row, t, save + i, t >= 0)
-                start += SEEN
-        if young:
-            _save(row, eos, save + seen_n + NB + e, eos >= 0)
-            _save(row, stops, save + seen_n + NB + NE + tl.arange(0, NS), stops >= 0)
-        tl.debug_barrier()
-        # 2: the biases (repeated ids add up, as scatter_add does), then the penalties from each id's raw value plus
-        # its bias, then the held ids: the reference's order.
-        if biased:
-            tl.atomic_add(row + b_ids, b, mask=b_ids >= 0)
-        tl.debug_barrier()
-        if penalise:
-            start = tl.full([], 0, tl.int64)
-            while start < seen_n:
-                i = start + tl.arange(0, SEEN)
-                t = tl.load(seen_at + i, mask=i < seen_n, other=-1)
-                x = tl.load(save + i, mask=t >= 0, other=0.0)
-                if biased:
-                    x += tl.sum(tl.where(t[:, None] == b_ids[None, :], b[None, :], 0.0), 1)
-                c = tl.load(counts + slot * counts_stride + t, mask=t >= 0, other=0).to(tl.float32)
-                x = tl.where(x > 0, x / rep, x * rep) - freq * c - pres * (c > 0).to(tl.float32)
-                tl.store(row + t, x, mask=t >= 0)
-                start += SEEN
-        tl.debug_barrier()
-        if young:
-            tl.store(row + eos, tl.full([NE], float("-inf"), tl.float32), mask=eos >= 0)
-            tl.store(row + stops, tl.full([NS], float("-inf"), tl.float32), mask=stops >= 0)
-        tl.debug_barrier()
-        T = tl.where(RANDOM, tl.load(temperature + slot), 0.0)
-        key = _noise_key(tl.load(seed + slot), step_index)
-        token, n = _draw_row(row, V, tl.where(T >= GREEDY_BELOW, T, 0.0), _log_min_p(tl.load(min_p + slot)),
-                             tl.load(top_k + slot), tl.load(top_p + slot), key, BLOCK, PIVOTS)
-        tl.debug_barrier()
         # 3: the row given back raw (repeated ids write the same value).
         if biased:
             tl.store(row + b_ids, tl.load(save + seen_n + tl.arange(0, NB)), mask=b_ids >= 0)
@@ -183,7 +232,7 @@ def _step_kernel(
                 tl.store(row + t, tl.load(save + i, mask=t >= 0), mask=t >= 0)
                 start += SEEN
         if young:
-            tl.store(row + eos, tl.load(save + seen_n + NB + e), mask=eos >= 0)
+            tl.store(row + eos, tl.load(save + seen_n + NB + tl.arange(0, NE)), mask=eos >= 0)
             tl.store(row + stops, tl.load(save + seen_n + NB + NE + tl.arange(0, NS)), mask=stops >= 0)
         tl.debug_barrier()
         token = token.to(tl.int64)
@@ -223,9 +272,10 @@ def _step_kernel(
 @dataclass(frozen=True)
 class StepKernels:
     """The step's sampling as kernels (engine/core/step.py calls them when its sampler has them); block: logits a
-    program reads at a time."""
+    row's own program reads at a time; chunk: logits each of the draw's programs reads."""
 
     block: int = BLOCK
+    chunk: int = CHUNK
 
     def rows_read(self, state: Slots, plan: StepPlan, tokens: int, rows: int,
                   prompt_rows: int) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
@@ -265,20 +315,33 @@ class StepKernels:
         saved = torch.empty(rows, width, dtype=torch.float32, device=device)
         no_prompt = prompt is None
         slot, prompt_token, first = (token, token, None) if no_prompt else prompt
-        if n:
-            _run(logits, passes, (
+        draw = torch.empty(rows, DRAW, dtype=torch.int32, device=device)
+        flags = dict(PENALTIES=features.penalties, BIAS=features.logit_bias, HOLD=features.min_tokens,
+                     NB=MAX_LOGIT_BIAS, NS=MAX_STOP_IDS, NE=triton.next_power_of_2(eos_ids.numel()), SEEN=SEEN_BLOCK,
+                     BLOCK=self.block, PIVOTS=PIVOTS)
+
+        def launch() -> None:
+            if rows:
+                _edit_kernel[(rows,)](
+                    logits, logits.stride(0), V, plan.sample_slot, plan.sample_token, plan.token_pos,
+                    state.temperature, state.top_p, state.top_k, state.min_p, state.repetition_penalty,
+                    state.presence_penalty, state.frequency_penalty, state.seed, state.prompt_len, state.min_tokens,
+                    state.ignore_eos, state.seq_len, state.tokens, state.tokens.stride(0), state.output_counts,
+                    state.output_counts.stride(0), state.stop_ids, state.logit_bias_ids, state.logit_bias, eos_ids,
+                    eos_ids.numel(), saved, width, draw, passes, RANDOM=features.random, GREEDY_BELOW=GREEDY_BELOW,
+                    DRAW=DRAW, **flags, num_warps=4)
+            best = draw_chunks(logits[:rows], draw, self.chunk)
+            _finish_kernel[(n,)](
                 logits, logits.stride(0), V, rows, plan.sample_slot, plan.sample_token, plan.token_pos,
-                state.temperature, state.top_p, state.top_k, state.min_p, state.repetition_penalty,
-                state.presence_penalty, state.frequency_penalty, state.seed, state.prompt_len, state.min_tokens,
-                state.ignore_eos, state.logprobs, state.seq_len, state.tokens, state.tokens.stride(0),
-                state.output_counts, state.output_counts.stride(0), state.stop_ids, state.logit_bias_ids,
-                state.logit_bias, eos_ids, eos_ids.numel(), slot, prompt_token, saved, width,
-                token, logprob, top_ids, top_logprobs, keys, passes), dict(
-                RANDOM=features.random, PENALTIES=features.penalties, BIAS=features.logit_bias,
-                HOLD=features.min_tokens, LOGPROBS=features.logprobs, NB=MAX_LOGIT_BIAS, NS=MAX_STOP_IDS,
-                NE=triton.next_power_of_2(eos_ids.numel()), SEEN=SEEN_BLOCK, TOP=top,
-                TOP_ROOM=triton.next_power_of_2(top), TOP_CELLS=cells, GREEDY_BELOW=GREEDY_BELOW, BLOCK=self.block,
-                PIVOTS=PIVOTS))
+                state.repetition_penalty, state.presence_penalty, state.frequency_penalty, state.prompt_len,
+                state.min_tokens, state.ignore_eos, state.logprobs, state.seq_len, state.tokens, state.tokens.stride(0),
+                state.stop_ids, state.logit_bias_ids, state.logit_bias, eos_ids, eos_ids.numel(), slot, prompt_token,
+                saved, width, best, best.shape[1], token, logprob, top_ids, top_logprobs, keys, passes,
+                LOGPROBS=features.logprobs, CHUNKS=triton.next_power_of_2(best.shape[1]), TOP=top,
+                TOP_ROOM=triton.next_power_of_2(top), TOP_CELLS=cells, **flags, num_warps=4)
+
+        if n:
+            _run(logits, passes, launch)
         logprobs = (logprob[:rows], top_ids[:rows], top_logprobs[:rows]) if features.logprobs else (None,) * 3
         out = SampleOutput(token[:rows], *logprobs, passes[:rows])
         if no_prompt:
@@ -288,10 +351,10 @@ class StepKernels:
                                  count)
 
 
-def _run(logits: torch.Tensor, passes: torch.Tensor, args: tuple, constants: dict) -> None:
-    """One program per row of `logits`; each writes the passes over its row it took into `passes` (what
+def _run(logits: torch.Tensor, passes: torch.Tensor, launch: Callable[[], None]) -> None:
+    """The step's sampling launches over `logits`; each row's passes over its logits are left in `passes` (what
     `blink bench step` counts the bytes by)."""
-    _step_kernel[(logits.shape[0],)](*args, **constants, num_warps=4)
+    launch()
 
 
 # The GPU's sampler: the fused kernels for `sample`'s and `token_logprobs`' arguments, and the step's own.

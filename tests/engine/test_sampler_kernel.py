@@ -10,8 +10,9 @@ from blink.engine.core.sampler import SamplerFeatures, SamplingRows, hash32, sam
 from blink.engine.kernels.sampler import fused_sample
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-V = 700  # three blocks of BLOCK, the last one partial
+V = 700  # three blocks of BLOCK (and chunks of the draw), the last one partial
 BLOCK = 256
+CHUNK = 256
 ALL = SamplerFeatures(**dict.fromkeys(SamplerFeatures.__dataclass_fields__, True))
 
 # One row each: (temperature, top_p, top_k, min_p); repeated with other seeds and logits.
@@ -64,7 +65,8 @@ def test_fused_sampler_draws_the_references_tokens(features, seed):
     gen = torch.Generator().manual_seed(seed)
     n = 2 * len(KINDS)
     logits = torch.randn(n, V, generator=gen) * 3
-    logits[:, 7] = logits[:, 8] = logits.amax(-1) + 1  # a tie at the top: the lower id wins either way
+    # A tie at the top, across two of the draw's chunks: the lower id wins either way.
+    logits[:, CHUNK - 1] = logits[:, CHUNK] = logits.amax(-1) + 1
     rows = _rows(n, gen, features.logprobs)
     if not features.random:
         rows.temperature.zero_()
@@ -73,7 +75,8 @@ def test_fused_sampler_draws_the_references_tokens(features, seed):
 
     device_rows = SamplingRows(**{k: _on(v) for k, v in vars(rows).items()})
     on_device = logits.to(DEVICE)
-    got = fused_sample(on_device, device_rows, features, None, seen.to(DEVICE), counts.to(DEVICE), block=BLOCK)
+    got = fused_sample(on_device, device_rows, features, None, seen.to(DEVICE), counts.to(DEVICE), block=BLOCK,
+                       chunk=CHUNK)
     assert torch.equal(got.tokens.cpu(), expected.tokens)
     assert torch.equal(on_device.cpu(), logits)  # the edits were undone
     if features.logprobs:
@@ -82,6 +85,26 @@ def test_fused_sampler_draws_the_references_tokens(features, seed):
         # Equal logits may come in either order (torch's topk promises none).
         assert torch.equal(got.top_ids.cpu()[asked].sort(-1).values, expected.top_ids[asked].sort(-1).values)
         torch.testing.assert_close(got.top_logprobs.cpu()[asked], expected.top_logprobs[asked], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("chunk", [128, CHUNK, 4096])
+def test_the_draw_over_chunks_is_torchs_argmax(chunk):
+    """However the vocabulary is cut among the draw's programs, a greedy row's token is torch's argmax: ties between
+    chunks go to the lower id, and a chunk of nothing but -inf (held ids, a grammar's mask) loses to any other."""
+    gen = torch.Generator().manual_seed(6)
+    logits = torch.randn(5, V, generator=gen)
+    logits[0, CHUNK - 1] = logits[0, CHUNK] = 9.0  # a tie across a boundary (within one chunk at 4096)
+    logits[1, 2 * CHUNK + 5] = logits[1, 10] = 9.0
+    logits[2, :CHUNK] = float("-inf")
+    logits[3, :-1] = float("-inf")  # one id left, in the last chunk
+    logits[4] = float("-inf")  # nothing left: id 0, as torch's argmax
+    rows = _rows(5, gen, logprobs=False)
+    rows.temperature.zero_()
+    device_rows = SamplingRows(**{k: _on(v) for k, v in vars(rows).items()})
+    got = fused_sample(logits.to(DEVICE), device_rows, SamplerFeatures(), None, block=BLOCK, chunk=chunk).tokens
+    expected = logits.argmax(-1)
+    assert torch.equal(got.cpu(), expected)
+    assert expected[[0, 1, 3, 4]].tolist() == [CHUNK - 1, 10, V - 1, 0] and expected[2] >= CHUNK
 
 
 def test_each_row_pays_for_what_it_asked():
@@ -95,7 +118,7 @@ def test_each_row_pays_for_what_it_asked():
     logits = torch.randn(len(KINDS), V, generator=gen)
     device_rows = SamplingRows(**{k: _on(v) for k, v in vars(rows).items()})
     passes = fused_sample(logits.to(DEVICE), device_rows, ALL, None, *(t.to(DEVICE) for t in _penalties(
-        len(KINDS), gen)), block=BLOCK).passes.cpu().tolist()
+        len(KINDS), gen)), block=BLOCK, chunk=CHUNK).passes.cpu().tolist()
     assert passes[0] == passes[1] == 1  # greedy (filters set or not)
     assert 1 + 2 + 6 <= passes[2] <= 1 + 2 + 9  # plain sampling, and logprobs
     assert passes[3] == 2  # min-p: the maximum, then the draw

@@ -18,7 +18,7 @@ from blink.engine.kernels.step_sampler import StepKernels
 
 V, S, MAX_LEN, B = 700, 8, 48, 40
 ALL = SamplerFeatures(**dict.fromkeys(SamplerFeatures.__dataclass_fields__, True))
-KERNELS = StepKernels(block=256)
+KERNELS = StepKernels(block=256, chunk=256)  # three of each in a row of V
 # (temperature, top_p, top_k, min_p) per slot, as the fused sampler's tests mix them.
 KINDS = [(0.0, 1.0, 0, 0.0), (1.0, 1.0, 0, 0.0), (0.7, 1.0, 0, 0.05), (1.3, 1.0, 40, 0.0), (1.0, 0.9, 0, 0.0),
          (0.8, 0.7, 100, 0.01), (0.0, 0.5, 7, 0.2), (2.0, 0.05, 0, 0.0)]
@@ -83,7 +83,7 @@ def test_the_step_kernels_sample_as_the_reference(features, seed, rows, prompt_r
     state, eos_ids = _state(gen), torch.tensor([V - 1, 3])
     plan = _plan(state, gen, rows)
     logits = torch.randn(rows + prompt_rows, V, generator=gen) * 3
-    logits[:, 7] = logits[:, 8] = logits.amax(-1) + 1  # a tie at the top: the lower id wins either way
+    logits[:, 255] = logits[:, 256] = logits.amax(-1) + 1  # a tie at the top across two chunks: the lower id wins
     tokens = state.tokens[:, :MAX_LEN].long()
     for slot in range(S):  # some held and biased ids at the top, so holding them back changes the token
         logits[:rows][plan.sample_slot == slot, state.stop_ids[slot, 0]] += 10

@@ -75,22 +75,31 @@ rope_kv_args = (pointers("bf16", "q_ptr", "k_ptr", "v_ptr", "q_out_ptr", "cos_pt
 rope_kv_sizes = dict(Q_HEADS=32, KV_HEADS=8, HALF=32, BLOCK_T=4, BLOCK_HQ=32, BLOCK_HKV=8, BLOCK_HALF=32,
                      FP8=False, FP8_MAX=0.0, ROUND_BITS=0)
 logits = {"logits": "*fp32", "tokens": "*i64", "passes": "*i32"}
+step_flags = dict(PENALTIES=True, BIAS=True, HOLD=True, NB=128, NS=16, NE=2, SEEN=64, BLOCK=1024, PIVOTS=16)
 results = [
-    build(sampler._sample_kernel, "sampler: draw", dict(GREEDY_BELOW=1e-5, BLOCK=1024, PIVOTS=16),
+    build(sampler._filter_kernel, "sampler: the draw's plan", dict(GREEDY_BELOW=1e-5, BLOCK=1024, PIVOTS=16, DRAW=8),
           logits | pointers("fp32", "temperature", "log_min_p", "top_p")
-          | pointers("i64", "top_k", "seed", "step_index")),
+          | pointers("i64", "top_k", "seed", "step_index") | {"draw": "*i32"}),
+    build(sampler._draw_kernel, "sampler: the draw over chunks", dict(CHUNK=4096, DRAW=8),
+          {"logits": "*fp32", "draw": "*i32", "best": "*i64"}),
     build(sampler._logprobs_kernel, "sampler: logprobs", dict(TOP=20, BLOCK=1024, PIVOTS=16),
           logits | pointers("fp32", "logprob", "lse_out") | pointers("i64", "asked", "top_keys")),
     # The step's sampling and its cache rows: the Triton kernel set's (the recorded step runs the CPU's).
-    build(step_sampler._step_kernel, "step sampler: every feature",
-          dict(RANDOM=True, PENALTIES=True, BIAS=True, HOLD=True, LOGPROBS=True, NB=128, NS=16, NE=2, SEEN=64, TOP=20,
-               TOP_ROOM=32, TOP_CELLS=64, GREEDY_BELOW=1e-5, BLOCK=1024, PIVOTS=16),
+    build(step_sampler._edit_kernel, "step sampler: the edits and the draw's plan, every feature",
+          step_flags | dict(RANDOM=True, GREEDY_BELOW=1e-5, DRAW=8),
           pointers("fp32", "logits", "temperature", "top_p", "min_p", "repetition", "presence", "frequency", "bias",
-                   "saved", "out_logprob", "top_logprobs")
+                   "saved")
           | pointers("i64", "sample_slot", "sample_token", "token_pos", "top_k", "seed", "prompt_len", "min_tokens",
-                     "asked", "seq_len", "stop_ids", "bias_ids", "eos_ids", "prompt_slot", "prompt_token",
-                     "out_token", "top_ids", "top_keys")
-          | pointers("i32", "tokens", "counts", "passes") | {"ignore_eos": "*i1"}),
+                     "seq_len", "stop_ids", "bias_ids", "eos_ids")
+          | pointers("i32", "tokens", "counts", "passes", "draw") | {"ignore_eos": "*i1"}),
+    build(step_sampler._finish_kernel, "step sampler: the token, the raw row, logprobs",
+          step_flags | dict(LOGPROBS=True, CHUNKS=32, TOP=20, TOP_ROOM=32, TOP_CELLS=64),
+          pointers("fp32", "logits", "repetition", "presence", "frequency", "bias", "saved", "out_logprob",
+                   "top_logprobs")
+          | pointers("i64", "sample_slot", "sample_token", "token_pos", "prompt_len", "min_tokens", "asked", "seq_len",
+                     "stop_ids", "bias_ids", "eos_ids", "prompt_slot", "prompt_token", "best", "out_token", "top_ids",
+                     "top_keys")
+          | pointers("i32", "tokens", "passes") | {"ignore_eos": "*i1"}),
     build(step_sampler._rows_kernel, "step sampler: the rows read", dict(BLOCK=256),
           pointers("i64", "sample_token", "token_slot", "token_pos", "num_computed", "scored", "entries", "rows_read",
                    "prompt_slot", "prompt_token", "first") | {"token_valid": "*i1", "tokens": "*i32"}),
