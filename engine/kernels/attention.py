@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from blink.engine.core.scheduler import QueryRows
+from blink.engine.kernels.tickets import tickets
 
 LOG2E = 1.4426950408889634
 MIN_DOT = 16  # tl.dot needs M, N and K of at least 16 on the GPU
@@ -362,20 +363,6 @@ def _span_state(rows: int, heads: int, splits: int, head_dim: int, device: torch
             for shape in ((), (), (head_dim,))]
 
 
-_LOCKS: dict[torch.device, torch.Tensor] = {}
-
-
-def _locks(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed int32 tickets, one per (decode row, KV head, head slice), that the last span of each leaves at zero:
-    allocated once per device (before a graph captures it: the device modes run every bucket before capturing)."""
-    locks = _LOCKS.get(device)
-    if locks is None or locks.numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("attention's span locks must grow before capture: run the bucket once first")
-        locks = _LOCKS[device] = torch.zeros(max(n, 1 << 14), dtype=torch.int32, device=device)
-    return locks
-
-
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
               groups: list[tuple[QueryRows, int]], block_table: torch.Tensor, scale: float,
               sliding_window: int | None, write_rows: torch.Tensor | None = None, out: torch.Tensor | None = None,
@@ -423,7 +410,7 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     assert splits & (splits - 1) == 0
     hblocks = triton.cdiv(group, d_block_h)
     spans = _span_state(d_capacity, heads, splits, head_dim, q.device) if splits > 1 else [q] * 3
-    locks = _locks(q.device, d_capacity * kv_heads * hblocks) if splits > 1 else q
+    locks = tickets("attention", q.device, d_capacity * kv_heads * hblocks) if splits > 1 else q
     d_rows = decodes[0] if decodes else chunks[0][0]  # an absent group's pointers are never read
     c_rows = chunks[0][0] if chunks else d_rows
     if rope is not None:

@@ -7,7 +7,7 @@ threshold search each; logprobs a pass for the log-sum-exp, a search and a pass 
 step that must serve every feature costs a batch of greedy requests one pass, not the sort and the [rows, vocab]
 temporaries of the reference.
 
-The draw, the pass every row makes, runs over many programs a row (`_draw_kernel`, CHUNK logits each, the best of
+The draw, the pass every row makes, runs over many programs a row (`_draw_chunk`, CHUNK logits each, the best of
 each chunk packed with its id so the largest is torch's argmax), so a batch of one fills the GPU rather than one of
 its SMs; the filters' thresholds are planned first in the row's own program (`_plan_draw`), and the chunks'
 best combined after (`draw_chunks`' caller). The filters keep values, not positions (as the reference does), so
@@ -151,16 +151,13 @@ def _plan_draw(row, V, T, lmp, k, p, key, draw, BLOCK: tl.constexpr, PIVOTS: tl.
 
 
 @triton.jit
-def _draw_kernel(logits, stride, V, draw, best, CHUNK: tl.constexpr, DRAW: tl.constexpr):
-    """A row's draw over many programs (grid: rows x chunks of the vocabulary): each program the best of its chunk
-    as a packed key (the value's key, then the id reversed, so the largest is the highest value and, among equal
-    ones, the lowest id: torch's argmax), in `best` [rows, chunks]."""
-    r = tl.program_id(0)
-    c = tl.program_id(1)
-    at = draw + r * DRAW
+def _draw_chunk(row, V, c, at, CHUNK: tl.constexpr):
+    """The best of chunk c of a row's logits by its planned draw (`at`: _plan_draw's words), as a packed key: the
+    value's key, then the id reversed, so the largest is the highest value and, among equal ones, the lowest id
+    (torch's argmax)."""
     T = tl.load(at + 0).to(tl.float32, bitcast=True)
     random = T > 0.0
-    s, ids, real = _scaled(logits + r.to(tl.int64) * stride, c * CHUNK, V, tl.where(random, T, 1.0), CHUNK)
+    s, ids, real = _scaled(row, c * CHUNK, V, tl.where(random, T, 1.0), CHUNK)
     if random:  # Gumbel-max over what the filters kept, with the reference's noise
         lmp = tl.load(at + 1).to(tl.float32, bitcast=True)
         top = tl.load(at + 2).to(tl.float32, bitcast=True)
@@ -169,7 +166,16 @@ def _draw_kernel(logits, stride, V, draw, best, CHUNK: tl.constexpr, DRAW: tl.co
         kept = _kept(s, top, lmp, tl.load(at + 3)) & (_key(s) >= tl.load(at + 4)) & (s > float("-inf"))
         s = tl.where(kept, s - tl.log(-tl.log(u)), float("-inf"))
     packed = tl.where(real, (_key(s).to(tl.int64) << 32) | (V - 1 - ids).to(tl.int64), _LOWEST)
-    tl.store(best + r * tl.num_programs(1) + c, tl.max(packed, 0))
+    return tl.max(packed, 0)
+
+
+@triton.jit
+def _draw_kernel(logits, stride, V, draw, best, CHUNK: tl.constexpr, DRAW: tl.constexpr):
+    """A row's draw over many programs (grid: rows x chunks of the vocabulary), each chunk's best in `best`."""
+    r = tl.program_id(0)
+    c = tl.program_id(1)
+    tl.store(best + r * tl.num_programs(1) + c, _draw_chunk(logits + r.to(tl.int64) * stride, V, c, draw + r * DRAW,
+                                                            CHUNK))
 
 
 @triton.jit

@@ -1,6 +1,6 @@
-"""The step's sampling in four launches: which batch rows the output embedding reads, then every row's edits, its
-draw over many programs, and its token and logprobs, read from the slot state by each row's slot (engine/core/step.py
-runs the torch reference's gathers and `sample` instead where no kernels are set).
+"""The step's sampling in three launches: which batch rows the output embedding reads, then every row's edits, then
+its draw over many programs and its token and logprobs, read from the slot state by each row's slot
+(engine/core/step.py runs the torch reference's gathers and `sample` instead where no kernels are set).
 
 `_rows_kernel` (one program) lays out the rows whose logits the step computes: the sampling rows' batch tokens,
 then the prompt tokens scored this step (engine/core/step.py `_prompt_tokens`, packed), their slots and the prompt
@@ -9,11 +9,11 @@ token each scores (engine/core/commit.py `score_prompt`), and where each slot's 
 Then, for a sampling row, what `blink.engine.core.sampler.sample` does: `_edit_kernel` (a program per row) loads its
 parameters from the state at its slot, writes the sparse edits (logit bias, penalties over the tokens its sequence
 holds, min_tokens' held ids) in place into its own logits row and plans its draw (its filters' thresholds,
-blink.engine.kernels.sampler `_plan_draw`); the draw runs over chunks of the vocabulary, many programs a row
-(`draw_chunks`); `_finish_kernel` (a program per logits row) takes the best chunk's token, gives the row back raw and
-scores its logprobs, the top ones sorted in the kernel. A prompt row scores the token it is given. The edits save
-each id's raw value first, in a scratch row as long as the context (sized, not read, past the sequence), so repeated
-ids are rewritten from their raw value, never twice.
+blink.engine.kernels.sampler `_plan_draw`). `_draw_finish_kernel` draws over chunks of the vocabulary, many
+programs a row, and the last of a row's programs to finish (a ticket, as split attention merges) takes the best
+chunk's token, gives the row back raw and scores its logprobs, the top ones sorted in the kernel. A prompt row
+scores the token it is given. The edits save each id's raw value first, in a scratch row as long as the context
+(sized, not read, past the sequence), so repeated ids are rewritten from their raw value, never twice.
 """
 
 from __future__ import annotations
@@ -33,13 +33,14 @@ from blink.engine.kernels.sampler import (
     CHUNK,
     DRAW,
     PIVOTS,
+    _draw_chunk,
     _noise_key,
     _plan_draw,
     _score_row,
-    draw_chunks,
     fused_sample,
     token_logprobs,
 )
+from blink.engine.kernels.tickets import tickets
 from blink.shared.request_schema import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_IDS
 
 if TYPE_CHECKING:
@@ -199,25 +200,57 @@ def _edit_kernel(
 
 
 @triton.jit
-def _finish_kernel(
+def _draw_finish_kernel(
         logits, stride, V, R, sample_slot, sample_token, token_pos, repetition, presence, frequency, prompt_len,
+        min_tokens, ignore_eos, asked, seq_len, tokens, tokens_stride, stop_ids, bias_ids, bias, eos_ids, E,
+        prompt_slot, prompt_token, saved, saved_stride, draw, best, tickets,
+        out_token, out_logprob, top_ids, top_logprobs, top_keys, passes,
+        PENALTIES: tl.constexpr, BIAS: tl.constexpr, HOLD: tl.constexpr, LOGPROBS: tl.constexpr, NB: tl.constexpr,
+        NS: tl.constexpr, NE: tl.constexpr, SEEN: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr,
+        DRAW: tl.constexpr, TOP: tl.constexpr, TOP_ROOM: tl.constexpr, TOP_CELLS: tl.constexpr, BLOCK: tl.constexpr,
+        PIVOTS: tl.constexpr):
+    """Grid: logits rows x chunks of the vocabulary. A sampling row's programs draw a chunk each; the last of them to
+    finish (a ticket) takes the best chunk's token and finishes the row (_finish_row). A prompt row's first program
+    finishes it."""
+    r = tl.program_id(0)
+    c = tl.program_id(1)
+    chunks = tl.num_programs(1)
+    row = logits + r.to(tl.int64) * stride
+    if r < R:
+        tl.store(best + r * chunks + c, _draw_chunk(row, V, c, draw + r * DRAW, CHUNK))
+        tl.debug_barrier()  # every thread's store issued before the ticket releases it
+        last = tl.atomic_add(tickets + r, 1, sem="acq_rel", scope="gpu") == chunks - 1
+        if last:
+            tl.atomic_xchg(tickets + r, 0, sem="relaxed", scope="gpu")
+    else:
+        last = c == 0
+    if last:
+        _finish_row(r, row, V, R, sample_slot, sample_token, token_pos, repetition, presence, frequency, prompt_len,
+                    min_tokens, ignore_eos, asked, seq_len, tokens, tokens_stride, stop_ids, bias_ids, bias, eos_ids,
+                    E, prompt_slot, prompt_token, saved, saved_stride, best, chunks, out_token, out_logprob, top_ids,
+                    top_logprobs, top_keys, passes, PENALTIES, BIAS, HOLD, LOGPROBS, NB, NS, NE, SEEN, CHUNKS, TOP,
+                    TOP_ROOM, TOP_CELLS, BLOCK, PIVOTS)
+
+
+@triton.jit
+def _finish_row(
+        r, row, V, R, sample_slot, sample_token, token_pos, repetition, presence, frequency, prompt_len,
         min_tokens, ignore_eos, asked, seq_len, tokens, tokens_stride, stop_ids, bias_ids, bias, eos_ids, E,
         prompt_slot, prompt_token, saved, saved_stride, best, chunks,
         out_token, out_logprob, top_ids, top_logprobs, top_keys, passes,
         PENALTIES: tl.constexpr, BIAS: tl.constexpr, HOLD: tl.constexpr, LOGPROBS: tl.constexpr, NB: tl.constexpr,
         NS: tl.constexpr, NE: tl.constexpr, SEEN: tl.constexpr, CHUNKS: tl.constexpr, TOP: tl.constexpr,
         TOP_ROOM: tl.constexpr, TOP_CELLS: tl.constexpr, BLOCK: tl.constexpr, PIVOTS: tl.constexpr):
-    """A sampling row's token (the best of its draw's chunks) and its logits given back raw; then, for it or for a
-    prompt row (its token given), the logprobs asked, the top ones sorted here."""
-    r = tl.program_id(0)
-    row = logits + r.to(tl.int64) * stride
+    """A sampling row's token (the best of its draw's chunks, written by other programs) and its logits given back
+    raw; then, for it or for a prompt row (its token given), the logprobs asked, the top ones sorted here."""
     n = tl.full([], 0, tl.int32)
     if r < R:
         slot, _, seen_n, _, _, _, penalise, b_ids, _, biased, young, eos, stops = _row_edits(
             r, sample_slot, sample_token, token_pos, prompt_len, seq_len, repetition, presence, frequency,
             min_tokens, ignore_eos, stop_ids, bias_ids, bias, eos_ids, E, PENALTIES, BIAS, HOLD, NB, NS, NE)
         c = tl.arange(0, CHUNKS)
-        token = V - 1 - (tl.max(tl.load(best + r * chunks + c, mask=c < chunks, other=_LOWEST), 0) & 0xFFFFFFFF)
+        token = V - 1 - (tl.max(tl.load(best + r * chunks + c, mask=c < chunks, other=_LOWEST, cache_modifier=".cg"),
+                                0) & 0xFFFFFFFF)
         n = tl.load(passes + r)
         save = saved + r.to(tl.int64) * saved_stride
         seen_at = tokens + slot * tokens_stride
@@ -293,6 +326,11 @@ class StepKernels:
                            BLOCK=LAYOUT_BLOCK, num_warps=4)
         return read, (slot, token, first)
 
+    def reserve(self, device: torch.device, rows: int = 1) -> torch.Tensor:
+        """The tickets a row's draw hands its finish by, held from step to step: allocated at the first call (the
+        device modes' first run of each bucket, before capture; a count of a step's launches, before it counts)."""
+        return tickets("step sampler", device, rows)
+
     def sample(self, logits: torch.Tensor, state: Slots, plan: StepPlan, rows: int, prompt: tuple | None,
                features: SamplerFeatures, eos_ids: torch.Tensor) -> tuple[SampleOutput, PromptScores | None]:
         """logits: float32 [rows + prompt rows, V] (rows_read's), given back raw. Each sampling row's token, and
@@ -316,6 +354,9 @@ class StepKernels:
         no_prompt = prompt is None
         slot, prompt_token, first = (token, token, None) if no_prompt else prompt
         draw = torch.empty(rows, DRAW, dtype=torch.int32, device=device)
+        chunks = triton.cdiv(V, self.chunk)
+        best = torch.empty(rows, chunks, dtype=torch.int64, device=device)  # each chunk's best packed key
+        ticket = self.reserve(device, rows)
         flags = dict(PENALTIES=features.penalties, BIAS=features.logit_bias, HOLD=features.min_tokens,
                      NB=MAX_LOGIT_BIAS, NS=MAX_STOP_IDS, NE=triton.next_power_of_2(eos_ids.numel()), SEEN=SEEN_BLOCK,
                      BLOCK=self.block, PIVOTS=PIVOTS)
@@ -330,14 +371,13 @@ class StepKernels:
                     state.output_counts.stride(0), state.stop_ids, state.logit_bias_ids, state.logit_bias, eos_ids,
                     eos_ids.numel(), saved, width, draw, passes, RANDOM=features.random, GREEDY_BELOW=GREEDY_BELOW,
                     DRAW=DRAW, **flags, num_warps=4)
-            best = draw_chunks(logits[:rows], draw, self.chunk)
-            _finish_kernel[(n,)](
+            _draw_finish_kernel[(n, chunks)](
                 logits, logits.stride(0), V, rows, plan.sample_slot, plan.sample_token, plan.token_pos,
                 state.repetition_penalty, state.presence_penalty, state.frequency_penalty, state.prompt_len,
                 state.min_tokens, state.ignore_eos, state.logprobs, state.seq_len, state.tokens, state.tokens.stride(0),
                 state.stop_ids, state.logit_bias_ids, state.logit_bias, eos_ids, eos_ids.numel(), slot, prompt_token,
-                saved, width, best, best.shape[1], token, logprob, top_ids, top_logprobs, keys, passes,
-                LOGPROBS=features.logprobs, CHUNKS=triton.next_power_of_2(best.shape[1]), TOP=top,
+                saved, width, draw, best, ticket, token, logprob, top_ids, top_logprobs, keys, passes,
+                LOGPROBS=features.logprobs, CHUNK=self.chunk, CHUNKS=triton.next_power_of_2(chunks), DRAW=DRAW, TOP=top,
                 TOP_ROOM=triton.next_power_of_2(top), TOP_CELLS=cells, **flags, num_warps=4)
 
         if n:

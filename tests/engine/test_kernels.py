@@ -20,6 +20,7 @@ from blink.engine.kernels import rope_kv as rope_kernel
 from blink.engine.kernels.attention import paged_attention
 from blink.engine.kernels.rms_norm import add_rms_norm, rms_norm
 from blink.engine.kernels.rope_kv import rope_and_cache
+from blink.engine.kernels.tickets import tickets
 from blink.engine.model.attention import AttentionBatch, build_row_group
 from blink.engine.model.attention import paged_attention as reference_attention
 from blink.engine.model.kernel_sets import rms_norm as reference_rms_norm
@@ -54,7 +55,7 @@ def _check_attention(sequences, page_size, kv_heads, group, dtype, window=None, 
                                       scale, window, write_rows, out=torch.full_like(q, float("nan")),
                                       splits=splits, min_span=min_span)
     torch.testing.assert_close(both, expected, **TOLERANCE[dtype])
-    assert not attention_kernel._LOCKS.get(q.device, torch.zeros(1)).any()  # every span's ticket back at zero
+    assert not tickets("attention", q.device, 1).any()  # every span's ticket back at zero
 
 
 @pytest.mark.parametrize(("page_size", "kv_heads", "group", "window", "head_dim"), [

@@ -15,6 +15,7 @@ from blink.engine.core.sampler import SamplerFeatures, hash32, sample
 from blink.engine.core.state import Slots
 from blink.engine.core.step import _prompt_tokens, _seen_tokens, sampling_rows
 from blink.engine.kernels.step_sampler import StepKernels
+from blink.engine.kernels.tickets import tickets
 
 V, S, MAX_LEN, B = 700, 8, 48, 40
 ALL = SamplerFeatures(**dict.fromkeys(SamplerFeatures.__dataclass_fields__, True))
@@ -96,6 +97,7 @@ def test_the_step_kernels_sample_as_the_reference(features, seed, rows, prompt_r
     got, got_scores = KERNELS.sample(logits, state, plan, rows, prompt, features, eos_ids)
     assert torch.equal(logits, raw)  # the edits were undone
     assert torch.equal(got.tokens, expected.tokens)
+    assert not tickets("step sampler", logits.device, 1).any()  # every row's last chunk left its ticket at zero
     if features.logprobs:
         asked = state.logprobs[plan.sample_slot[:rows]] >= 0
         torch.testing.assert_close(got.logprob[asked], expected.logprob[asked], atol=1e-5, rtol=1e-5)

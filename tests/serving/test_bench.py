@@ -424,7 +424,7 @@ def test_bench_step_counts_what_a_step_does_outside_the_model(tmp_path, capsys):
         launched = {op for op in row["kernel_ops"]["bookkeeping"] if op.startswith("triton.")}
         settle = {"triton._propose", "triton._fit", "triton._settle_runs"} if row in drafting else {"triton._settle"}
         assert settle | {"triton._admit", "triton._head", "triton._hand_out", "triton._order", "triton._lay_out",
-                         "triton._rows_kernel", "triton._edit_kernel", "triton._draw_kernel", "triton._finish_kernel",
+                         "triton._rows_kernel", "triton._edit_kernel", "triton._draw_finish_kernel",
                          "triton._observe_since",
                          "triton._emit"} <= launched
     for same in (plain, drafting):

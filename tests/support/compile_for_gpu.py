@@ -92,14 +92,14 @@ results = [
           | pointers("i64", "sample_slot", "sample_token", "token_pos", "top_k", "seed", "prompt_len", "min_tokens",
                      "seq_len", "stop_ids", "bias_ids", "eos_ids")
           | pointers("i32", "tokens", "counts", "passes", "draw") | {"ignore_eos": "*i1"}),
-    build(step_sampler._finish_kernel, "step sampler: the token, the raw row, logprobs",
-          step_flags | dict(LOGPROBS=True, CHUNKS=32, TOP=20, TOP_ROOM=32, TOP_CELLS=64),
+    build(step_sampler._draw_finish_kernel, "step sampler: the draw over chunks, the token, the raw row, logprobs",
+          step_flags | dict(LOGPROBS=True, CHUNK=4096, CHUNKS=32, DRAW=8, TOP=20, TOP_ROOM=32, TOP_CELLS=64),
           pointers("fp32", "logits", "repetition", "presence", "frequency", "bias", "saved", "out_logprob",
                    "top_logprobs")
           | pointers("i64", "sample_slot", "sample_token", "token_pos", "prompt_len", "min_tokens", "asked", "seq_len",
                      "stop_ids", "bias_ids", "eos_ids", "prompt_slot", "prompt_token", "best", "out_token", "top_ids",
                      "top_keys")
-          | pointers("i32", "tokens", "passes") | {"ignore_eos": "*i1"}),
+          | pointers("i32", "tokens", "passes", "draw", "tickets") | {"ignore_eos": "*i1"}),
     build(step_sampler._rows_kernel, "step sampler: the rows read", dict(BLOCK=256),
           pointers("i64", "sample_token", "token_slot", "token_pos", "num_computed", "scored", "entries", "rows_read",
                    "prompt_slot", "prompt_token", "first") | {"token_valid": "*i1", "tokens": "*i32"}),
