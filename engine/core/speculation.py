@@ -14,10 +14,11 @@ verified and accepted as tensor work on the engine's device, with no host read.
   distribution and seeded draws (docs/design.md, Decisions). Stops, eos, max_tokens and the context limit end a run
   at the token that meets them; `num_computed` is taken back to the KV that is valid.
 - Policy: a slot speculates while its decayed acceptance rate for drafts after a match of the length it found (a
-  rate per length: a 1-token match's drafts fail more often than a 4-token one's) is above what a draft token costs
-  by the step-cost fit, its kind's drafts counted (the latency-sensitive slots' TPOT, the batch's throughput for
-  best-effort ones), with a slow climb back so a slot that stopped retries; drafts take only the token budget and
-  free pages left.
+  rate per length: a 1-token match's drafts fail more often than a 4-token one's; the chance a draft token is kept
+  once the ones before it were) is above what a draft token costs by the step-cost fit, its kind's drafts counted
+  (the latency-sensitive slots' TPOT, the batch's throughput for best-effort ones), and as deep as the rate raised
+  to the position still pays; with a slow climb back so a slot that stopped retries; drafts take only the token
+  budget and free pages left.
 """
 
 from __future__ import annotations
@@ -38,7 +39,6 @@ from blink.shared.speculative import SpeculativeConfig
 
 DECAY = 0.5  # weight of the past in a slot's acceptance rate: two bad drafts halve it twice
 RETRY = 0.01  # what a slot not drafting regains of its rate each step, so it tries again after a while
-TRUSTED = 0.6  # a slot's drafts run to K tokens at this rate and above, shorter below (one at the least)
 MIN_RATE = 0.15  # below this acceptance a draft is not tried whatever the fit says (the fit is noisy)
 
 
@@ -105,13 +105,18 @@ class Speculation:
         column = (n - 1).clamp(min=0)[:, None]
         rate = state.spec_rate.gather(1, column)[:, 0]
         matched = able & (n > 0)
-        wants = matched & (rate >= self.threshold(state, policy, cost, take, able))
+        need = self.threshold(state, policy, cost, take, able)
+        wants = matched & (rate >= need)
         state.spec_rate.scatter_(1, column, torch.where(matched & ~wants, rate + RETRY * (1 - rate), rate)[:, None])
         generated = seq - state.prompt_len
         k = torch.minimum(found, state.max_tokens - generated - 1).minimum(state.max_len - seq - 1)
-        # As long as the slot's acceptance earns: a retrying slot risks one or two tokens, not K.
-        earned = (rate * (self.k / TRUSTED)).ceil().long().clamp(min=1, max=self.k)
-        k = torch.where(wants, k.minimum(state.room - 1).minimum(earned), 0).clamp(min=0, max=self.k)
+        # As deep as a draft token pays: the j-th is kept only if the j - 1 before it were, about rate**j of the time,
+        # and costs `need` (a slot whose rate is just above it drafts one token, not K).
+        depth, kept = torch.ones_like(k), rate * rate  # float32 products in turn (the kernels' own)
+        for _ in range(self.k - 1):
+            depth += kept >= need
+            kept = kept * rate
+        k = torch.where(wants, k.minimum(state.room - 1).minimum(depth), 0).clamp(min=0, max=self.k)
         k = self._fit(state, pool, take, k, order, cap)
         state.draft_n.copy_(torch.where(k > 0, n, 0))
         state.draft_len.copy_(k)
@@ -267,7 +272,9 @@ class Speculation:
                                                .clamp(max=state.spec_accepted_per_pos.shape[0] - 1), accepted.long())
         column = (state.draft_n - 1).clamp(min=0)[:, None]  # the rate of the match length the drafts followed
         old = state.spec_rate.gather(1, column)[:, 0]
-        rate = DECAY * old + (1 - DECAY) * a.float() / k.clamp(min=1).float()
+        # A draft token's chance to be kept once the ones before it were: a accepted of the a + 1 tried (all k if
+        # none failed), what `draft`'s depth raises to the power of the position.
+        rate = DECAY * old + (1 - DECAY) * a.float() / torch.minimum(a + 1, k).clamp(min=1).float()
         state.spec_rate.scatter_(1, column, torch.where(drafted, rate, old)[:, None])
 
 

@@ -358,8 +358,10 @@ std::vector<at::Tensor> settle_runs(const at::Tensor& sample_slot, const at::Ten
     TORCH_CHECK(c < lengths, "blink_cpu::", op, ": slot ", s, "'s draft_n ", match[s], " is past spec_rate's ",
                 lengths, " match lengths");
     float& r = rate[s * rate_row + c * rate_col];
-    // float32 as the reference: decay * rate + ((1 - decay) * a) / max(k, 1)
-    if (k > 0) r = past * r + now * static_cast<float>(accepted[s]) / static_cast<float>(k);
+    // float32 as the reference: decay * rate + ((1 - decay) * a) / tried, tried = min(a + 1, k) (up to the first
+    // draft that failed)
+    const int64_t tried = std::min(accepted[s] + 1, k);
+    if (k > 0) r = past * r + now * static_cast<float>(accepted[s]) / static_cast<float>(tried);
   }
 
   // A slot's reason: the largest of its live rows'.

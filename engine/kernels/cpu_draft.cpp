@@ -6,7 +6,7 @@
 // off); for each of those, the latest earlier occurrence of its last n tokens (the longest n in [lookup_min,
 // lookup_max]) found by scanning its own history backwards (16 positions compared with its last token at a time),
 // then the step-cost fit's threshold on its acceptance rate for drafts after a match of that n (spec_rate's column
-// n - 1; a retry of that column for a slot below it), the earned and room caps; then the fit to the budget and the
+// n - 1; a retry of that column for a slot below it), the depth that pays and the room cap; then the fit to the budget and the
 // free pages in the budget's order, the match lengths of the drafts kept (draft_n), and the drafts copied after each
 // sequence. Without lookup (a draft model's drafts: Speculation.lookup off) there is no search and no copy: every
 // slot that may draft offers K tokens under its rate of column 0, and the draft model writes them in the step.
@@ -84,7 +84,7 @@ at::Tensor plan_drafts(const at::Tensor& live_t, const at::Tensor& take_t, const
                        at::Tensor draft_len_t, at::Tensor draft_n_t, at::Tensor spec_rate_t, int64_t K,
                        bool lookup, int64_t lookup_min, int64_t lookup_max, double share, double draft_ratio,
                        int64_t page, bool by_class,
-                       double retry_d, double earn_d, double min_rate_d) {
+                       double retry_d, double min_rate_d) {
   const int64_t S = take_t.numel();
   TORCH_CHECK(K >= 1 && K <= MAX_DRAFT, "blink_cpu::plan_drafts: k must be in [1, ", MAX_DRAFT, "], got ", K);
   TORCH_CHECK(lookup_min >= 1 && lookup_max >= lookup_min, "blink_cpu::plan_drafts: bad lookup range [", lookup_min,
@@ -126,7 +126,7 @@ at::Tensor plan_drafts(const at::Tensor& live_t, const at::Tensor& take_t, const
   int32_t* tokens = tokens_t.data_ptr<int32_t>();
   const int64_t row = tokens_t.stride(0), max_len = tokens_t.size(1) - 1;
   // The reference's Python floats meet float32 tensors: torch rounds them to float32 first.
-  const float retry = static_cast<float>(retry_d), earn = static_cast<float>(earn_d);
+  const float retry = static_cast<float>(retry_d);
   const float min_rate = static_cast<float>(min_rate_d);
 
   // Who may draft, and the step's sums the threshold reads.
@@ -214,9 +214,10 @@ at::Tensor plan_drafts(const at::Tensor& live_t, const at::Tensor& take_t, const
     }
     any = true;
     int64_t want = std::min({found, max_tokens[s] - (seq - prompt_len[s]) - 1, max_len - seq - 1});
-    // As long as the slot's acceptance earns: a retrying slot risks one or two tokens, not K.
-    const int64_t earned = std::clamp(static_cast<int64_t>(std::ceil(rate * earn)), int64_t{1}, K);
-    want = std::min({want, room[s] - 1, earned});
+    // As deep as a draft token pays: the j-th is kept about rate**j of the time (float32 products, as the reference).
+    int64_t depth = 1;
+    for (float kept = rate * rate; depth < K && kept >= need; kept *= rate) ++depth;
+    want = std::min({want, room[s] - 1, depth});
     k[s] = std::clamp(want, int64_t{0}, K);
   }
   if (!any) {
@@ -267,6 +268,6 @@ TORCH_LIBRARY_FRAGMENT(blink_cpu, m) {
         "Tensor prompt_logprobs, Tensor scored, Tensor prompt_len, Tensor draft_off, Tensor service_class, "
         "Tensor room, Tensor pages_held, Tensor cost, Tensor num_free, Tensor(a!) tokens, Tensor(b!) draft_len, "
         "Tensor(c!) draft_n, Tensor(d!) spec_rate, int k, bool lookup, int lookup_min, int lookup_max, float share, "
-        "float draft_ratio, int page_size, bool by_class, float retry, float earn, float min_rate) -> Tensor",
+        "float draft_ratio, int page_size, bool by_class, float retry, float min_rate) -> Tensor",
         &plan_drafts);
 }

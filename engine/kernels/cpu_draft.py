@@ -9,7 +9,7 @@ import torch
 
 from blink.engine.core.kv_cache import PagePool
 from blink.engine.core.policy import Policy, Slo, StepCost
-from blink.engine.core.speculation import MIN_RATE, RETRY, TRUSTED
+from blink.engine.core.speculation import MIN_RATE, RETRY
 from blink.engine.core.state import Slots
 from blink.engine.kernels.cpu import ops
 
@@ -26,4 +26,4 @@ def draft(speculation, state: Slots, pool: PagePool, policy: Policy, cost: StepC
         state.draft_len, state.draft_n, state.spec_rate, speculation.k, speculation.lookup, speculation.lookup_min,
         speculation.lookup_max, speculation.token_share, speculation.draft_ratio, pool.page_size,
         isinstance(policy, Slo),  # the one policy whose latency-sensitive slots (service class 0) count their own kind
-        RETRY, speculation.k / TRUSTED, MIN_RATE)
+        RETRY, MIN_RATE)

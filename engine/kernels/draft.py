@@ -71,7 +71,7 @@ def _latest_match(able, seq, history, lookup_min, LOOKUP_MAX: tl.constexpr, BLOC
 @triton.jit(do_not_specialize=["S", "max_len", "share_bits", "ratio_bits", "lookup_min"])
 def _propose(live, take, seq_len, computed, max_tokens, repetition, presence, frequency, prompt_logprobs, scored,
              prompt_len, draft_off, service_class, spec_rate, rates_stride, room, cost, tokens, tokens_stride,
-             wanted_out, start_out, match_out, S, max_len, share_bits, ratio_bits, lookup_min, RETRY, EARN, MIN_RATE,
+             wanted_out, start_out, match_out, S, max_len, share_bits, ratio_bits, lookup_min, RETRY, MIN_RATE,
              K: tl.constexpr, LOOKUP: tl.constexpr, LOOKUP_MAX: tl.constexpr, POLICY: tl.constexpr,
              BLOCK_S: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_N: tl.constexpr):
     s = tl.program_id(0)
@@ -112,14 +112,19 @@ def _propose(live, take, seq_len, computed, max_tokens, repetition, presence, fr
     column = tl.maximum(best - 1, 0)
     rate = tl.load(rates + column)
     matched = able & (best > 0)
-    wants = matched & (rate >= tl.maximum(need.to(tl.float32), MIN_RATE))
+    need = tl.maximum(need.to(tl.float32), MIN_RATE)
+    wants = matched & (rate >= need)
     if matched & ~wants:  # a slot not drafting regains some rate, so it tries again after a while
         tl.store(rates + column, rate + RETRY * (1 - rate))
     k = tl.minimum(found, tl.load(max_tokens + s) - (seq - tl.load(prompt_len + s)) - 1)
     k = tl.minimum(k, max_len - seq - 1)
-    # As long as the slot's acceptance earns: a retrying slot risks one or two tokens, not K.
-    earned = tl.minimum(tl.maximum(tl.ceil(rate * EARN).to(tl.int64), 1), K)
-    k = tl.minimum(tl.minimum(k, tl.load(room + s) - 1), earned)
+    # As deep as a draft token pays: the j-th is kept about rate**j of the time (float32 products, as the reference).
+    depth = tl.full((), 1, tl.int64)
+    kept = rate * rate
+    for _ in tl.static_range(K - 1):
+        depth += (kept >= need).to(tl.int64)
+        kept = kept * rate
+    k = tl.minimum(tl.minimum(k, tl.load(room + s) - 1), depth)
     k = tl.minimum(tl.maximum(tl.where(wants, k, 0), 0), K)
     tl.store(wanted_out + s, k)
     tl.store(start_out + s, tl.where(best > 0, end + 1, 0))
@@ -162,7 +167,7 @@ def draft(speculation, state: Slots, pool: PagePool, policy: Policy, cost: StepC
     """Speculation.draft's arguments (the speculation first), effects and result: [S] draft tokens each slot
     computes on top of `take`, written after its sequence in state.tokens, with state.draft_len, state.draft_n and
     the retrying slots' state.spec_rate."""
-    from blink.engine.core.speculation import MIN_RATE, RETRY, TRUSTED
+    from blink.engine.core.speculation import MIN_RATE, RETRY
 
     S, device = state.num_slots, take.device
     wanted, start, match, k = (torch.empty(S, dtype=torch.int64, device=device) for _ in range(4))
@@ -174,8 +179,8 @@ def draft(speculation, state: Slots, pool: PagePool, policy: Policy, cost: StepC
                    state.presence_penalty, state.frequency_penalty, state.prompt_logprobs, state.scored,
                    state.prompt_len, state.draft_off, state.service_class, state.spec_rate, state.spec_rate.stride(0),
                    state.room, cost.values, state.tokens, state.tokens.stride(0), wanted, start, match, S,
-                   state.max_len, share_bits, ratio_bits, speculation.lookup_min, RETRY, speculation.k / TRUSTED,
-                   MIN_RATE, K=speculation.k, LOOKUP=speculation.lookup, LOOKUP_MAX=speculation.lookup_max,
+                   state.max_len, share_bits, ratio_bits, speculation.lookup_min, RETRY, MIN_RATE,
+                   K=speculation.k, LOOKUP=speculation.lookup, LOOKUP_MAX=speculation.lookup_max,
                    POLICY=POLICIES.index(policy.name), BLOCK_S=block_s, BLOCK_J=HISTORY_BLOCK,
                    BLOCK_N=triton.next_power_of_2(speculation.lookup_max),
                    enable_fp_fusion=False)  # the reference's roundings: a * b + c not fused (the threshold, the retry)

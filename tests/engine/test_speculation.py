@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from functools import partial
 from types import SimpleNamespace
 
 import pytest
@@ -328,6 +329,37 @@ def test_drafts_pay_by_the_step_cost_fit_and_a_slot_whose_drafts_fail_stops_then
         driver.step()
         drafting.append(bool(state.spec_counts[0] > sum(drafting)))
     assert drafting[0] is False and any(drafting)  # it stopped, then retried once its rate climbed back
+
+
+@pytest.mark.parametrize("kernel", ["torch", "cpp", "triton"])
+def test_a_slot_drafts_as_deep_as_its_rate_to_the_power_of_the_position_pays(kernel):
+    """The j-th draft token is kept only if the ones before it were, about rate**j of the time, and costs what the
+    fit says a draft token costs (here 0.3 of a token, five slots drafting): rate 0.7 drafts 3 (0.7**3 = 0.34), 0.5
+    one, 0.25 none, 0.9 and 1.0 all K (6)."""
+    from blink.engine.core.policy import StepCost, policy_named
+    from blink.engine.kernels import cpu_draft, draft
+
+    if kernel == "cpp":
+        from tests.support.cpu_kernels import cpu_kernels_or_skip
+        cpu_kernels_or_skip()
+    S, K = 5, 6
+    state = Slots(S, 64, 8, 16, torch.device("cpu"))
+    state.tokens[:, :13] = torch.tensor([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3], dtype=torch.int32)
+    state.seq_len.fill_(13)
+    state.prompt_len.fill_(4)
+    state.num_computed.fill_(12)
+    state.max_tokens.fill_(100)
+    state.spec_rate.copy_(torch.tensor([1.0, 0.9, 0.7, 0.5, 0.25])[:, None].expand_as(state.spec_rate))
+    cost = StepCost(torch.device("cpu"))
+    cost.values[:2] = torch.tensor([0.035, 0.003], dtype=torch.float64)  # 5 * 0.003 / (0.035 + 5 * 0.003) = 0.3
+    take = torch.ones(S, dtype=torch.int64)
+    pool = SimpleNamespace(page_size=8, num_free=torch.tensor(100))
+    speculation = Speculation(K, 1, 3)
+    plan = {"torch": speculation.draft, "cpp": partial(cpu_draft.draft, speculation),
+            "triton": partial(draft.draft, speculation)}[kernel]
+    k = plan(state, pool, policy_named("fcfs"), cost, take, torch.ones(S, dtype=torch.bool), torch.arange(S),
+             take.sum() + S * K)
+    assert k.tolist() == [6, 6, 3, 1, 0]
 
 
 @pytest.mark.slow

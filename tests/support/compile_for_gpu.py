@@ -145,7 +145,7 @@ results = [
                      "service_class", "room", "wanted_out", "start_out", "match_out")
             | pointers("fp32", "repetition", "presence", "frequency", "spec_rate") | pointers("i1", "live", "draft_off")
             | {"cost": "*fp64", "tokens": "*i32", "share_bits": "i64", "ratio_bits": "i64", "RETRY": "fp32",
-               "EARN": "fp32", "MIN_RATE": "fp32"}, options={"enable_fp_fusion": False})
+               "MIN_RATE": "fp32"}, options={"enable_fp_fusion": False})
       for name, lookup in (("ngram", True), ("a draft model's", False))),
     build(draft._fit, "drafts: the fit, a draft model's", dict(COPY=False, BLOCK_S=256, BLOCK_K=4),
           pointers("i64", "order", "wanted", "start", "match", "take", "seq_len", "computed", "pages_held",
