@@ -22,7 +22,7 @@ from blink.engine.core.paging import find_pages
 from blink.engine.core.policy import Policy, StepCost, lexsort
 from blink.engine.core.prefix_cache import PrefixCache
 from blink.engine.core.rotation import HostMirror, PageMoves
-from blink.engine.core.state import Slots, SlotStatus, none_set, pack
+from blink.engine.core.state import FIRST_RATE, Slots, SlotStatus, none_set, pack
 
 if TYPE_CHECKING:
     from blink.engine.core.speculation import Speculation
@@ -141,7 +141,7 @@ def _start_admitted(state: Slots) -> tuple[torch.Tensor, torch.Tensor]:
     """ADMITTED slots start RUNNING. Returns the running slots and the resident ones (not rotated out)."""
     admitted = state.status_is(SlotStatus.ADMITTED)
     state.status.masked_fill_(admitted, SlotStatus.RUNNING)
-    state.spec_rate.masked_fill_(admitted[:, None], 1.0)  # a new request trusts its drafts until they fail
+    state.spec_rate.masked_fill_(admitted[:, None], FIRST_RATE)  # a new request's drafts, before any is settled
     running = state.status_is(SlotStatus.RUNNING)
     return running, running & ~state.rotated
 

@@ -14,6 +14,10 @@ import torch
 from blink.shared.request_schema import FIELDS, MAX_LOGIT_BIAS, MAX_STOP_IDS
 from blink.shared.speculative import MAX_LOOKUP, MAX_SPECULATIVE_TOKENS
 
+# A new request's acceptance rate for its drafts, at every match length, before it has drafted: its first drafts run
+# K deep where a draft token is cheap (a small batch) and two where it costs (docs/design.md, Decisions).
+FIRST_RATE = 0.75
+
 
 def none_set(*masks: torch.Tensor) -> bool:
     """Whether no element of these masks is set, said only where looking is free: eager on the CPU. Under
@@ -124,12 +128,12 @@ class Slots:
         self.num_recomputes = zeros()
         # Speculative decoding (engine/core/speculation.py): the drafts written after each sequence this step and the
         # length of the match they followed, each slot's decayed acceptance rate per match length (column n - 1; a
-        # new request starts trusting its drafts), slots the host keeps from drafting (a grammar masks one row per
+        # new request starts at FIRST_RATE), slots the host keeps from drafting (a grammar masks one row per
         # slot), and vLLM's counters: drafts, draft tokens, accepted tokens, and accepted tokens per draft position
         # (the last entry takes masked-off adds).
         self.draft_len = zeros(S)
         self.draft_n = zeros(S)
-        self.spec_rate = torch.ones(S, MAX_LOOKUP, dtype=torch.float32, device=device)
+        self.spec_rate = torch.full((S, MAX_LOOKUP), FIRST_RATE, dtype=torch.float32, device=device)
         self.draft_off = zeros(S, dtype=torch.bool)
         self.spec_counts = zeros(3)
         self.spec_accepted_per_pos = zeros(MAX_SPECULATIVE_TOKENS + 1)

@@ -90,7 +90,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> plan_head
     const at::Tensor& cancel, const at::Tensor& num_computed, const at::Tensor& pages_held,
     const at::Tensor& service_class, const at::Tensor& priority, const at::Tensor& ttft_deadline,
     const at::Tensor& arrival, const c10::optional<at::Tensor>& mirror_free, int64_t hold_below, int64_t policy,
-    int64_t prio_base, int64_t prio_bits) {
+    int64_t prio_base, int64_t prio_bits, double first_rate) {
   const char* op = "plan_head";
   const int64_t S = status.numel();
   check(status, at::kLong, S, op, "status");
@@ -125,7 +125,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> plan_head
   for (int64_t s = 0; s < S; s++) {
     if (st[s] == ADMITTED) {
       st[s] = RUNNING;
-      for (int64_t n = 0; n < lengths; n++) rate[s * rate_row + n * rate_col] = 1.0f;  // at every match length
+      for (int64_t n = 0; n < lengths; n++) rate[s * rate_row + n * rate_col] = static_cast<float>(first_rate);
     }
     run[s] = st[s] == RUNNING;
     res[s] = run[s] && !rot[s];
@@ -255,7 +255,8 @@ std::tuple<at::Tensor, c10::optional<at::Tensor>, at::Tensor, at::Tensor> plan_h
 TORCH_LIBRARY_FRAGMENT(blink_cpu, m) {
   m.def("plan_head(Tensor(a!) status, Tensor(b!) spec_rate, Tensor rotated, Tensor paused, Tensor cancel, "
         "Tensor num_computed, Tensor pages_held, Tensor service_class, Tensor priority, Tensor ttft_deadline, "
-        "Tensor arrival, Tensor? mirror_free, int hold_below, int policy, int prio_base, int prio_bits) "
+        "Tensor arrival, Tensor? mirror_free, int hold_below, int policy, int prio_base, int prio_bits, "
+        "float first_rate) "
         "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
         &plan_head);
   m.def("plan_hand_out(Tensor live, Tensor seq_len, Tensor num_computed, Tensor prompt_logprobs, Tensor scored, "

@@ -10,7 +10,7 @@ import torch
 
 from blink.engine.core.policy import MIN_CAPPED_TOKENS, POLICIES, PRIORITY, PRIORITY_BITS, Policy, StepCost
 from blink.engine.core.rotation import HostMirror
-from blink.engine.core.state import Slots
+from blink.engine.core.state import FIRST_RATE, Slots
 from blink.engine.kernels import cpu
 
 _POLICY = {name: index for index, name in enumerate(POLICIES)}  # the C++ kernels' policy codes
@@ -22,7 +22,7 @@ def head(state: Slots, policy: Policy, mirror: HostMirror | None):
         state.status, state.spec_rate, state.rotated, state.paused, state.cancel, state.num_computed,
         state.pages_held, state.service_class, state.priority, state.ttft_deadline, state.arrival,
         None if mirror is None else mirror.free.num_free, 0 if mirror is None else mirror.hold_below,
-        _POLICY[policy.name], PRIORITY.ge, PRIORITY_BITS)
+        _POLICY[policy.name], PRIORITY.ge, PRIORITY_BITS, FIRST_RATE)
 
 
 def hand_out(state: Slots, policy: Policy, cost: StepCost, token_budget: int, prompt_rows: int,

@@ -15,7 +15,7 @@ import triton.language as tl
 
 from blink.engine.core.policy import MIN_CAPPED_TOKENS, POLICIES, PRIORITY, PRIORITY_BITS, Policy, StepCost
 from blink.engine.core.rotation import HostMirror
-from blink.engine.core.state import Slots, SlotStatus
+from blink.engine.core.state import FIRST_RATE, Slots, SlotStatus
 
 FCFS, BY_PRIORITY, SLO = (tl.constexpr(POLICIES.index(name)) for name in ("fcfs", "priority", "slo"))
 ADMITTED, RUNNING = tl.constexpr(int(SlotStatus.ADMITTED)), tl.constexpr(int(SlotStatus.RUNNING))
@@ -79,15 +79,15 @@ def _head(status_ptr, spec_rate_ptr, rates_stride, rotated_ptr, paused_ptr, canc
           running_ptr, resident_ptr, precedence_ptr, rank_ptr, live_ptr, starting_ptr,
           S, hold_below, prio_base,
           POLICY: tl.constexpr, PRIO_BITS: tl.constexpr, MIRROR: tl.constexpr, RATES: tl.constexpr,
-          BLOCK_S: tl.constexpr, BLOCK: tl.constexpr):
+          FIRST_RATE: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK: tl.constexpr):
     s = tl.arange(0, BLOCK_S)
     real = s < S
     status = tl.load(status_ptr + s, mask=real, other=0)
-    admitted = real & (status == ADMITTED)  # start RUNNING, trusting their drafts
+    admitted = real & (status == ADMITTED)  # start RUNNING, their drafts' rates at FIRST_RATE
     tl.store(status_ptr + s, tl.full((BLOCK_S,), RUNNING, tl.int64), mask=admitted)
     rates = tl.arange(0, RATES)  # the whole row: every match length's rate
     tl.store(spec_rate_ptr + s.to(tl.int64)[:, None] * rates_stride + rates[None, :],
-             tl.full((BLOCK_S, RATES), 1.0, tl.float32), mask=admitted[:, None])
+             tl.full((BLOCK_S, RATES), FIRST_RATE, tl.float32), mask=admitted[:, None])
     running = real & ((status == RUNNING) | admitted)
     rotated = tl.load(rotated_ptr + s, mask=real, other=0) != 0
     paused = tl.load(paused_ptr + s, mask=real, other=0) != 0
@@ -195,6 +195,7 @@ def head(state: Slots, policy: Policy, mirror: HostMirror | None):
         state.num_computed, state.pages_held, state.service_class, state.priority, state.ttft_deadline, state.arrival,
         rank if mirror is None else mirror.free.num_free, running, resident, precedence, rank, live, starting,
         S, 0 if mirror is None else mirror.hold_below, PRIORITY.ge, POLICY=POLICIES.index(policy.name),
-        PRIO_BITS=PRIORITY_BITS, MIRROR=mirror is not None, RATES=state.spec_rate.shape[1], BLOCK_S=block_s,
+        PRIO_BITS=PRIORITY_BITS, MIRROR=mirror is not None, RATES=state.spec_rate.shape[1], FIRST_RATE=FIRST_RATE,
+        BLOCK_S=block_s,
         BLOCK=min(block_s, COMPARE_BLOCK))
     return running, resident, precedence, live, starting
