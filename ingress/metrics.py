@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 from blink.ingress.client import IngressClient, Stream
 from blink.shared.control import EngineStatus
@@ -13,6 +14,32 @@ from blink.shared.service_class import ServiceClass
 from blink.shared.slot_table import Finish, RequestStats
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class Totals:
+    """Totals kept elsewhere (by the engine, the watchdog, the client), exposed as Prometheus counters (`<name>_total`,
+    as vLLM's): set to the latest value at each scrape, never counted here. One that goes back (an engine restarted
+    by failover) is a counter reset, which rate() takes."""
+
+    def __init__(self, registry: CollectorRegistry, labels: dict[str, str]):
+        self._labels = labels
+        self._families: dict[str, tuple[str, tuple[str, ...]]] = {}  # name: (help, its own label names)
+        self._values: dict[str, dict[tuple[str, ...], float]] = {}
+        registry.register(self)
+
+    def declare(self, name: str, doc: str, *labels: str) -> None:
+        self._families[name] = (doc, labels)
+        self._values[name] = {}
+
+    def set(self, name: str, value: float, *label_values: str) -> None:
+        self._values[name][label_values] = value
+
+    def collect(self):
+        for name, (doc, own) in self._families.items():
+            family = CounterMetricFamily(name, doc, labels=[*self._labels, *own])
+            for values, total in self._values[name].items():
+                family.add_metric([*self._labels.values(), *values], total)
+            yield family
 
 
 @dataclass
@@ -74,14 +101,14 @@ class Metrics:
         self.kv_usage = Gauge("blink:kv_cache_usage_perc", "KV cache pages in use (0-1)", list(labels), registry=r)
         self.host_kv_usage = Gauge("blink:cpu_cache_usage_perc", "Host-memory KV pages (rotation) in use (0-1)",
                                    list(labels), registry=r)
-        self.preemptions = Gauge("blink:num_preemptions_total", "Preemptions by the engine", list(labels),
-                                 registry=r)
-        # Speculative decoding (--speculative-config), vLLM's counters, totals the engine keeps.
-        self.spec = {name: Gauge(f"blink:spec_decode_{name}", doc, list(labels), registry=r) for name, doc in (
-            ("num_drafts", "Steps in which a request drafted tokens"), ("num_draft_tokens", "Draft tokens proposed"),
-            ("num_accepted_tokens", "Draft tokens accepted"))}
-        self.spec_per_pos = Gauge("blink:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted at each "
-                                  "draft position", [*labels, "position"], registry=r)
+        self.totals = t = Totals(r, labels)
+        t.declare("blink:num_preemptions", "Preemptions by the engine")
+        # Speculative decoding (--speculative-config), vLLM's counters.
+        t.declare("blink:spec_decode_num_drafts", "Steps in which a request drafted tokens")
+        t.declare("blink:spec_decode_num_draft_tokens", "Draft tokens proposed")
+        t.declare("blink:spec_decode_num_accepted_tokens", "Draft tokens accepted")
+        t.declare("blink:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted at each draft position",
+                  "position")
         self._histograms = {
             "ttft": histogram("blink:time_to_first_token_seconds", "Time to first token"),
             "itl": histogram("blink:inter_token_latency_seconds", "Time between output tokens"),
@@ -124,9 +151,8 @@ class Metrics:
             "(unsupported: this drive mode cannot serve the spec; too_large: past --max-grammar-bytes; invalid: it "
             "does not compile; timeout: it did not compile within the time limit)", [*labels, "kind", "reason"],
             registry=r)
-        self.structured_ended = Gauge("blink:structured_output_engine_ended_requests", "Constrained requests the "
-                                      "engine ended, by reason (failed: the grammar did not compile or lower there; "
-                                      "timeout: not within the time limit)", [*labels, "reason"], registry=r)
+        t.declare("blink:structured_output_engine_ended_requests", "Constrained requests the engine ended, by reason "
+                  "(failed: the grammar did not compile or lower there; timeout: not within the time limit)", "reason")
         # The device modes' grammar arena (--grammar-arena-bytes): set once the engine reports one (graph, persistent).
         self.grammar_arena_used = Gauge("blink:grammar_arena_used_bytes", "Device grammar arena bytes the resident "
                                         "grammar tables take", list(labels), registry=r)
@@ -141,11 +167,8 @@ class Metrics:
         self.set_transport(transport)
         self.degraded = Gauge("blink:degraded", "1 while the deployment runs a fallback transport or device",
                               list(labels), registry=r)
-        self.failovers = Gauge("blink:engine_failovers_total", "Engines the watchdog declared dead",
-                               list(labels), registry=r)
-        self.failed_requests = Gauge("blink:num_requests_failed_over_total",
-                                     "Requests ended with an error because their engine died", list(labels),
-                                     registry=r)
+        t.declare("blink:engine_failovers", "Engines the watchdog declared dead")
+        t.declare("blink:num_requests_failed_over", "Requests ended with an error because their engine died")
 
     def set_transport(self, transport: str) -> None:
         self.info.clear()
@@ -198,20 +221,21 @@ class Metrics:
         self.degraded.labels(**self._labels).set(int(degraded))
         self.running.labels(**self._labels).set(client.running)
         self.waiting.labels(**self._labels).set(client.waiting)
-        self.failovers.labels(**self._labels).set(client.health().failovers)
-        self.failed_requests.labels(**self._labels).set(client.failed_over)
+        totals = self.totals
+        totals.set("blink:engine_failovers", client.health().failovers)
+        totals.set("blink:num_requests_failed_over", client.failed_over)
         if engine is not None:
             self.kv_usage.labels(**self._labels).set(engine.kv_pages_used / max(1, engine.kv_pages_total))
             host_usage = engine.kv_host_pages_used / max(1, engine.kv_host_pages_total)
             self.host_kv_usage.labels(**self._labels).set(host_usage)
-            self.preemptions.labels(**self._labels).set(engine.preemptions)
+            totals.set("blink:num_preemptions", engine.preemptions)
             if engine.spec_decode_num_accepted_tokens_per_pos:  # the engine speculates
-                for name, gauge in self.spec.items():
-                    gauge.labels(**self._labels).set(getattr(engine, f"spec_decode_{name}"))
+                for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+                    totals.set(f"blink:spec_decode_{name}", getattr(engine, f"spec_decode_{name}"))
                 for position, count in enumerate(engine.spec_decode_num_accepted_tokens_per_pos):
-                    self.spec_per_pos.labels(**self._labels, position=str(position)).set(count)
+                    totals.set("blink:spec_decode_num_accepted_tokens_per_pos", count, str(position))
             for reason, count in engine.structured_output_ended.items():
-                self.structured_ended.labels(**self._labels, reason=reason).set(count)
+                totals.set("blink:structured_output_engine_ended_requests", count, reason)
             if engine.grammar_arena_bytes_total:  # the engine walks grammars on the device
                 self.grammar_arena_used.labels(**self._labels).set(engine.grammar_arena_bytes_used)
                 self.grammar_arena_capacity.labels(**self._labels).set(engine.grammar_arena_bytes_total)

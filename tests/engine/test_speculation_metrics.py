@@ -34,8 +34,12 @@ def test_the_engine_s_counters_are_vllm_s_and_reach_the_metrics():
     assert len(per_pos) == 3 and sum(per_pos) == counts["spec_decode_num_accepted_tokens"] > 0
     assert per_pos == sorted(per_pos, reverse=True)  # a position is accepted only after the ones before it
     text = _render(_status(**counts))
-    assert f'blink:spec_decode_num_drafts{{model_name="m"}} {float(counts["spec_decode_num_drafts"])}' in text
-    assert f'blink:spec_decode_num_accepted_tokens_per_pos{{model_name="m",position="0"}} {float(per_pos[0])}' in text
+    # Counters, as vLLM's: `_total` names, a counter's type (rate() over them takes a restarted engine's reset).
+    assert f'blink:spec_decode_num_drafts_total{{model_name="m"}} {float(counts["spec_decode_num_drafts"])}' in text
+    assert (f'blink:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",position="0"}} {float(per_pos[0])}'
+            in text)
+    assert any(line.startswith("# TYPE blink:spec_decode_num_accepted_tokens") and line.endswith(" counter")
+               for line in text.splitlines())
 
 
 def test_an_engine_that_does_not_speculate_shows_no_speculation_series():

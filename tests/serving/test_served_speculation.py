@@ -190,6 +190,6 @@ def test_a_speculating_deployment_answers_with_plain_decoding_s_text_and_counts_
                        if stop in offline.tokenizer.decode(expected.token_ids[:k]))
         assert cut.choices[0].message.content == expected.text[: expected.text.index(stop)]
         assert cut.choices[0].finish_reason == "stop" and cut.usage.completion_tokens == counted
-    assert _metric(server, "blink:spec_decode_num_drafts") > 0
-    assert _metric(server, "blink:spec_decode_num_draft_tokens") > 0
-    assert _metric(server, "blink:spec_decode_num_accepted_tokens") > 0
+    assert _metric(server, "blink:spec_decode_num_drafts_total") > 0
+    assert _metric(server, "blink:spec_decode_num_draft_tokens_total") > 0
+    assert _metric(server, "blink:spec_decode_num_accepted_tokens_total") > 0

@@ -295,8 +295,8 @@ def test_metrics_count_structured_requests(server, client):
     why = re.search(r'blink:structured_output_refused_requests_total\{kind="regex",model_name="[^"]+",'
                     r'reason="invalid"\} (\S+)', text)
     assert why and float(why.group(1)) >= 1
-    ended = re.search(r'blink:structured_output_engine_ended_requests\{model_name="[^"]+",reason="failed"\} (\S+)',
-                      text)
+    ended = re.search(r'blink:structured_output_engine_ended_requests_total\{model_name="[^"]+",'
+                      r'reason="failed"\} (\S+)', text)
     assert ended and float(ended.group(1)) == 0  # the engine compiles what the ingress did, with the same library
 
 
@@ -315,8 +315,8 @@ def test_metrics_count_what_the_engine_ended(tmp_path_factory):
         plain = client.completions.create(model=MODEL, prompt="x", max_tokens=4, temperature=0.0)
         assert plain.usage.completion_tokens >= 1  # the engine serves on
         text = httpx.get(f"{server.url}/metrics").text
-    ended = re.search(r'blink:structured_output_engine_ended_requests\{model_name="[^"]+",reason="failed"\} (\S+)',
-                      text)
+    ended = re.search(r'blink:structured_output_engine_ended_requests_total\{model_name="[^"]+",'
+                      r'reason="failed"\} (\S+)', text)
     assert ended and float(ended.group(1)) == 1, text
 
 

@@ -109,8 +109,8 @@ def test_what_the_engine_ended_is_rendered_from_its_status():
     status = EngineStatus(state="ready", epoch=1, steps=0, running=0, kv_pages_used=0, kv_pages_total=1,
                           preemptions=0, structured_output_ended={"failed": 2, "timeout": 1})
     text = metrics.render(client, status, degraded=False).decode()
-    assert 'blink:structured_output_engine_ended_requests{model_name="m",reason="failed"} 2.0' in text
-    assert 'blink:structured_output_engine_ended_requests{model_name="m",reason="timeout"} 1.0' in text
+    assert 'blink:structured_output_engine_ended_requests_total{model_name="m",reason="failed"} 2.0' in text
+    assert 'blink:structured_output_engine_ended_requests_total{model_name="m",reason="timeout"} 1.0' in text
 
 
 def test_the_device_grammar_arena_is_rendered_only_where_the_engine_has_one():
