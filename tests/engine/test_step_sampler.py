@@ -77,8 +77,8 @@ def _expected(logits, state, plan, features, eos_ids, rows, prompt_rows):
 
 @pytest.mark.parametrize("features, seed, rows, prompt_rows", [
     (ALL, 0, S, 10), (ALL, 1, 5, 0), (SamplerFeatures(random=True, filtering=True, penalties=True), 2, S, 0),
-    (SamplerFeatures(logit_bias=True, min_tokens=True), 3, 6, 12), (SamplerFeatures(), 4, S, 0)],
-    ids=["every-feature", "fewer-rows", "filters-penalties", "bias-held-greedy", "greedy"])
+    (SamplerFeatures(logit_bias=True, min_tokens=True), 3, 6, 12), (SamplerFeatures(), 4, S, 0), (ALL, 5, 0, 9)],
+    ids=["every-feature", "fewer-rows", "filters-penalties", "bias-held-greedy", "greedy", "prompt-rows-only"])
 def test_the_step_kernels_sample_as_the_reference(features, seed, rows, prompt_rows):
     gen = torch.Generator().manual_seed(seed)
     state, eos_ids = _state(gen), torch.tensor([V - 1, 3])
