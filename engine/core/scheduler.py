@@ -95,6 +95,7 @@ class PlanKernels:
     head: Callable | None = None  # _head
     hand_out: Callable | None = None  # _hand_out
     make_room: Callable | None = None  # paging.make_room
+    settle_take: Callable | None = None  # _settle_take
     lay_out: Callable[..., StepPlan] | None = None  # _lay_out
 
 
@@ -115,12 +116,9 @@ def plan(state: Slots, pool: PagePool, token_budget: int, policy: Policy, mirror
         take = take + speculation.draft(state, pool, policy, cost, take, live, order, cap)
     take, moves, moved = find_pages(state, pool, policy, mirror, token_budget, take, running, resident, precedence,
                                    kernels.make_room)
-    state.wait_s += torch.where(running & ~state.paused & (take == 0), cost.since_last_plan, 0.0)
-    if entries is not None:
-        entries = torch.where(take > 0, entries, 0)  # a slot that lost its pages to a victim's need computes nothing
+    entries = (kernels.settle_take or _settle_take)(state, running, take, entries, cost, speculation is not None)
     drafts = ()
     if speculation is not None:
-        state.draft_len.masked_fill_(take == 0, 0)  # a slot that lost its pages drafts nothing either
         drafts = (speculation.rows(state.num_slots, token_budget), speculation.decode_runs)
     return (kernels.lay_out or _lay_out)(state, take, entries, moves, moved, token_budget, *drafts)
 
@@ -210,6 +208,17 @@ def _lay_out(state: Slots, take: torch.Tensor, entries: torch.Tensor | None, mov
                       prompt_entries=moved.new_zeros(()) if entries is None else entries.sum())
     return StepPlan(take, token_slot, token_pos, token_valid, input_ids, decode_rows, chunk_rows, sample_slot,
                     sample_token, sample_valid, entries, moves, torch.stack(sizes))
+
+
+def _settle_take(state: Slots, running: torch.Tensor, take: torch.Tensor, entries: torch.Tensor | None, cost: StepCost,
+                 drafts: bool) -> torch.Tensor | None:
+    """What the plan settles once pages are found: a running slot that computes nothing this step waits it too, and
+    one that lost its pages to a victim's need computes no prompt entries and (drafts: the step speculates) no
+    drafts. Returns the entries."""
+    state.wait_s += torch.where(running & ~state.paused & (take == 0), cost.since_last_plan, 0.0)
+    if drafts:
+        state.draft_len.masked_fill_(take == 0, 0)
+    return None if entries is None else torch.where(take > 0, entries, 0)
 
 
 def _reuse_prefix(state: Slots, cache: PrefixCache, starting: torch.Tensor) -> None:
