@@ -19,6 +19,7 @@ from blink.engine.core.scheduler import REFERENCE, PlanKernels
 class Bookkeeping:
     plan: PlanKernels = REFERENCE  # scheduler.plan's parts
     settle: Callable | None = None  # commit.settle
+    advance: Callable | None = None  # commit.advance
     settle_runs: Callable | None = None  # Speculation.settle, taking the speculation first
     draft: Callable | None = None  # Speculation.draft, taking the speculation first
 

@@ -72,11 +72,11 @@ class StepOutput:
 
 def commit(state: Slots, pool: PagePool, mirror: HostMirror | None, plan: StepPlan, rows: int, out: SampleOutput,
            logits: torch.Tensor, eos_ids: torch.Tensor, count_outputs: bool,
-           prompt: PromptScores | None = None, settler: Callable[..., StepOutput] | None = None) -> StepOutput:
-    """settler: `settle` or a kernel of the same arguments and effects (blink.engine.kernels.commit, the device
-    step's)."""
-    advance(state, plan)
-    before = state.num_computed - plan.take
+           prompt: PromptScores | None = None, settler: Callable[..., StepOutput] | None = None,
+           advancer: Callable[..., torch.Tensor] | None = None) -> StepOutput:
+    """settler, advancer: `settle`, `advance` or kernels of the same arguments and effects
+    (blink.engine.kernels.commit, the device step's)."""
+    before = (advancer or advance)(state, plan)
     if pool.prefix_cache is not None and not none_set(before < state.prompt_len):
         # The prompt pages this step filled can be found from now on.
         pool.prefix_cache.register(state.page_hashes, state.prompt_len, before, state.num_computed, state.block_table,
@@ -92,13 +92,15 @@ def commit(state: Slots, pool: PagePool, mirror: HostMirror | None, plan: StepPl
     return settled
 
 
-def advance(state: Slots, planned: StepPlan) -> None:
-    """What a step computed as planned: tokens whose K/V are now cached, prompt positions now scored."""
+def advance(state: Slots, planned: StepPlan) -> torch.Tensor:
+    """What a step computed as planned: tokens whose K/V are now cached, prompt positions now scored. Returns the
+    tokens each slot had computed before the step."""
     if planned.prompt_entries is not None:
         state.scored.copy_(torch.where(planned.prompt_entries > 0,
                                        torch.maximum(state.num_computed, state.scored) + planned.prompt_entries,
                                        state.scored))
     state.num_computed += planned.take
+    return state.num_computed - planned.take
 
 
 def settle(state: Slots, plan: StepPlan, rows: int, out: SampleOutput, logits: torch.Tensor, eos_ids: torch.Tensor,

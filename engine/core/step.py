@@ -107,7 +107,8 @@ class Step:
     def use(self, kernels: Bookkeeping) -> None:
         """Binds the kernels that stand in for the bookkeeping's references (engine/core/bookkeeping.py)."""
         self.plan_kernels = kernels.plan
-        self.committer = functools.partial(commit, settler=kernels.settle) if kernels.settle else commit
+        bound = {"settler": kernels.settle, "advancer": kernels.advance}
+        self.committer = functools.partial(commit, **{name: kernel for name, kernel in bound.items() if kernel})
         if self.speculation is not None:
             self.speculation = dataclasses.replace(self.speculation, settle_kernel=kernels.settle_runs,
                                                    draft_kernel=kernels.draft)

@@ -41,7 +41,8 @@ from blink.shared.slot_table import SlotState, SlotTable, slot_dtype, window_roo
 # commit's per-slot part, and with drafts their proposal and the settle of runs.
 DEVICE_BOOKKEEPING = Bookkeeping(PlanKernels(head=head, hand_out=hand_out, make_room=make_room,
                                              settle_take=settle_take, lay_out=lay_out),
-                                 settle=commit_kernel.settle, settle_runs=commit_kernel.settle_runs,
+                                 settle=commit_kernel.settle, advance=commit_kernel.advance,
+                                 settle_runs=commit_kernel.settle_runs,
                                  draft=draft_kernels.draft)
 
 # Every sampling feature is on: a captured step cannot branch on the requests it will meet (neutral parameters

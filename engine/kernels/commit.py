@@ -1,7 +1,7 @@
 """The commit's per-slot part as one Triton kernel: blink.engine.core.commit.settle (the torch reference: tokens
 appended and counted, stops, finish reasons, the rows' outputs scattered to their slots; about sixty small ops, a
-kernel each in a captured step) in one launch, a program per slot. tests/engine/test_commit_kernel.py holds it to the
-reference."""
+kernel each in a captured step) in one launch, a program per slot; and `advance` (what the step computed: seven ops)
+in one more. tests/engine/test_commit_kernel.py holds them to the references."""
 
 from __future__ import annotations
 
@@ -20,6 +20,29 @@ FINISHED = tl.constexpr(int(SlotStatus.FINISHED))
 STOP = tl.constexpr(int(Finish.STOP))
 LENGTH = tl.constexpr(int(Finish.LENGTH))
 ABORT = tl.constexpr(int(Finish.ABORT))
+
+
+@triton.jit(do_not_specialize=["S"])
+def _advance(take, entries, computed, scored, before, S, ENTRIES: tl.constexpr, BLOCK_S: tl.constexpr):
+    s = tl.arange(0, BLOCK_S)
+    real = s < S
+    done = tl.load(computed + s, mask=real, other=0)
+    if ENTRIES:
+        e = tl.load(entries + s, mask=real, other=0)
+        was = tl.load(scored + s, mask=real, other=0)
+        tl.store(scored + s, tl.where(e > 0, tl.maximum(done, was) + e, was), mask=real)
+    tl.store(computed + s, done + tl.load(take + s, mask=real, other=0), mask=real)
+    tl.store(before + s, done, mask=real)
+
+
+def advance(state: Slots, planned: StepPlan) -> torch.Tensor:
+    """commit.advance's arguments, effects and result."""
+    before = torch.empty_like(state.num_computed)
+    entries = planned.prompt_entries
+    _advance[(1,)](planned.take, planned.take if entries is None else entries, state.num_computed, state.scored,
+                   before, state.num_slots, ENTRIES=entries is not None,
+                   BLOCK_S=triton.next_power_of_2(state.num_slots))
+    return before
 
 
 @triton.jit

@@ -10,6 +10,7 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: the CPU runs the kernel
 
+import copy
 import dataclasses
 import random
 from types import SimpleNamespace
@@ -78,3 +79,24 @@ def test_the_kernel_settles_as_the_reference_does(kernel, trials):
                 value, other = (value[:, :cut], getattr(got, name)[:, :cut]) if name == "tokens" else (
                     value, getattr(got, name))
                 assert torch.equal(other, value), (trial, name)
+
+
+@pytest.mark.parametrize("S", [1, 7, 64])
+@pytest.mark.parametrize("with_entries", [True, False])
+def test_the_kernel_advances_as_the_reference_does(S, with_entries):
+    """commit.advance as a kernel: the tokens computed, the prompt positions scored, and what each slot had computed
+    before the step."""
+    from blink.engine.core.commit import advance
+
+    gen = torch.Generator().manual_seed(S)
+    state = Slots(S, 64, 8, 16, torch.device("cpu"))
+    state.num_computed.copy_(torch.randint(0, 40, (S,), generator=gen))
+    state.scored.copy_(torch.randint(0, 40, (S,), generator=gen))
+    plan = SimpleNamespace(take=torch.randint(0, 5, (S,), generator=gen),
+                           prompt_entries=torch.randint(0, 3, (S,), generator=gen) if with_entries else None)
+    reference, scored = copy.deepcopy(state), state.scored.clone()
+    want = advance(reference, plan)
+    got = commit_kernel.advance(state, plan)
+    assert torch.equal(got, want)
+    assert torch.equal(state.num_computed, reference.num_computed) and torch.equal(state.scored, reference.scored)
+    assert torch.equal(state.scored != scored, (plan.prompt_entries > 0) if with_entries else torch.zeros(S).bool())
