@@ -404,7 +404,7 @@ def test_bench_step_counts_what_a_step_does_outside_the_model(tmp_path, capsys):
     assert nbytes[(8, "mixed")] > nbytes[(8, "greedy")]
     plain = [row for row in rows if row["requests"] != "drafting"]
     drafting = [row for row in rows if row["requests"] == "drafting"]
-    assert len(rows) == 16 and len({row["ops"] for row in plain}) == 1 and rows[0]["ops"] > 100
+    assert len(rows) == 16 and len({row["ops"] for row in plain}) == 1 and rows[0]["ops"] > 50
     # A constrained row resident launches no kernel more: the grammar's kernels are in every captured step.
     kernels = {(row["shape"], row["slots"], row["requests"]): row["kernels_per_step"] for row in rows}
     assert all(kernels[(shape, slots, "constrained")] == kernels[(shape, slots, "greedy")]
