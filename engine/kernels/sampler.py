@@ -9,14 +9,14 @@ temporaries of the reference.
 
 The draw, the pass every row makes, runs over many programs a row (`_draw_chunk`, CHUNK logits each, the best of
 each chunk packed with its id so the largest is torch's argmax), so a batch of one fills the GPU rather than one of
-its SMs; the filters' thresholds are planned first in the row's own program (`_plan_draw`), and the chunks'
-best combined after (`draw_chunks`' caller). The filters keep values, not positions (as the reference does), so
-each is a threshold on the logits' order: top-k keeps what has fewer than k kept tokens above it, top-p what has
-less than top_p of the kept mass above it. The kernel finds a threshold by searching the 32-bit keys whose integer
-order is the floats' order: each pass counts (or weighs) the row against PIVOTS keys at once, so the search narrows
-2**32 keys to one in about eight passes. The sparse edits (logit biases, penalties, held tokens) are the
-reference's own, done in place on the ids they name and undone after the draw, so the logits stay raw for the
-logprobs.
+its SMs; the filters' thresholds are planned first in the row's own program (`_plan_draw`), and the chunks' best
+combined after (`_draw` here; the step sampler's finishing program there). The filters keep values, not positions
+(as the reference does), so each is a threshold on the logits' order: top-k keeps what has fewer than k kept tokens
+above it, top-p what has less than top_p of the kept mass above it. The kernel finds a threshold by searching the
+32-bit keys whose integer order is the floats' order: each pass counts (or weighs) the row against PIVOTS keys at
+once, so the search narrows 2**32 keys to one in about eight passes. The sparse edits (logit biases, penalties, held
+tokens) are the reference's own, done in place on the ids they name and undone after the draw, so the logits stay
+raw for the logprobs.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from blink.shared.request_schema import MAX_LOGPROBS
 BLOCK = 1024  # logits a program reads at a time
 PIVOTS = 16  # keys a threshold-search pass tests at once
 CHUNK = 4096  # logits one program of a row's draw reads: a 128K vocabulary over 32 programs
-DRAW = 8  # words of a row's draw (_plan_draw), a row apart
+DRAW = 8  # int32 words a row's planned draw takes in `draw` (_plan_draw writes 6; rows 8 apart)
 _LOWEST = tl.constexpr(-(1 << 63))  # below every packed key
 _MUL2 = tl.constexpr(0x846CA68B - (1 << 32))  # lowbias32's second multiplier as an int32 (products wrap as it wants)
 _GOLDEN = tl.constexpr(0x9E3779B9 - (1 << 32))  # what noise_key mixes into the seed's high word, as an int32
