@@ -1,6 +1,7 @@
-"""The step's sampling in three launches: which batch rows the output embedding reads, then every row's edits, then
-its draw over many programs and its token and logprobs, read from the slot state by each row's slot
-(engine/core/step.py runs the torch reference's gathers and `sample` instead where no kernels are set).
+"""The step's sampling in three launches (four where requests filter): which batch rows the output embedding reads,
+then every row's edits, then (the filters' plan, then) its draw over many programs and its token and logprobs, read
+from the slot state by each row's slot (engine/core/step.py runs the torch reference's gathers and `sample` instead
+where no kernels are set).
 
 `_rows_kernel` (one program) lays out the rows whose logits the step computes: the sampling rows' batch tokens,
 then the prompt tokens scored this step (engine/core/step.py `_prompt_tokens`, packed), their slots and the prompt
@@ -8,12 +9,13 @@ token each scores (engine/core/commit.py `score_prompt`), and where each slot's 
 
 Then, for a sampling row, what `blink.engine.core.sampler.sample` does: `_edit_kernel` (a program per row) loads its
 parameters from the state at its slot, writes the sparse edits (logit bias, penalties over the tokens its sequence
-holds, min_tokens' held ids) in place into its own logits row and plans its draw (its filters' thresholds,
-blink.engine.kernels.sampler `_plan_draw`). `_draw_finish_kernel` draws over chunks of the vocabulary, many
-programs a row, and the last of a row's programs to finish (a ticket, as split attention merges) takes the best
-chunk's token, gives the row back raw and scores its logprobs, the top ones sorted in the kernel. A prompt row
-scores the token it is given. The edits save each id's raw value first, in a scratch row as long as the context
-(sized, not read, past the sequence), so repeated ids are rewritten from their raw value, never twice.
+holds, min_tokens' held ids) in place into its own logits row and writes its draw's words; a filtered row's
+thresholds are then planned over chunks of the vocabulary (blink.engine.kernels.sampler `plan_filters`, a launch of
+its own). `_draw_finish_kernel` draws over chunks of the vocabulary, many programs a row, and the last of a row's
+programs to finish (a ticket, as split attention merges) takes the best chunk's token, gives the row back raw and
+scores its logprobs, the top ones sorted in the kernel. A prompt row scores the token it is given. The edits save
+each id's raw value first, in a scratch row as long as the context (sized, not read, past the sequence), so repeated
+ids are rewritten from their raw value, never twice.
 """
 
 from __future__ import annotations
@@ -35,9 +37,10 @@ from blink.engine.kernels.sampler import (
     PIVOTS,
     _draw_chunk,
     _noise_key,
-    _plan_draw,
+    _plan_words,
     _score_row,
     fused_sample,
+    plan_filters,
     token_logprobs,
 )
 from blink.engine.kernels.tickets import tickets
@@ -146,9 +149,8 @@ def _edit_kernel(
         seq_len, tokens, tokens_stride, counts, counts_stride, stop_ids, bias_ids, bias, eos_ids, E,
         saved, saved_stride, draw, passes,
         RANDOM: tl.constexpr, PENALTIES: tl.constexpr, BIAS: tl.constexpr, HOLD: tl.constexpr, NB: tl.constexpr,
-        NS: tl.constexpr, NE: tl.constexpr, SEEN: tl.constexpr, GREEDY_BELOW: tl.constexpr, BLOCK: tl.constexpr,
-        PIVOTS: tl.constexpr, DRAW: tl.constexpr):
-    """A sampling row's edits written into its logits (their raw values saved first), then its draw planned."""
+        NS: tl.constexpr, NE: tl.constexpr, SEEN: tl.constexpr, GREEDY_BELOW: tl.constexpr, DRAW: tl.constexpr):
+    """A sampling row's edits written into its logits (their raw values saved first), then its draw's words."""
     r = tl.program_id(0)
     row = logits + r.to(tl.int64) * stride
     slot, step_index, seen_n, rep, pres, freq, penalise, b_ids, b, biased, young, eos, stops = _row_edits(
@@ -193,10 +195,9 @@ def _edit_kernel(
         tl.store(row + stops, tl.full([NS], float("-inf"), tl.float32), mask=stops >= 0)
     tl.debug_barrier()
     T = tl.where(RANDOM, tl.load(temperature + slot), 0.0)
-    n = _plan_draw(row, V, tl.where(T >= GREEDY_BELOW, T, 0.0), _log_min_p(tl.load(min_p + slot)),
-                   tl.load(top_k + slot), tl.load(top_p + slot), _noise_key(tl.load(seed + slot), step_index),
-                   draw + r * DRAW, BLOCK, PIVOTS)
-    tl.store(passes + r, n)
+    _plan_words(tl.where(T >= GREEDY_BELOW, T, 0.0), _log_min_p(tl.load(min_p + slot)), tl.load(top_k + slot),
+                tl.load(top_p + slot), _noise_key(tl.load(seed + slot), step_index), draw + r * DRAW)
+    tl.store(passes + r, 1)  # the draw's; plan_filters adds its own
 
 
 @triton.jit
@@ -357,9 +358,10 @@ class StepKernels:
         chunks = triton.cdiv(V, self.chunk)
         best = torch.empty(rows, chunks, dtype=torch.int64, device=device)  # each chunk's best packed key
         ticket = self.reserve(device, rows)
-        flags = dict(PENALTIES=features.penalties, BIAS=features.logit_bias, HOLD=features.min_tokens,
-                     NB=MAX_LOGIT_BIAS, NS=MAX_STOP_IDS, NE=triton.next_power_of_2(eos_ids.numel()), SEEN=SEEN_BLOCK,
-                     BLOCK=self.block, PIVOTS=PIVOTS)
+        edit_flags = dict(PENALTIES=features.penalties, BIAS=features.logit_bias, HOLD=features.min_tokens,
+                          NB=MAX_LOGIT_BIAS, NS=MAX_STOP_IDS, NE=triton.next_power_of_2(eos_ids.numel()),
+                          SEEN=SEEN_BLOCK)
+        flags = edit_flags | dict(BLOCK=self.block, PIVOTS=PIVOTS)
 
         def launch() -> None:
             if rows:
@@ -370,7 +372,10 @@ class StepKernels:
                     state.ignore_eos, state.seq_len, state.tokens, state.tokens.stride(0), state.output_counts,
                     state.output_counts.stride(0), state.stop_ids, state.logit_bias_ids, state.logit_bias, eos_ids,
                     eos_ids.numel(), saved, width, draw, passes, RANDOM=features.random, GREEDY_BELOW=GREEDY_BELOW,
-                    DRAW=DRAW, **flags, num_warps=4)
+                    DRAW=DRAW, **edit_flags, num_warps=4)
+                if features.random and features.filtering:
+                    # The plan's last programs leave the tickets at zero before the draw takes them.
+                    plan_filters(logits[:rows], draw, passes, ticket, self.block, self.chunk)
             _draw_finish_kernel[(n, chunks)](
                 logits, logits.stride(0), V, rows, plan.sample_slot, plan.sample_token, plan.token_pos,
                 state.repetition_penalty, state.presence_penalty, state.frequency_penalty, state.prompt_len,

@@ -108,9 +108,9 @@ def test_the_draw_over_chunks_is_torchs_argmax(chunk):
 
 
 def test_each_row_pays_for_what_it_asked():
-    """A greedy or plain sampling row is one pass over its logits; a filtering row adds its maximum and a search
-    of at most nine passes per threshold (fewer when the threshold keeps everything); logprobs a pass for the
-    log-sum-exp, a search for the top's threshold and a pass to write the top out."""
+    """A greedy or plain sampling row is one pass over its logits; a filtering row adds its plan's pass, and a search
+    of at most nine passes per threshold only where its chunks' candidates cannot settle it (the nucleus of a flat
+    row); logprobs a pass for the log-sum-exp, a search for the top's threshold and a pass to write the top out."""
     gen = torch.Generator().manual_seed(3)
     rows = _rows(len(KINDS), gen, logprobs=True)
     rows.logprobs = torch.full((len(KINDS),), -1)
@@ -121,9 +121,42 @@ def test_each_row_pays_for_what_it_asked():
         len(KINDS), gen)), block=BLOCK, chunk=CHUNK).passes.cpu().tolist()
     assert passes[0] == passes[1] == 1  # greedy (filters set or not)
     assert 1 + 2 + 6 <= passes[2] <= 1 + 2 + 9  # plain sampling, and logprobs
-    assert passes[3] == 2  # min-p: the maximum, then the draw
-    for row, searches in {4: 1, 5: 1, 6: 2}.items():
-        assert 3 <= passes[row] <= 2 + 9 * searches, (row, passes[row])
+    assert [passes[row] for row in (3, 4, 6, 7, 8, 9)] == [2] * 6  # min-p, top-k, all three...: settled
+    assert 2 + 6 <= passes[5] <= 2 + 9  # top-p 0.9 of noise needs most of the row: searched whole
+
+
+@pytest.mark.parametrize("chunk", [128, 1024])
+def test_the_filters_plan_keeps_what_the_references_filters_keep(chunk):
+    """Whether a row's chunks' candidates settle its thresholds (a peaked row, a strong min-p) or the row is searched
+    whole (a flat one), the draw keeps exactly the tokens the reference keeps: min-p, then top-k, then top-p, with
+    ties at the top, -inf logits and a k past the vocabulary."""
+    from blink.engine.core.sampler import filtered
+    from blink.engine.kernels.sampler import plan_draw
+
+    gen = torch.Generator().manual_seed(11)
+    n = 60
+    logits = torch.randn(n, V, generator=gen) * torch.tensor([0.3, 3.0, 12.0]).repeat(n // 3)[:, None]
+    logits[::4, 5:40] = logits[::4].amax(-1, keepdim=True) - 0.5  # a band of equal values near the top
+    logits[1::4, :100] = float("-inf")
+    pick = lambda options: torch.tensor(options)[torch.randint(0, len(options), (n,), generator=gen)]  # noqa: E731
+    rows = SamplingRows(temperature=0.5 + 1.5 * torch.rand(n, generator=gen), top_p=pick([1.0, 0.05, 0.5, 0.9, 0.99]),
+                        top_k=pick([0, 0, 1, 5, 40, 300, 5000]), min_p=pick([0.0, 0.0, 0.01, 0.2]),
+                        repetition_penalty=torch.ones(n), presence_penalty=torch.zeros(n),
+                        frequency_penalty=torch.zeros(n), seed=torch.zeros(n, dtype=torch.int64),
+                        step_index=torch.zeros(n, dtype=torch.int64))
+    rows.top_p[(rows.top_k == 0) & (rows.min_p == 0)] = 0.9  # every row filters
+    draw, passes = plan_draw(logits.to(DEVICE), SamplingRows(**{k: _on(v) for k, v in vars(rows).items()}),
+                             BLOCK, chunk)
+    draw, passes = draw.cpu(), passes.cpu()
+    words = draw.view(torch.float32)
+    scaled = logits / words[:, :1]
+    bits = torch.where(scaled == 0, 0.0, scaled).view(torch.int32)
+    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    kept = ((scaled - words[:, 2:3] >= words[:, 1:2]) & (key >= draw[:, 3:4]) & (key >= draw[:, 4:5])
+            & (scaled > float("-inf")))
+    assert torch.equal(words[:, 2], scaled.amax(-1))
+    assert torch.equal(kept, filtered(scaled, rows))
+    assert bool((passes == 2).any()) and bool((passes > 2).any())  # both roads taken
 
 
 def test_equal_logits_stay_or_go_together():

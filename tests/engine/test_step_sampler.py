@@ -130,7 +130,7 @@ def test_each_row_pays_for_what_it_asked():
     passes = dict(zip(plan.sample_slot.tolist(), out.passes.tolist(), strict=True))
     assert passes[0] == 1  # greedy, no logprobs
     assert 1 + 2 + 6 <= passes[1] <= 1 + 2 + 9  # plain sampling, and logprobs
-    assert passes[2] == 2  # min-p: the maximum, then the draw
+    assert passes[2] == 2  # min-p: its plan, then the draw
 
 
 def test_the_triton_step_serves_every_feature_as_the_torch_one(checkpoint, monkeypatch):

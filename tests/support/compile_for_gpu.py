@@ -75,18 +75,22 @@ rope_kv_args = (pointers("bf16", "q_ptr", "k_ptr", "v_ptr", "q_out_ptr", "cos_pt
 rope_kv_sizes = dict(Q_HEADS=32, KV_HEADS=8, HALF=32, BLOCK_T=4, BLOCK_HQ=32, BLOCK_HKV=8, BLOCK_HALF=32,
                      FP8=False, FP8_MAX=0.0, ROUND_BITS=0)
 logits = {"logits": "*fp32", "tokens": "*i64", "passes": "*i32"}
-step_flags = dict(PENALTIES=True, BIAS=True, HOLD=True, NB=128, NS=16, NE=2, SEEN=64, BLOCK=1024, PIVOTS=16)
+edit_flags = dict(PENALTIES=True, BIAS=True, HOLD=True, NB=128, NS=16, NE=2, SEEN=64)
+step_flags = edit_flags | dict(BLOCK=1024, PIVOTS=16)
 results = [
-    build(sampler._filter_kernel, "sampler: the draw's plan", dict(GREEDY_BELOW=1e-5, BLOCK=1024, PIVOTS=16, DRAW=8),
-          logits | pointers("fp32", "temperature", "log_min_p", "top_p")
-          | pointers("i64", "top_k", "seed", "step_index") | {"draw": "*i32"}),
+    build(sampler._params_kernel, "sampler: the draw's words", dict(GREEDY_BELOW=1e-5, DRAW=8),
+          pointers("fp32", "temperature", "log_min_p", "top_p") | pointers("i64", "top_k", "seed", "step_index")
+          | pointers("i32", "draw", "passes")),
+    build(sampler._plan_kernel, "sampler: the filters' plan over chunks",
+          dict(CHUNK=4096, CHUNKS=32, M=64, BINS=512, BLOCK=1024, PIVOTS=16, DRAW=8),
+          {"logits": "*fp32", "stats": "*fp32"} | pointers("i32", "draw", "cand", "tickets", "passes")),
     build(sampler._draw_kernel, "sampler: the draw over chunks", dict(CHUNK=4096, DRAW=8),
           {"logits": "*fp32", "draw": "*i32", "best": "*i64"}),
     build(sampler._logprobs_kernel, "sampler: logprobs", dict(TOP=20, BLOCK=1024, PIVOTS=16),
           logits | pointers("fp32", "logprob", "lse_out") | pointers("i64", "asked", "top_keys")),
     # The step's sampling and its cache rows: the Triton kernel set's (the recorded step runs the CPU's).
-    build(step_sampler._edit_kernel, "step sampler: the edits and the draw's plan, every feature",
-          step_flags | dict(RANDOM=True, GREEDY_BELOW=1e-5, DRAW=8),
+    build(step_sampler._edit_kernel, "step sampler: the edits and the draw's words, every feature",
+          edit_flags | dict(RANDOM=True, GREEDY_BELOW=1e-5, DRAW=8),
           pointers("fp32", "logits", "temperature", "top_p", "min_p", "repetition", "presence", "frequency", "bias",
                    "saved")
           | pointers("i64", "sample_slot", "sample_token", "token_pos", "top_k", "seed", "prompt_len", "min_tokens",
