@@ -266,7 +266,7 @@ def _kernel_passes(counter, kernels):
     (interpreted, a launch copies its arguments, which a GPU does not). Their kernels count as any others."""
     from blink.engine.kernels import step_sampler as step_kernels
 
-    draw, logprobs, step_run = kernels._draw, kernels._logprobs, step_kernels._run
+    draw, logprobs, step_run = kernels._draw, kernels.logprobs, step_kernels._run
 
     def read(name: str, passes, logits) -> None:
         counter.in_launch = True  # the sum below is the benchmark's, not the step's
@@ -284,10 +284,10 @@ def _kernel_passes(counter, kernels):
         read("triton.sample", passes, logits)
         return tokens, passes
 
-    def counted_logprobs(logits, asked, tokens, block):
+    def counted_logprobs(logits, asked, tokens, block, *chunk):
         outer, counter.bytes_paused = counter.bytes_paused, True
         try:
-            out = logprobs(logits, asked, tokens, block)
+            out = logprobs(logits, asked, tokens, block, *chunk)
         finally:
             counter.bytes_paused = outer
         read("triton.logprobs", out[3], logits)
@@ -301,11 +301,11 @@ def _kernel_passes(counter, kernels):
             counter.bytes_paused = outer
         read("triton.step_sample", passes, logits)
 
-    kernels._draw, kernels._logprobs, step_kernels._run = counted_draw, counted_logprobs, counted_step
+    kernels._draw, kernels.logprobs, step_kernels._run = counted_draw, counted_logprobs, counted_step
     try:
         yield
     finally:
-        kernels._draw, kernels._logprobs, step_kernels._run = draw, logprobs, step_run
+        kernels._draw, kernels.logprobs, step_kernels._run = draw, logprobs, step_run
 
 
 @contextmanager

@@ -1,7 +1,6 @@
-"""The step's sampling in three launches (four where requests filter): which batch rows the output embedding reads,
-then every row's edits, then (the filters' plan, then) its draw over many programs and its token and logprobs, read
-from the slot state by each row's slot (engine/core/step.py runs the torch reference's gathers and `sample` instead
-where no kernels are set).
+"""The step's sampling in up to five launches, read from the slot state by each row's slot: which batch rows the
+output embedding reads, every row's edits, the filters' plan, the draw, the logprobs and prompt scores
+(engine/core/step.py runs the torch reference's gathers and `sample` instead where no kernels are set).
 
 `_rows_kernel` (one program) lays out the rows whose logits the step computes: the sampling rows' batch tokens,
 then the prompt tokens scored this step (engine/core/step.py `_prompt_tokens`, packed), their slots and the prompt
@@ -10,12 +9,12 @@ token each scores (engine/core/commit.py `score_prompt`), and where each slot's 
 Then, for a sampling row, what `blink.engine.core.sampler.sample` does: `_edit_kernel` (a program per row) loads its
 parameters from the state at its slot, writes the sparse edits (logit bias, penalties over the tokens its sequence
 holds, min_tokens' held ids) in place into its own logits row and writes its draw's words; a filtered row's
-thresholds are then planned over chunks of the vocabulary (blink.engine.kernels.sampler `plan_filters`, a launch of
-its own). `_draw_finish_kernel` draws over chunks of the vocabulary, many programs a row, and the last of a row's
-programs to finish (a ticket, as split attention merges) takes the best chunk's token, gives the row back raw and
-scores its logprobs, the top ones sorted in the kernel. A prompt row scores the token it is given. The edits save
-each id's raw value first, in a scratch row as long as the context (sized, not read, past the sequence), so repeated
-ids are rewritten from their raw value, never twice.
+thresholds are then planned (blink.engine.kernels.sampler `plan_filters`). The last launches run over chunks of the
+vocabulary, many programs a row, the last of a row's programs to finish (a ticket, as split attention merges)
+finishing it: `_draw_finish_kernel` takes the best chunk's token and gives the row back raw; `_score_kernel` scores
+the logprobs a row asked for (of its token, or of the prompt token a prompt row is given), the top sorted in the
+kernel. The edits save each id's raw value first, in a scratch row as long as the context (sized, not read, past the
+sequence), so repeated ids are rewritten from their raw value, never twice.
 """
 
 from __future__ import annotations
@@ -29,22 +28,20 @@ import triton
 import triton.language as tl
 
 from blink.engine.core.sampler import GREEDY_BELOW, SampleOutput, Sampler, SamplerFeatures
+from blink.engine.kernels.logprobs import score_part, score_sizes, scratch
 from blink.engine.kernels.sampler import (
     _LOWEST,
-    BLOCK,
-    CHUNK,
     DRAW,
-    PIVOTS,
     _draw_chunk,
     _noise_key,
     _plan_words,
-    _score_row,
     fused_sample,
     plan_filters,
     token_logprobs,
 )
+from blink.engine.kernels.thresholds import BLOCK, CHUNK, PIVOTS, from_key
 from blink.engine.kernels.tickets import tickets
-from blink.shared.request_schema import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_IDS
+from blink.shared.request_schema import MAX_LOGIT_BIAS, MAX_STOP_IDS
 
 if TYPE_CHECKING:
     from blink.engine.core.commit import PromptScores
@@ -202,57 +199,28 @@ def _edit_kernel(
 
 @triton.jit
 def _draw_finish_kernel(
-        logits, stride, V, R, sample_slot, sample_token, token_pos, repetition, presence, frequency, prompt_len,
-        min_tokens, ignore_eos, asked, seq_len, tokens, tokens_stride, stop_ids, bias_ids, bias, eos_ids, E,
-        prompt_slot, prompt_token, saved, saved_stride, draw, best, tickets,
-        out_token, out_logprob, top_ids, top_logprobs, top_keys, passes,
-        PENALTIES: tl.constexpr, BIAS: tl.constexpr, HOLD: tl.constexpr, LOGPROBS: tl.constexpr, NB: tl.constexpr,
-        NS: tl.constexpr, NE: tl.constexpr, SEEN: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr,
-        DRAW: tl.constexpr, TOP: tl.constexpr, TOP_ROOM: tl.constexpr, TOP_CELLS: tl.constexpr, BLOCK: tl.constexpr,
-        PIVOTS: tl.constexpr):
-    """Grid: logits rows x chunks of the vocabulary. A sampling row's programs draw a chunk each; the last of them to
-    finish (a ticket) takes the best chunk's token and finishes the row (_finish_row). A prompt row's first program
-    finishes it."""
+        logits, stride, V, sample_slot, sample_token, token_pos, repetition, presence, frequency, prompt_len,
+        min_tokens, ignore_eos, seq_len, tokens, tokens_stride, stop_ids, bias_ids, bias, eos_ids, E, saved,
+        saved_stride, draw, best, tickets, out_token,
+        PENALTIES: tl.constexpr, BIAS: tl.constexpr, HOLD: tl.constexpr, NB: tl.constexpr, NS: tl.constexpr,
+        NE: tl.constexpr, SEEN: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr, DRAW: tl.constexpr):
+    """Grid: sampling rows x chunks of the vocabulary. A row's programs draw a chunk each; the last of them to finish
+    (a ticket) takes the best chunk's token and gives the row back raw (its edited ids' saved values)."""
     r = tl.program_id(0)
     c = tl.program_id(1)
     chunks = tl.num_programs(1)
     row = logits + r.to(tl.int64) * stride
-    if r < R:
-        tl.store(best + r * chunks + c, _draw_chunk(row, V, c, draw + r * DRAW, CHUNK))
-        tl.debug_barrier()  # every thread's store issued before the ticket releases it
-        last = tl.atomic_add(tickets + r, 1, sem="acq_rel", scope="gpu") == chunks - 1
-        if last:
-            tl.atomic_xchg(tickets + r, 0, sem="relaxed", scope="gpu")
-    else:
-        last = c == 0
-    if last:
-        _finish_row(r, row, V, R, sample_slot, sample_token, token_pos, repetition, presence, frequency, prompt_len,
-                    min_tokens, ignore_eos, asked, seq_len, tokens, tokens_stride, stop_ids, bias_ids, bias, eos_ids,
-                    E, prompt_slot, prompt_token, saved, saved_stride, best, chunks, out_token, out_logprob, top_ids,
-                    top_logprobs, top_keys, passes, PENALTIES, BIAS, HOLD, LOGPROBS, NB, NS, NE, SEEN, CHUNKS, TOP,
-                    TOP_ROOM, TOP_CELLS, BLOCK, PIVOTS)
-
-
-@triton.jit
-def _finish_row(
-        r, row, V, R, sample_slot, sample_token, token_pos, repetition, presence, frequency, prompt_len,
-        min_tokens, ignore_eos, asked, seq_len, tokens, tokens_stride, stop_ids, bias_ids, bias, eos_ids, E,
-        prompt_slot, prompt_token, saved, saved_stride, best, chunks,
-        out_token, out_logprob, top_ids, top_logprobs, top_keys, passes,
-        PENALTIES: tl.constexpr, BIAS: tl.constexpr, HOLD: tl.constexpr, LOGPROBS: tl.constexpr, NB: tl.constexpr,
-        NS: tl.constexpr, NE: tl.constexpr, SEEN: tl.constexpr, CHUNKS: tl.constexpr, TOP: tl.constexpr,
-        TOP_ROOM: tl.constexpr, TOP_CELLS: tl.constexpr, BLOCK: tl.constexpr, PIVOTS: tl.constexpr):
-    """A sampling row's token (the best of its draw's chunks, written by other programs) and its logits given back
-    raw; then, for it or for a prompt row (its token given), the logprobs asked, the top ones sorted here."""
-    n = tl.full([], 0, tl.int32)
-    if r < R:
+    tl.store(best + r * chunks + c, _draw_chunk(row, V, c, draw + r * DRAW, CHUNK))
+    tl.debug_barrier()  # every thread's store issued before the ticket releases it
+    if tl.atomic_add(tickets + r, 1, sem="acq_rel", scope="gpu") == chunks - 1:
+        tl.atomic_xchg(tickets + r, 0, sem="relaxed", scope="gpu")
         slot, _, seen_n, _, _, _, penalise, b_ids, _, biased, young, eos, stops = _row_edits(
             r, sample_slot, sample_token, token_pos, prompt_len, seq_len, repetition, presence, frequency,
             min_tokens, ignore_eos, stop_ids, bias_ids, bias, eos_ids, E, PENALTIES, BIAS, HOLD, NB, NS, NE)
-        c = tl.arange(0, CHUNKS)
-        token = V - 1 - (tl.max(tl.load(best + r * chunks + c, mask=c < chunks, other=_LOWEST, cache_modifier=".cg"),
-                                0) & 0xFFFFFFFF)
-        n = tl.load(passes + r)
+        each = tl.arange(0, CHUNKS)
+        token = V - 1 - (tl.max(tl.load(best + r * chunks + each, mask=each < chunks, other=_LOWEST,
+                                        cache_modifier=".cg"), 0) & 0xFFFFFFFF)
+        tl.store(out_token + r, token.to(tl.int64))
         save = saved + r.to(tl.int64) * saved_stride
         seen_at = tokens + slot * tokens_stride
         # 3: the row given back raw (repeated ids write the same value).
@@ -268,39 +236,54 @@ def _finish_row(
         if young:
             tl.store(row + eos, tl.load(save + seen_n + NB + tl.arange(0, NE)), mask=eos >= 0)
             tl.store(row + stops, tl.load(save + seen_n + NB + NE + tl.arange(0, NS)), mask=stops >= 0)
-        tl.debug_barrier()
-        token = token.to(tl.int64)
-        wanted = LOGPROBS & (tl.load(asked + slot) >= 0)
+
+
+@triton.jit
+def _score_kernel(
+        logits, stride, V, R, sample_slot, asked, out_token, prompt_slot, prompt_token, cand, ids, stats, tickets,
+        out_logprob, top_ids, top_logprobs, top_keys, passes,
+        LOGPROBS: tl.constexpr, TOP: tl.constexpr, TOP_ROOM: tl.constexpr, CELLS: tl.constexpr,
+        CHUNK: tl.constexpr, CHUNKS: tl.constexpr, M: tl.constexpr, BINS: tl.constexpr, BLOCK: tl.constexpr,
+        PIVOTS: tl.constexpr):
+    """Grid: logits rows x chunks of the vocabulary. The logprobs of a sampling row that asked (of its drawn token)
+    and of a scored prompt row (of the token it is given) over many programs a row (score_part), the top sorted
+    here by the last of them; the other rows' first program writes that they have none."""
+    r = tl.program_id(0)
+    c = tl.program_id(1)
+    chunks = tl.num_programs(1)
+    if r < R:
+        wanted = LOGPROBS & (tl.load(asked + tl.load(sample_slot + r)) >= 0)
+        token = tl.load(out_token + r)
     else:
-        token = tl.load(prompt_token + r - R).to(tl.int64)
         wanted = tl.load(prompt_slot + r - R) >= 0
-    cells = tl.arange(0, TOP_CELLS)
+        token = tl.load(prompt_token + r - R).to(tl.int64)
     top = tl.arange(0, TOP_ROOM)
     listed = top < TOP
-    logprob = tl.full([], 0.0, tl.float32)
     if wanted:
-        keys = top_keys + r.to(tl.int64) * TOP_CELLS
-        tl.store(keys + cells, tl.full([TOP_CELLS], _LOWEST, tl.int64))
-        tl.debug_barrier()
-        logprob, lse, scored = _score_row(row, V, token, keys, TOP, BLOCK, PIVOTS)
-        n += scored
-        tl.debug_barrier()
-        ordered = tl.sort(tl.load(keys + cells), descending=True)
-        tl.debug_barrier()
-        tl.store(keys + cells, ordered)
-        tl.debug_barrier()
-        # The first TOP of the sorted keys: their ids, and their logits less the log-sum-exp.
-        first = tl.load(keys + top, mask=listed, other=0)
-        bits = (first >> 32).to(tl.int32)
-        value = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
-        tl.store(top_ids + r * TOP + top, V - 1 - (first & 0xFFFFFFFF), mask=listed)
-        tl.store(top_logprobs + r * TOP + top, value - lse, mask=listed)
-    else:
+        mine = r * chunks
+        keys = top_keys + r.to(tl.int64) * CELLS
+        last, logprob, lse, n = score_part(logits + r.to(tl.int64) * stride, V, c, chunks, token, cand + mine * M,
+                                           ids + mine * M, stats + mine * 3, tickets + r, keys, TOP, CELLS, CHUNK,
+                                           CHUNKS, M, BINS, BLOCK, PIVOTS)
+        if last:
+            tl.debug_barrier()
+            cells = tl.arange(0, CELLS)
+            ordered = tl.sort(tl.load(keys + cells), descending=True)
+            tl.debug_barrier()
+            tl.store(keys + cells, ordered)
+            tl.debug_barrier()
+            # The first TOP of the sorted keys: their ids, and their logits less the log-sum-exp.
+            first = tl.load(keys + top, mask=listed, other=0)
+            tl.store(top_ids + r * TOP + top, V - 1 - (first & 0xFFFFFFFF), mask=listed)
+            tl.store(top_logprobs + r * TOP + top, from_key((first >> 32).to(tl.int32)) - lse, mask=listed)
+            tl.store(out_logprob + r, logprob)
+            tl.store(passes + r, tl.where(r < R, tl.load(passes + r, mask=r < R, other=0), 0) + n)
+    elif c == 0:
         tl.store(top_ids + r * TOP + top, tl.full([TOP_ROOM], -1, tl.int64), mask=listed)
         tl.store(top_logprobs + r * TOP + top, tl.zeros([TOP_ROOM], tl.float32), mask=listed)
-    tl.store(out_token + r, token.to(tl.int64))
-    tl.store(out_logprob + r, logprob)
-    tl.store(passes + r, n)
+        tl.store(out_logprob + r, 0.0)
+        if r >= R:
+            tl.store(passes + r, 0)
 
 
 @dataclass(frozen=True)
@@ -341,14 +324,14 @@ class StepKernels:
         assert logits.dtype == torch.float32 and logits.stride(1) == 1, "the kernel reads float32 rows in place"
         n, V = logits.shape
         device = logits.device
-        top = min(MAX_LOGPROBS, V)
-        cells = triton.next_power_of_2(2 * top)
+        sizes = score_sizes(V, self.chunk)
+        top = sizes["TOP"]
         token = torch.empty(n, dtype=torch.int64, device=device)
         logprob = torch.empty(n, dtype=torch.float32, device=device)
         passes = torch.empty(n, dtype=torch.int32, device=device)
         top_ids = torch.empty(n, top, dtype=torch.int64, device=device)
         top_logprobs = torch.empty(n, top, dtype=torch.float32, device=device)
-        keys = torch.empty(n, cells, dtype=torch.int64, device=device)
+        keys = torch.empty(n, sizes["CELLS"], dtype=torch.int64, device=device)
         # The edited ids' raw values: the sequence's tokens, the biased ids, eos and the stop ids.
         width = state.max_len + MAX_LOGIT_BIAS + triton.next_power_of_2(eos_ids.numel()) + MAX_STOP_IDS
         saved = torch.empty(rows, width, dtype=torch.float32, device=device)
@@ -357,11 +340,11 @@ class StepKernels:
         draw = torch.empty(rows, DRAW, dtype=torch.int32, device=device)
         chunks = triton.cdiv(V, self.chunk)
         best = torch.empty(rows, chunks, dtype=torch.int64, device=device)  # each chunk's best packed key
-        ticket = self.reserve(device, rows)
+        ticket = self.reserve(device, n)  # each launch's last programs leave them at zero for the next
         edit_flags = dict(PENALTIES=features.penalties, BIAS=features.logit_bias, HOLD=features.min_tokens,
                           NB=MAX_LOGIT_BIAS, NS=MAX_STOP_IDS, NE=triton.next_power_of_2(eos_ids.numel()),
                           SEEN=SEEN_BLOCK)
-        flags = edit_flags | dict(BLOCK=self.block, PIVOTS=PIVOTS)
+        warps = max(1, min(8, self.chunk // 512))
 
         def launch() -> None:
             if rows:
@@ -374,16 +357,20 @@ class StepKernels:
                     eos_ids.numel(), saved, width, draw, passes, RANDOM=features.random, GREEDY_BELOW=GREEDY_BELOW,
                     DRAW=DRAW, **edit_flags, num_warps=4)
                 if features.random and features.filtering:
-                    # The plan's last programs leave the tickets at zero before the draw takes them.
                     plan_filters(logits[:rows], draw, passes, ticket, self.block, self.chunk)
-            _draw_finish_kernel[(n, chunks)](
-                logits, logits.stride(0), V, rows, plan.sample_slot, plan.sample_token, plan.token_pos,
-                state.repetition_penalty, state.presence_penalty, state.frequency_penalty, state.prompt_len,
-                state.min_tokens, state.ignore_eos, state.logprobs, state.seq_len, state.tokens, state.tokens.stride(0),
-                state.stop_ids, state.logit_bias_ids, state.logit_bias, eos_ids, eos_ids.numel(), slot, prompt_token,
-                saved, width, draw, best, ticket, token, logprob, top_ids, top_logprobs, keys, passes,
-                LOGPROBS=features.logprobs, CHUNK=self.chunk, CHUNKS=triton.next_power_of_2(chunks), DRAW=DRAW, TOP=top,
-                TOP_ROOM=triton.next_power_of_2(top), TOP_CELLS=cells, **flags, num_warps=4)
+                _draw_finish_kernel[(rows, chunks)](
+                    logits, logits.stride(0), V, plan.sample_slot, plan.sample_token, plan.token_pos,
+                    state.repetition_penalty, state.presence_penalty, state.frequency_penalty, state.prompt_len,
+                    state.min_tokens, state.ignore_eos, state.seq_len, state.tokens, state.tokens.stride(0),
+                    state.stop_ids, state.logit_bias_ids, state.logit_bias, eos_ids, eos_ids.numel(), saved, width,
+                    draw, best, ticket, token, CHUNK=self.chunk, CHUNKS=triton.next_power_of_2(chunks), DRAW=DRAW,
+                    **edit_flags, num_warps=warps)
+            if features.logprobs or not no_prompt:
+                _score_kernel[(n, chunks)](
+                    logits, logits.stride(0), V, rows, plan.sample_slot, state.logprobs, token, slot, prompt_token,
+                    *scratch(n, V, self.chunk, device), ticket, logprob, top_ids, top_logprobs, keys, passes,
+                    LOGPROBS=features.logprobs, TOP_ROOM=triton.next_power_of_2(top), BLOCK=self.block, PIVOTS=PIVOTS,
+                    **sizes, num_warps=warps)
 
         if n:
             _run(logits, passes, launch)

@@ -110,7 +110,7 @@ def test_the_draw_over_chunks_is_torchs_argmax(chunk):
 def test_each_row_pays_for_what_it_asked():
     """A greedy or plain sampling row is one pass over its logits; a filtering row adds its plan's pass, and a search
     of at most nine passes per threshold only where its chunks' candidates cannot settle it (the nucleus of a flat
-    row); logprobs a pass for the log-sum-exp, a search for the top's threshold and a pass to write the top out."""
+    row); logprobs a pass, which its candidates settle here."""
     gen = torch.Generator().manual_seed(3)
     rows = _rows(len(KINDS), gen, logprobs=True)
     rows.logprobs = torch.full((len(KINDS),), -1)
@@ -120,7 +120,7 @@ def test_each_row_pays_for_what_it_asked():
     passes = fused_sample(logits.to(DEVICE), device_rows, ALL, None, *(t.to(DEVICE) for t in _penalties(
         len(KINDS), gen)), block=BLOCK, chunk=CHUNK).passes.cpu().tolist()
     assert passes[0] == passes[1] == 1  # greedy (filters set or not)
-    assert 1 + 2 + 6 <= passes[2] <= 1 + 2 + 9  # plain sampling, and logprobs
+    assert passes[2] == 2  # plain sampling, and logprobs: the draw, and the chunks' scoring (candidates settle it)
     assert [passes[row] for row in (3, 4, 6, 7, 8, 9)] == [2] * 6  # min-p, top-k, all three...: settled
     assert 2 + 6 <= passes[5] <= 2 + 9  # top-p 0.9 of noise needs most of the row: searched whole
 
@@ -196,17 +196,21 @@ def test_token_logprobs_score_the_rows_that_asked():
     assert bool((top_ids[4:] == -1).all()) and bool((logprob[4:] == 0).all())
 
 
-def test_the_top_logprobs_survive_many_ties_at_the_last_place():
+@pytest.mark.parametrize("scale, whole", [(0.1, False), (1.0, True)], ids=["among-candidates", "searched-whole"])
+def test_the_top_logprobs_survive_many_ties_at_the_last_place(scale, whole):
     """19 logits above 40 equal ones that the 20th place ties: every one above is kept whatever the ids' order, and
-    the lowest tied id takes the last place."""
+    the lowest tied id takes the last place; whether the chunks' candidates hold them all (close together: one pass)
+    or not (spread wider than the candidates' histogram: the row searched whole)."""
     from blink.engine.core.sampler import token_logprobs
-    from blink.engine.kernels.sampler import token_logprobs as fused_token_logprobs
+    from blink.engine.kernels.logprobs import logprobs
 
     logits = torch.zeros(1, V)
-    logits[0, 100:140] = 5.0  # the ties, at low ids
-    logits[0, V - 19:] = torch.arange(19) + 6.0  # above them, at the highest ids
+    logits[0, 100:140] = 5.0 * scale  # the ties, at low ids
+    logits[0, V - 19:] = (torch.arange(19) + 6.0) * scale  # above them, at the highest ids
     tokens = torch.tensor([3])
-    _, top_ids, top_logprobs = fused_token_logprobs(logits.to(DEVICE), tokens.to(DEVICE), block=BLOCK)
+    _, top_ids, top_logprobs, paid = logprobs(logits.to(DEVICE), torch.zeros_like(tokens).to(DEVICE),
+                                              tokens.to(DEVICE), block=BLOCK)
     expected = token_logprobs(logits, tokens)
     torch.testing.assert_close(top_logprobs.cpu(), expected[2], atol=1e-5, rtol=1e-5)
     assert top_ids[0, :19].tolist() == list(range(V - 1, V - 20, -1)) and top_ids[0, 19].item() == 100
+    assert (paid.item() > 1) == whole  # the chunks' pass, then a search and two passes more where searched whole

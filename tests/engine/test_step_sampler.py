@@ -120,8 +120,8 @@ def test_the_step_kernels_sample_as_the_reference(features, seed, rows, prompt_r
 
 
 def test_each_row_pays_for_what_it_asked():
-    """A greedy row without logprobs reads its logits once; logprobs add a pass for the log-sum-exp, a threshold
-    search and a pass for the top's candidates."""
+    """A greedy row without logprobs reads its logits once; logprobs add the pass of their chunks' scoring (which
+    settles the top here: a row of noise's top 20 lies among its chunks' candidates)."""
     gen = torch.Generator().manual_seed(5)
     state = _state(gen)
     plan = _plan(state, gen, S)
@@ -129,7 +129,7 @@ def test_each_row_pays_for_what_it_asked():
     out, _ = KERNELS.sample(logits, state, plan, S, None, ALL, torch.tensor([V - 1]))
     passes = dict(zip(plan.sample_slot.tolist(), out.passes.tolist(), strict=True))
     assert passes[0] == 1  # greedy, no logprobs
-    assert 1 + 2 + 6 <= passes[1] <= 1 + 2 + 9  # plain sampling, and logprobs
+    assert passes[1] == 2  # plain sampling, and logprobs
     assert passes[2] == 2  # min-p: its plan, then the draw
 
 

@@ -23,6 +23,7 @@ from blink.engine.kernels import (  # noqa: E402
     cache_rows,
     draft,
     fp8_linear,
+    logprobs,
     moe,
     rms_norm,
     rope_kv,
@@ -76,7 +77,6 @@ rope_kv_sizes = dict(Q_HEADS=32, KV_HEADS=8, HALF=32, BLOCK_T=4, BLOCK_HQ=32, BL
                      FP8=False, FP8_MAX=0.0, ROUND_BITS=0)
 logits = {"logits": "*fp32", "tokens": "*i64", "passes": "*i32"}
 edit_flags = dict(PENALTIES=True, BIAS=True, HOLD=True, NB=128, NS=16, NE=2, SEEN=64)
-step_flags = edit_flags | dict(BLOCK=1024, PIVOTS=16)
 results = [
     build(sampler._params_kernel, "sampler: the draw's words", dict(GREEDY_BELOW=1e-5, DRAW=8),
           pointers("fp32", "temperature", "log_min_p", "top_p") | pointers("i64", "top_k", "seed", "step_index")
@@ -86,8 +86,10 @@ results = [
           {"logits": "*fp32", "stats": "*fp32"} | pointers("i32", "draw", "cand", "tickets", "passes")),
     build(sampler._draw_kernel, "sampler: the draw over chunks", dict(CHUNK=4096, DRAW=8),
           {"logits": "*fp32", "draw": "*i32", "best": "*i64"}),
-    build(sampler._logprobs_kernel, "sampler: logprobs", dict(TOP=20, BLOCK=1024, PIVOTS=16),
-          logits | pointers("fp32", "logprob", "lse_out") | pointers("i64", "asked", "top_keys")),
+    build(logprobs._logprobs_kernel, "logprobs: scored over chunks",
+          dict(TOP=20, CELLS=64, CHUNK=4096, CHUNKS=32, M=64, BINS=512, BLOCK=1024, PIVOTS=16),
+          logits | pointers("fp32", "logprob", "lse_out", "stats") | pointers("i64", "asked", "top_keys")
+          | pointers("i32", "cand", "ids", "tickets")),
     # The step's sampling and its cache rows: the Triton kernel set's (the recorded step runs the CPU's).
     build(step_sampler._edit_kernel, "step sampler: the edits and the draw's words, every feature",
           edit_flags | dict(RANDOM=True, GREEDY_BELOW=1e-5, DRAW=8),
@@ -96,14 +98,18 @@ results = [
           | pointers("i64", "sample_slot", "sample_token", "token_pos", "top_k", "seed", "prompt_len", "min_tokens",
                      "seq_len", "stop_ids", "bias_ids", "eos_ids")
           | pointers("i32", "tokens", "counts", "passes", "draw") | {"ignore_eos": "*i1"}),
-    build(step_sampler._draw_finish_kernel, "step sampler: the draw over chunks, the token, the raw row, logprobs",
-          step_flags | dict(LOGPROBS=True, CHUNK=4096, CHUNKS=32, DRAW=8, TOP=20, TOP_ROOM=32, TOP_CELLS=64),
-          pointers("fp32", "logits", "repetition", "presence", "frequency", "bias", "saved", "out_logprob",
-                   "top_logprobs")
-          | pointers("i64", "sample_slot", "sample_token", "token_pos", "prompt_len", "min_tokens", "asked", "seq_len",
-                     "stop_ids", "bias_ids", "eos_ids", "prompt_slot", "prompt_token", "best", "out_token", "top_ids",
-                     "top_keys")
-          | pointers("i32", "tokens", "passes", "draw", "tickets") | {"ignore_eos": "*i1"}),
+    build(step_sampler._draw_finish_kernel, "step sampler: the draw over chunks, the token, the raw row",
+          edit_flags | dict(CHUNK=4096, CHUNKS=32, DRAW=8),
+          pointers("fp32", "logits", "repetition", "presence", "frequency", "bias", "saved")
+          | pointers("i64", "sample_slot", "sample_token", "token_pos", "prompt_len", "min_tokens", "seq_len",
+                     "stop_ids", "bias_ids", "eos_ids", "best", "out_token")
+          | pointers("i32", "tokens", "draw", "tickets") | {"ignore_eos": "*i1"}),
+    build(step_sampler._score_kernel, "step sampler: logprobs and prompt scores over chunks, the top sorted",
+          dict(LOGPROBS=True, TOP=20, TOP_ROOM=32, CELLS=64, CHUNK=4096, CHUNKS=32, M=64, BINS=512, BLOCK=1024,
+               PIVOTS=16),
+          pointers("fp32", "logits", "stats", "out_logprob", "top_logprobs")
+          | pointers("i64", "sample_slot", "asked", "out_token", "prompt_slot", "prompt_token", "top_ids", "top_keys")
+          | pointers("i32", "cand", "ids", "tickets", "passes")),
     build(step_sampler._rows_kernel, "step sampler: the rows read", dict(BLOCK=256),
           pointers("i64", "sample_token", "token_slot", "token_pos", "num_computed", "scored", "entries", "rows_read",
                    "prompt_slot", "prompt_token", "first") | {"token_valid": "*i1", "tokens": "*i32"}),
