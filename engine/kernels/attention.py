@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from blink.engine.core.scheduler import QueryRows
-from blink.engine.kernels.tickets import tickets
+from blink.engine.kernels.tickets import last_to_finish, tickets
 
 LOG2E = 1.4426950408889634
 MIN_DOT = 16  # tl.dot needs M, N and K of at least 16 on the GPU
@@ -239,10 +239,8 @@ def _attend_row(q_ptr, out_ptr, k_ptr, v_ptr, table_ptr, row, kv_head, hblock, s
             tl.store(span_max + at + split, m_i, mask=live)
             tl.store(span_sum + at + split, l_i, mask=live)
             tl.store(span_acc + (at + split)[:, None] * HEAD_DIM + d[None, :], acc, mask=q_mask)
-            tl.debug_barrier()  # every thread's stores issued before the ticket releases them
             lock = locks + (row * tl.num_programs(1) + kv_head) * ((GROUP + BLOCK_H - 1) // BLOCK_H) + hblock
-            if tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu") == spans - 1:
-                tl.atomic_xchg(lock, 0, sem="relaxed", scope="gpu")
+            if last_to_finish(lock, spans):
                 top = tl.full([BLOCK_M], -1.0e30, tl.float32)
                 total = tl.zeros([BLOCK_M], tl.float32)
                 merged = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)

@@ -30,7 +30,7 @@ from blink.engine.kernels.thresholds import (
     to_key,
     weigh,
 )
-from blink.engine.kernels.tickets import tickets
+from blink.engine.kernels.tickets import last_to_finish, tickets
 from blink.shared.request_schema import MAX_LOGPROBS
 
 LOWEST = tl.constexpr(-(1 << 63))  # below every packed key: an empty cell of a row's top
@@ -85,13 +85,11 @@ def score_part(row, V, c, chunks, token, cand, ids, stats, ticket, top_keys, TOP
     chunk); the last of the row's programs to finish (its ticket) empties the row's CELLS cells and scores it.
     Returns whether this program was that one and, if so, the row's logprob, log-sum-exp and passes over it."""
     hand_in(row, V, c, 1.0, cand + c * M, ids + c * M, stats + 3 * c, CHUNK, M, BINS, True)
-    tl.debug_barrier()  # every thread's store issued before the ticket releases it
-    last = tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu") == chunks - 1
+    last = last_to_finish(ticket, chunks)
     logprob = tl.full([], 0.0, tl.float32)
     lse = tl.full([], 0.0, tl.float32)
     passes = tl.full([], 0, tl.int32)
     if last:
-        tl.atomic_xchg(ticket, 0, sem="relaxed", scope="gpu")
         tl.store(top_keys + tl.arange(0, CELLS), tl.full([CELLS], LOWEST, tl.int64))
         tl.debug_barrier()
         m, z, top, low = chunk_stats(stats, chunks, CHUNKS)

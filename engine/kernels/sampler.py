@@ -48,7 +48,7 @@ from blink.engine.kernels.thresholds import (
     to_key,
     weigh,
 )
-from blink.engine.kernels.tickets import tickets
+from blink.engine.kernels.tickets import last_to_finish, tickets
 
 DRAW = 8  # int32 words a row's planned draw takes in `draw` (_plan_words)
 _LOWEST = tl.constexpr(-(1 << 63))  # below every packed key
@@ -110,7 +110,7 @@ def _plan_filters(row, V, at, cand, stats, chunks, BLOCK: tl.constexpr, PIVOTS: 
     candidates and sums. Every key above `low` (the highest a chunk left out) is a candidate, so a threshold with its
     limit's weight above `low` lies above it and is searched among the candidates; a limit that all the kept weight
     falls short of keeps everything, where the candidates hold all of it (whole). Otherwise the row is searched
-    whole. Returns the passes over the row that took beyond the chunks' own."""
+    whole. Returns the passes over the row this took beyond the chunks' own."""
     T, lmp, k, p, _ = _filters(at)
     m, z, top, low = chunk_stats(stats, chunks, CHUNKS)
     N = chunks * M
@@ -158,10 +158,8 @@ def _plan_kernel(logits, stride, V, draw, cand, stats, tickets, passes, CHUNK: t
     if filtered:
         row = logits + r.to(tl.int64) * stride
         mine = r * chunks + c
-        hand_in(row, V, c, T, cand + mine * M, cand, stats + mine * 3, CHUNK, M, BINS, False)
-        tl.debug_barrier()  # every thread's store issued before the ticket releases it
-        if tl.atomic_add(tickets + r, 1, sem="acq_rel", scope="gpu") == chunks - 1:
-            tl.atomic_xchg(tickets + r, 0, sem="relaxed", scope="gpu")
+        hand_in(row, V, c, T, cand + mine * M, cand, stats + mine * 3, CHUNK, M, BINS, False)  # keys, no ids
+        if last_to_finish(tickets + r, chunks):
             searched = _plan_filters(row, V, at, cand + r * chunks * M, stats + r * chunks * 3, chunks, BLOCK, PIVOTS,
                                      CHUNKS, M)
             tl.store(passes + r, tl.load(passes + r) + 1 + searched)

@@ -40,7 +40,7 @@ from blink.engine.kernels.sampler import (
     token_logprobs,
 )
 from blink.engine.kernels.thresholds import BLOCK, CHUNK, PIVOTS, from_key
-from blink.engine.kernels.tickets import tickets
+from blink.engine.kernels.tickets import last_to_finish, tickets
 from blink.shared.request_schema import MAX_LOGIT_BIAS, MAX_STOP_IDS
 
 if TYPE_CHECKING:
@@ -211,9 +211,7 @@ def _draw_finish_kernel(
     chunks = tl.num_programs(1)
     row = logits + r.to(tl.int64) * stride
     tl.store(best + r * chunks + c, _draw_chunk(row, V, c, draw + r * DRAW, CHUNK))
-    tl.debug_barrier()  # every thread's store issued before the ticket releases it
-    if tl.atomic_add(tickets + r, 1, sem="acq_rel", scope="gpu") == chunks - 1:
-        tl.atomic_xchg(tickets + r, 0, sem="relaxed", scope="gpu")
+    if last_to_finish(tickets + r, chunks):
         slot, _, seen_n, _, _, _, penalise, b_ids, _, biased, young, eos, stops = _row_edits(
             r, sample_slot, sample_token, token_pos, prompt_len, seq_len, repetition, presence, frequency,
             min_tokens, ignore_eos, stop_ids, bias_ids, bias, eos_ids, E, PENALTIES, BIAS, HOLD, NB, NS, NE)
