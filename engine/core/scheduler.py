@@ -93,6 +93,7 @@ class PlanKernels:
     device step's, engine/kernels/); None: the reference runs."""
 
     head: Callable | None = None  # _head
+    reuse_prefix: Callable | None = None  # _reuse_prefix
     hand_out: Callable | None = None  # _hand_out
     make_room: Callable | None = None  # paging.make_room
     settle_take: Callable | None = None  # _settle_take
@@ -110,7 +111,7 @@ def plan(state: Slots, pool: PagePool, token_budget: int, policy: Policy, mirror
     (engine/core/speculation.py)."""
     running, resident, precedence, live, starting = (kernels.head or _head)(state, policy, mirror)
     if pool.prefix_cache is not None and not none_set(starting):
-        _reuse_prefix(state, pool.prefix_cache, starting)
+        (kernels.reuse_prefix or _reuse_prefix)(state, pool.prefix_cache, starting)
     take, entries, order, cap = (kernels.hand_out or _hand_out)(state, policy, cost, token_budget, prompt_rows, live)
     if speculation is not None:  # drafts take what budget and pages the plan leaves, before pages are found
         take = take + speculation.draft(state, pool, policy, cost, take, live, order, cap)

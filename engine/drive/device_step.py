@@ -34,13 +34,14 @@ from blink.engine.kernels.hand_out import hand_out, head
 from blink.engine.kernels.lay_out import lay_out
 from blink.engine.kernels.make_room import make_room
 from blink.engine.kernels.plan_tail import settle_take
+from blink.engine.kernels.prefix_cache import reuse_prefix
 from blink.engine.kernels.rotation import copy_pages
 from blink.shared.slot_table import SlotState, SlotTable, slot_dtype, window_room
 
 # The bookkeeping's parts that run as kernels in the device step (unless the bookkeeping is compiled): the plan's, the
 # commit's per-slot part, and with drafts their proposal and the settle of runs.
-DEVICE_BOOKKEEPING = Bookkeeping(PlanKernels(head=head, hand_out=hand_out, make_room=make_room,
-                                             settle_take=settle_take, lay_out=lay_out),
+DEVICE_BOOKKEEPING = Bookkeeping(PlanKernels(head=head, reuse_prefix=reuse_prefix, hand_out=hand_out,
+                                             make_room=make_room, settle_take=settle_take, lay_out=lay_out),
                                  settle=commit_kernel.settle, advance=commit_kernel.advance,
                                  settle_runs=commit_kernel.settle_runs,
                                  draft=draft_kernels.draft)

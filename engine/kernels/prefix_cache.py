@@ -7,12 +7,17 @@ gathers them with the release and the allocation."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 import triton.language as tl
 
 from blink.engine.core import kv_cache
 from blink.engine.core import prefix_cache as reference
+
+if TYPE_CHECKING:
+    from blink.engine.core.state import Slots
 
 NULL_PAGE = tl.constexpr(kv_cache.NULL_PAGE)
 NO_CLAIM = tl.constexpr(reference.NO_CLAIM)
@@ -32,11 +37,17 @@ def _first(mask, values, PROBES: tl.constexpr):
 
 
 @triton.jit
-def _reuse(hashes, prompt_len, which, table, held, computed, found, refs, page_hash, slots, num_free, H,
-           WIDTH: tl.constexpr, PAGE: tl.constexpr, TABLE: tl.constexpr, PROBES: tl.constexpr, HB: tl.constexpr):
+def _reuse(hashes, prompt_len, which, table, held, computed, found, refs, page_hash, slots, num_free, H, asks,
+           preemptions, cached, WIDTH: tl.constexpr, PAGE: tl.constexpr, TABLE: tl.constexpr, PROBES: tl.constexpr,
+           HB: tl.constexpr, SLOTS: tl.constexpr):
+    """A program per slot. SLOTS: scheduler._reuse_prefix's part too, read from the slot state: a slot that asks
+    for its prompt's logprobs (asks >= 0) takes nothing, and a first start (no preemptions) records its hit."""
     s = tl.program_id(0)
     run = tl.load(held + s) * 0
-    if tl.load(which + s):
+    go = tl.load(which + s) != 0
+    if SLOTS:
+        go = go & (tl.load(asks + s) < 0)
+    if go:
         usable = tl.minimum(tl.maximum((tl.load(prompt_len + s) - 1) // PAGE, 0), H)
         start = run
         while start < usable:
@@ -56,6 +67,8 @@ def _reuse(hashes, prompt_len, which, table, held, computed, found, refs, page_h
         tl.store(held + s, tl.load(held + s) + run)
         tl.store(computed + s, tl.load(computed + s) + run * PAGE)
     tl.store(found + s, run * PAGE)
+    if SLOTS:
+        tl.store(cached + s, run * PAGE, mask=go & (tl.load(preemptions + s) == 0))
 
 
 @triton.jit
@@ -124,14 +137,26 @@ def _register(hashes, prompt_len, before, after, table, page_hash, slots, claims
 def launch_reuse(cache, hashes: torch.Tensor, prompt_len: torch.Tensor, which: torch.Tensor, table: torch.Tensor,
                  held: torch.Tensor, computed: torch.Tensor) -> torch.Tensor:
     """PrefixCache.reuse's arguments, effects and result."""
+    found = torch.empty_like(held)
+    _launch_reuse(cache, hashes, prompt_len, which, table, held, computed, found)
+    return found
+
+
+def reuse_prefix(state: Slots, cache, starting: torch.Tensor) -> None:
+    """scheduler._reuse_prefix's arguments and effects, in PrefixCache.reuse's one launch."""
+    _launch_reuse(cache, state.page_hashes, state.prompt_len, starting, state.block_table, state.pages_held,
+                  state.num_computed, torch.empty_like(state.pages_held), state)
+
+
+def _launch_reuse(cache, hashes: torch.Tensor, prompt_len: torch.Tensor, which: torch.Tensor, table: torch.Tensor,
+                  held: torch.Tensor, computed: torch.Tensor, found: torch.Tensor, state: Slots | None = None) -> None:
     S, H = hashes.shape
     width = table.shape[1]
     assert hashes.is_contiguous() and table.stride(1) == 1 and table.stride(0) == width
-    found = torch.empty_like(held)
+    slot_state = (found,) * 3 if state is None else (state.prompt_logprobs, state.preemptions, state.cached_tokens)
     _reuse[(S,)](hashes, prompt_len, which, table, held, computed, found, cache.refs, cache.hash, cache.slots,
-                 cache.num_free, H, WIDTH=width, PAGE=cache.page_size, TABLE=cache.table_size,
-                 PROBES=reference.PROBES, HB=min(64, triton.next_power_of_2(H)))
-    return found
+                 cache.num_free, H, *slot_state, WIDTH=width, PAGE=cache.page_size, TABLE=cache.table_size,
+                 PROBES=reference.PROBES, HB=min(64, triton.next_power_of_2(H)), SLOTS=state is not None)
 
 
 def launch_register(cache, hashes: torch.Tensor, prompt_len: torch.Tensor, before: torch.Tensor, after: torch.Tensor,

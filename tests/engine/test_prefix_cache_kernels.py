@@ -175,3 +175,36 @@ def test_a_registered_prefix_is_found_and_evicted_oldest_first():
     assert found.tolist() == [8, 0, 0, 0, 0] and pair.tables[0][0, :2].tolist() == owned[:2]
     pair.check("found")
     assert pair.caches[0].table_size >= 4 * 6 and int(pair.caches[0].refs[NULL_PAGE]) == 1
+
+
+def test_the_plans_reuse_is_one_launch_that_does_what_the_reference_does():
+    """scheduler._reuse_prefix and its one launch (blink.engine.kernels.prefix_cache.reuse_prefix) leave the slots
+    and the cache alike: every starting slot shares one cached prefix, but one that asks for its prompt's logprobs
+    takes nothing, a first start records what it found as its cached tokens, and a start after a preemption takes
+    the pages but keeps its first start's figure."""
+    from types import SimpleNamespace
+
+    from blink.engine.core.scheduler import _reuse_prefix
+    from blink.engine.kernels.prefix_cache import reuse_prefix
+
+    pair = Pair(pages=24)
+    hashes = torch.zeros(S, H, dtype=torch.int64)
+    hashes[:, :3] = torch.tensor(page_hashes(list(range(1, 14)), PAGE, seed=1))
+    prompt_len = torch.full((S,), 13)
+    first = torch.tensor([True] + [False] * (S - 1))
+    pair.allocate(torch.tensor([4, 0, 0, 0, 0]), max_new=4)
+    for n in pair.computed:
+        n[0] = 13
+    pair.register(hashes, prompt_len, torch.zeros(S, dtype=torch.int64), pair.computed[0], max_new=4)
+    pair.release(first)
+    states = [SimpleNamespace(page_hashes=hashes, prompt_len=prompt_len, block_table=table, pages_held=held,
+                              num_computed=computed, prompt_logprobs=torch.tensor([-1, 0, -1, -1, -1]),
+                              preemptions=torch.tensor([0, 0, 2, 0, 0]), cached_tokens=torch.full((S,), 7))
+              for table, held, computed in zip(pair.tables, pair.held, pair.computed, strict=True)]
+    starting = torch.tensor([True, True, True, False, True])
+    for reuse, state, cache in zip((_reuse_prefix, reuse_prefix), states, pair.caches, strict=True):
+        reuse(state, cache, starting)
+    pair.check("reused")
+    want, got = states
+    assert torch.equal(want.cached_tokens, got.cached_tokens)
+    assert want.cached_tokens.tolist() == [12, 7, 7, 7, 12] and want.num_computed.tolist() == [12, 0, 12, 0, 12]
