@@ -1,6 +1,7 @@
 """Prefix caching's hash table as Triton kernels, one launch each (blink.engine.core.prefix_cache is the torch
 reference and says how the table works): PrefixCache.reuse, a program per slot probing its prompt's hashes a block at
-a time up to the first miss, references taken by atomics; PrefixCache.register, one program: the completed pages
+a time up to the first miss, references taken by atomics (`reuse_prefix`: the same launch doing the plan's part too,
+scheduler._reuse_prefix); PrefixCache.register, one program: the completed pages
 listed (their hashes set), then inserted in rounds, a contested cell going to the lowest item by an atomic minimum.
 Scratch lives on the cache (`scratch`, `claims`: the claims are left as found). blink.engine.kernels.page_release
 gathers them with the release and the allocation."""
