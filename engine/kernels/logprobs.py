@@ -16,15 +16,16 @@ import triton
 import triton.language as tl
 
 from blink.engine.kernels.thresholds import (
-    BINS,
     BLOCK,
-    CANDIDATES,
     CHUNK,
     NONE,
     PIVOTS,
+    candidate_sizes,
+    candidates,
     chunk_stats,
     hand_in,
     mass,
+    row_scratch,
     scaled,
     search,
     to_key,
@@ -81,10 +82,10 @@ def _score_row(row, V, token, top_keys, TOP: tl.constexpr, BLOCK: tl.constexpr, 
 def score_part(row, V, c, chunks, token, cand, ids, stats, ticket, top_keys, TOP: tl.constexpr,
                CELLS: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr, M: tl.constexpr, BINS: tl.constexpr,
                BLOCK: tl.constexpr, PIVOTS: tl.constexpr):
-    """Chunk c's part of scoring a row: it hands in its candidates (to cand, ids and stats, the row's, M and 3 a
-    chunk); the last of the row's programs to finish (its ticket) empties the row's CELLS cells and scores it.
-    Returns whether this program was that one and, if so, the row's logprob, log-sum-exp and passes over it."""
-    hand_in(row, V, c, 1.0, cand + c * M, ids + c * M, stats + 3 * c, CHUNK, M, BINS, True)
+    """Chunk c's part of scoring a row: it hands in its candidates (into the row's scratch, row_scratch's); the last
+    of the row's programs to finish (its ticket) empties the row's CELLS cells and scores it. Returns whether this
+    program was that one and, if so, the row's logprob, log-sum-exp and passes over it."""
+    hand_in(row, V, c, 1.0, cand, ids, stats, CHUNK, M, BINS, True)
     last = last_to_finish(ticket, chunks)
     logprob = tl.full([], 0.0, tl.float32)
     lse = tl.full([], 0.0, tl.float32)
@@ -126,29 +127,20 @@ def _logprobs_kernel(logits, stride, V, asked, tokens, logprob, lse_out, top_key
     c = tl.program_id(1)
     chunks = tl.num_programs(1)
     if tl.load(asked + r) >= 0:
-        mine = r * chunks
-        last, lp, lse, n = score_part(logits + r.to(tl.int64) * stride, V, c, chunks, tl.load(tokens + r),
-                                      cand + mine * M, ids + mine * M, stats + mine * 3, tickets + r,
-                                      top_keys + r * CELLS, TOP, CELLS, CHUNK, CHUNKS, M, BINS, BLOCK, PIVOTS)
+        keys, at, sums = row_scratch(cand, ids, stats, r, chunks, M)
+        last, lp, lse, n = score_part(logits + r.to(tl.int64) * stride, V, c, chunks, tl.load(tokens + r), keys, at,
+                                      sums, tickets + r, top_keys + r * CELLS, TOP, CELLS, CHUNK, CHUNKS, M, BINS,
+                                      BLOCK, PIVOTS)
         if last:
             tl.store(lse_out + r, lse)
             tl.store(logprob + r, lp)
             tl.store(passes + r, n)
 
 
-def scratch(rows: int, V: int, chunk: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """What score_part's rows hand in: their candidates' keys and ids, and their chunks' sums."""
-    chunks, m = triton.cdiv(V, chunk), min(CANDIDATES, chunk)
-    return (torch.empty(rows, chunks, m, dtype=torch.int32, device=device),
-            torch.empty(rows, chunks, m, dtype=torch.int32, device=device),
-            torch.empty(rows, chunks, 3, dtype=torch.float32, device=device))
-
-
 def score_sizes(V: int, chunk: int) -> dict[str, int]:
     """score_part's sizes for a vocabulary of V in chunks of `chunk`."""
     top = min(MAX_LOGPROBS, V)
-    return dict(TOP=top, CELLS=triton.next_power_of_2(2 * top), CHUNK=chunk,
-                CHUNKS=triton.next_power_of_2(triton.cdiv(V, chunk)), M=min(CANDIDATES, chunk), BINS=BINS)
+    return dict(TOP=top, CELLS=triton.next_power_of_2(2 * top), **candidate_sizes(V, chunk))
 
 
 def logprobs(logits: torch.Tensor, asked: torch.Tensor, tokens: torch.Tensor, block: int = BLOCK,
@@ -165,8 +157,8 @@ def logprobs(logits: torch.Tensor, asked: torch.Tensor, tokens: torch.Tensor, bl
     if R:
         _logprobs_kernel[(R, triton.cdiv(V, chunk))](
             logits, logits.stride(0), V, asked, tokens, logprob, lse, keys, passes,
-            *scratch(R, V, chunk, logits.device), tickets("logprobs", logits.device, R), BLOCK=block, PIVOTS=PIVOTS,
-            **sizes, num_warps=max(1, min(8, chunk // 512)))
+            *candidates(R, V, chunk, logits.device, ids=True), tickets("logprobs", logits.device, R), BLOCK=block,
+            PIVOTS=PIVOTS, **sizes, num_warps=max(1, min(8, chunk // 512)))
     keys = keys.topk(top, dim=-1).values
     ordered = (keys >> 32).to(torch.int32)
     values = (ordered ^ ((ordered >> 31) & 0x7FFFFFFF)).view(torch.float32)

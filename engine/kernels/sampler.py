@@ -33,16 +33,17 @@ from blink.engine.core.sampler import (
 )
 from blink.engine.kernels.logprobs import logprobs
 from blink.engine.kernels.thresholds import (
-    BINS,
     BLOCK,
-    CANDIDATES,
     CHUNK,
     PIVOTS,
+    candidate_sizes,
+    candidates,
     chunk_stats,
     from_key,
     hand_in,
     kept,
     mass,
+    row_scratch,
     scaled,
     search,
     to_key,
@@ -157,11 +158,10 @@ def _plan_kernel(logits, stride, V, draw, cand, stats, tickets, passes, CHUNK: t
     T, _, _, _, filtered = _filters(at)
     if filtered:
         row = logits + r.to(tl.int64) * stride
-        mine = r * chunks + c
-        hand_in(row, V, c, T, cand + mine * M, cand, stats + mine * 3, CHUNK, M, BINS, False)  # keys, no ids
+        keys, _no_ids, sums = row_scratch(cand, cand, stats, r, chunks, M)
+        hand_in(row, V, c, T, keys, keys, sums, CHUNK, M, BINS, False)  # keys, no ids
         if last_to_finish(tickets + r, chunks):
-            searched = _plan_filters(row, V, at, cand + r * chunks * M, stats + r * chunks * 3, chunks, BLOCK, PIVOTS,
-                                     CHUNKS, M)
+            searched = _plan_filters(row, V, at, keys, sums, chunks, BLOCK, PIVOTS, CHUNKS, M)
             tl.store(passes + r, tl.load(passes + r) + 1 + searched)
 
 
@@ -264,14 +264,10 @@ def plan_filters(logits: torch.Tensor, draw: torch.Tensor, passes: torch.Tensor,
     """The filtered rows' maxima and thresholds into their draw words (_plan_words' first), in one launch over
     chunks of `chunk` logits; each filtered row's passes grow by what it read."""
     R, V = logits.shape
-    chunks = triton.cdiv(V, chunk)
-    m = min(CANDIDATES, chunk)
-    cand = torch.empty(R, chunks, m, dtype=torch.int32, device=logits.device)
-    stats = torch.empty(R, chunks, 3, dtype=torch.float32, device=logits.device)  # max, sum of exp, key left out
-    _plan_kernel[(R, chunks)](logits, logits.stride(0), V, draw, cand, stats, ticket, passes, CHUNK=chunk,
-                              CHUNKS=triton.next_power_of_2(chunks), M=m, BINS=BINS, BLOCK=block, PIVOTS=PIVOTS,
-                              DRAW=DRAW,
-                              num_warps=max(1, min(8, chunk // 512)))
+    cand, _, stats = candidates(R, V, chunk, logits.device, ids=False)
+    _plan_kernel[(R, triton.cdiv(V, chunk))](logits, logits.stride(0), V, draw, cand, stats, ticket, passes,
+                                             **candidate_sizes(V, chunk), BLOCK=block, PIVOTS=PIVOTS, DRAW=DRAW,
+                                             num_warps=max(1, min(8, chunk // 512)))
 
 
 def draw_chunks(logits: torch.Tensor, draw: torch.Tensor, chunk: int) -> torch.Tensor:

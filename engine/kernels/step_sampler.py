@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from blink.engine.core.sampler import GREEDY_BELOW, SampleOutput, Sampler, SamplerFeatures
-from blink.engine.kernels.logprobs import score_part, score_sizes, scratch
+from blink.engine.kernels.logprobs import score_part, score_sizes
 from blink.engine.kernels.sampler import (
     _LOWEST,
     DRAW,
@@ -39,7 +39,7 @@ from blink.engine.kernels.sampler import (
     plan_filters,
     token_logprobs,
 )
-from blink.engine.kernels.thresholds import BLOCK, CHUNK, PIVOTS, from_key
+from blink.engine.kernels.thresholds import BLOCK, CHUNK, PIVOTS, candidates, from_key, row_scratch
 from blink.engine.kernels.tickets import last_to_finish, tickets
 from blink.shared.request_schema import MAX_LOGIT_BIAS, MAX_STOP_IDS
 
@@ -258,11 +258,11 @@ def _score_kernel(
     top = tl.arange(0, TOP_ROOM)
     listed = top < TOP
     if wanted:
-        mine = r * chunks
         keys = top_keys + r.to(tl.int64) * CELLS
-        last, logprob, lse, n = score_part(logits + r.to(tl.int64) * stride, V, c, chunks, token, cand + mine * M,
-                                           ids + mine * M, stats + mine * 3, tickets + r, keys, TOP, CELLS, CHUNK,
-                                           CHUNKS, M, BINS, BLOCK, PIVOTS)
+        row_keys, row_ids, row_sums = row_scratch(cand, ids, stats, r, chunks, M)
+        last, logprob, lse, n = score_part(logits + r.to(tl.int64) * stride, V, c, chunks, token, row_keys, row_ids,
+                                           row_sums, tickets + r, keys, TOP, CELLS, CHUNK, CHUNKS, M, BINS, BLOCK,
+                                           PIVOTS)
         if last:
             tl.debug_barrier()
             cells = tl.arange(0, CELLS)
@@ -366,7 +366,8 @@ class StepKernels:
             if features.logprobs or not no_prompt:
                 _score_kernel[(n, chunks)](
                     logits, logits.stride(0), V, rows, plan.sample_slot, state.logprobs, token, slot, prompt_token,
-                    *scratch(n, V, self.chunk, device), ticket, logprob, top_ids, top_logprobs, keys, passes,
+                    *candidates(n, V, self.chunk, device, ids=True), ticket, logprob, top_ids, top_logprobs, keys,
+                    passes,
                     LOGPROBS=features.logprobs, TOP_ROOM=triton.next_power_of_2(top), BLOCK=self.block, PIVOTS=PIVOTS,
                     **sizes, num_warps=warps)
 

@@ -12,6 +12,7 @@ row that cannot be settled so (a flat one) is searched whole.
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -22,6 +23,7 @@ CANDIDATES = 64  # keys each chunk of a row hands in at most: 2,048 for a 128K v
 BINS = 512  # the histogram a chunk picks its candidates by: distances below its maximum, in steps of BIN_WIDTH
 BIN_WIDTH = tl.constexpr(1 / 32)  # logits over T: 16 below the maximum in all, past a real model's top 64 of a chunk
 NONE = tl.constexpr(-(1 << 31))  # below every value's key: an empty candidate cell (its value is a NaN)
+STATS = tl.constexpr(3)  # words a chunk hands in beside its keys: its maximum, its sum of exp, the key it left out
 
 
 @triton.jit
@@ -33,7 +35,7 @@ def to_key(x):
 
 @triton.jit
 def from_key(key):
-    """_key's inverse: the float32 whose key it is."""
+    """to_key's inverse: the float32 whose key it is."""
     return (key ^ ((key >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
 
 
@@ -56,12 +58,12 @@ def kept(s, top, log_min_p, key_floor):
 def block_of(src, start, V, T, KEYS: tl.constexpr, BLOCK: tl.constexpr):
     """A block of what a search reads, and which of it is real: a row's logits over T, or (KEYS) a plan's
     candidate keys as the values they are (an empty cell's key is NaN's, which no filter keeps)."""
-    ids = start + tl.arange(0, BLOCK)
-    real = ids < V
     if KEYS:
+        ids = start + tl.arange(0, BLOCK)
+        real = ids < V
         s = from_key(tl.load(src + ids, mask=real, other=NONE, cache_modifier=".cg"))  # other programs' stores
     else:
-        s = tl.load(src + ids, mask=real, other=float("-inf")) / T
+        s, _, real = scaled(src, start, V, T, BLOCK)
     return s, real
 
 
@@ -112,12 +114,22 @@ def weigh(cand, N, top, lmp, k_floor, low, MASS: tl.constexpr, BLOCK: tl.constex
 
 
 @triton.jit
+def row_scratch(cand, ids, stats, r, chunks, M: tl.constexpr):
+    """Row r's part of what its chunks hand in (candidates()'s tensors)."""
+    first = r * chunks
+    return cand + first * M, ids + first * M, stats + first * STATS
+
+
+@triton.jit
 def hand_in(row, V, c, T, cand, ids, stats, CHUNK: tl.constexpr, M: tl.constexpr, BINS: tl.constexpr,
             IDS: tl.constexpr):
-    """Chunk c's part of a row's candidates (its logits over T): at most M of its highest keys to `cand` (and, IDS,
-    their ids to `ids`), in the order of their ids, the rest of its M cells empty; and to `stats` its maximum, its
-    sum of exp below it, and the highest key it left out. The keys handed in are those of the first bins of a
-    histogram of their distance below the maximum (BIN_WIDTH wide) that hold M or fewer."""
+    """Chunk c's part of a row's candidates (its logits over T), into the row's scratch (row_scratch's): at most M
+    of its highest keys (and, IDS, their ids), in the order of their ids, the rest of its M cells empty; and its
+    maximum, its sum of exp below it, and the highest key it left out. The keys handed in are those of the first
+    bins of a histogram of their distance below the maximum (BIN_WIDTH wide) that hold M or fewer."""
+    cand += c * M
+    ids += c * M
+    stats += c * STATS
     s, at, _ = scaled(row, c * CHUNK, V, T, CHUNK)
     key = to_key(s)
     m = tl.max(s, 0)
@@ -143,9 +155,10 @@ def chunk_stats(stats, chunks, CHUNKS: tl.constexpr):
     the row's maximum, and `low`, the highest key a chunk left out: every key above it is a candidate."""
     c = tl.arange(0, CHUNKS)
     inside = c < chunks
-    m = tl.load(stats + 3 * c, mask=inside, other=float("-inf"), cache_modifier=".cg")  # other programs' stores
-    z = tl.load(stats + 3 * c + 1, mask=inside, other=0.0, cache_modifier=".cg")
-    lows = tl.load(stats + 3 * c + 2, mask=inside, other=0.0, cache_modifier=".cg").to(tl.int32, bitcast=True)
+    at = stats + STATS * c
+    m = tl.load(at, mask=inside, other=float("-inf"), cache_modifier=".cg")  # other programs' stores
+    z = tl.load(at + 1, mask=inside, other=0.0, cache_modifier=".cg")
+    lows = tl.load(at + 2, mask=inside, other=0.0, cache_modifier=".cg").to(tl.int32, bitcast=True)
     return m, z, tl.max(m, 0), tl.max(tl.where(inside, lows, NONE), 0)
 
 
@@ -153,3 +166,18 @@ def chunk_stats(stats, chunks, CHUNKS: tl.constexpr):
 def mass(m, z, top):
     """A row's sum of exp below its maximum `top`, from its chunks' maxima and sums (chunk_stats')."""
     return tl.sum(tl.where(m > float("-inf"), z * tl.exp(m - top), 0.0), 0)
+
+
+def candidate_sizes(V: int, chunk: int) -> dict[str, int]:
+    """hand_in's sizes for a vocabulary of V in chunks of `chunk`."""
+    return dict(CHUNK=chunk, CHUNKS=triton.next_power_of_2(triton.cdiv(V, chunk)), M=min(CANDIDATES, chunk),
+                BINS=BINS)
+
+
+def candidates(rows: int, V: int, chunk: int, device: torch.device, ids: bool) -> tuple[torch.Tensor, ...]:
+    """Room for what rows' chunks hand in: their keys, their ids (ids: else the keys stand in, unwritten), their
+    STATS words."""
+    chunks, m = triton.cdiv(V, chunk), min(CANDIDATES, chunk)
+    keys = torch.empty(rows, chunks, m, dtype=torch.int32, device=device)
+    return (keys, torch.empty_like(keys) if ids else keys,
+            torch.empty(rows, chunks, STATS.value, dtype=torch.float32, device=device))

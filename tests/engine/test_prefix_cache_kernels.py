@@ -124,6 +124,18 @@ def test_the_kernels_leave_the_cache_as_the_reference_does(seed):
     assert int(pair.caches[0].tail) > 64 or int(pair.caches[0].head) > 0  # the ring was used
 
 
+def _cache_a_prefix(pair: Pair, hashes: torch.Tensor, prompt_len: torch.Tensor) -> torch.Tensor:
+    """Slot 0 computes its 13-token prompt (4 pages), registers its 3 full pages and finishes: they stay cached.
+    Returns the mask of slot 0."""
+    one = torch.tensor([True] + [False] * (S - 1))
+    pair.allocate(torch.tensor([4, 0, 0, 0, 0]), max_new=4)
+    for n in pair.computed:
+        n[0] = 13
+    pair.register(hashes, prompt_len, torch.zeros(S, dtype=torch.int64), pair.computed[0], max_new=4)
+    pair.release(one)
+    return one
+
+
 @pytest.mark.parametrize("cycles", [6, 12])
 def test_dead_ring_entries_are_compacted_and_an_overfull_ring_forgets(cycles):
     """A cached prefix found and released again and again leaves a dead entry per page each time: 6 cycles take a
@@ -133,12 +145,7 @@ def test_dead_ring_entries_are_compacted_and_an_overfull_ring_forgets(cycles):
     hashes = torch.zeros(S, H, dtype=torch.int64)
     hashes[0, :3] = torch.tensor(page_hashes(list(range(1, 14)), PAGE, seed=1))
     prompt_len = torch.tensor([13] + [0] * (S - 1))
-    one = torch.tensor([True] + [False] * (S - 1))
-    pair.allocate(torch.tensor([4, 0, 0, 0, 0]), max_new=4)
-    for n in pair.computed:
-        n[0] = 13
-    pair.register(hashes, prompt_len, torch.zeros(S, dtype=torch.int64), pair.computed[0], max_new=4)
-    pair.release(one)
+    one = _cache_a_prefix(pair, hashes, prompt_len)
     for cycle in range(cycles):
         assert pair.reuse(hashes, prompt_len, one).tolist()[0] == 12 or cycles > 10, cycle
         pair.check(f"cycle {cycle}: reuse")
@@ -191,12 +198,7 @@ def test_the_plans_reuse_is_one_launch_that_does_what_the_reference_does():
     hashes = torch.zeros(S, H, dtype=torch.int64)
     hashes[:, :3] = torch.tensor(page_hashes(list(range(1, 14)), PAGE, seed=1))
     prompt_len = torch.full((S,), 13)
-    first = torch.tensor([True] + [False] * (S - 1))
-    pair.allocate(torch.tensor([4, 0, 0, 0, 0]), max_new=4)
-    for n in pair.computed:
-        n[0] = 13
-    pair.register(hashes, prompt_len, torch.zeros(S, dtype=torch.int64), pair.computed[0], max_new=4)
-    pair.release(first)
+    _cache_a_prefix(pair, hashes, prompt_len)
     states = [SimpleNamespace(page_hashes=hashes, prompt_len=prompt_len, block_table=table, pages_held=held,
                               num_computed=computed, prompt_logprobs=torch.tensor([-1, 0, -1, -1, -1]),
                               preemptions=torch.tensor([0, 0, 2, 0, 0]), cached_tokens=torch.full((S,), 7))
