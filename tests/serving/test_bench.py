@@ -193,11 +193,11 @@ def test_figures_match_the_servers_own_timestamps(tmp_path, tokenizer_dir):
     data = write_sharegpt(tmp_path / "sg.json", NORMAL + FAILING)
     tokenizer = load_tokenizer(str(tokenizer_dir), "scripted")
     seed = next(s for s in range(50) if sharegpt(data, tokenizer, 11, LengthLimits(), s)[0].prompt in NORMAL)
-    script = Script(ttft_s=0.2, gap_s=0.15)
+    script = Script(ttft_s=0.2, gap_s=0.5)  # the last token 2.5 s after the first: far apart even on a loaded runner
     with scripted_server(script) as url:
         assert bench_cli.main(["serve", "--base-url", url, "--dataset", str(data), "--tokenizer", str(tokenizer_dir),
                                "--num-prompts", "11", "--output-len", "6", "--seed", str(seed), "--no-energy",
-                               "--goodput", "ttft:1000", "tpot:1000", "--result-dir", str(tmp_path),
+                               "--goodput", "ttft:60000", "tpot:60000", "--result-dir", str(tmp_path),
                                "--disable-tqdm"]) == 0
     run = only_result(tmp_path)["runs"][0]
     assert all(run[key] is not None for key in FIGURES)
@@ -207,7 +207,8 @@ def test_figures_match_the_servers_own_timestamps(tmp_path, tokenizer_dir):
     assert run["total_output_tokens"] == 8 * 6  # the server's usage
     expected_input = sum(len(tokenizer.encode(p, add_special_tokens=False).ids) for p in NORMAL)
     assert run["total_input_tokens"] == expected_input  # the client's count, as vLLM's
-    assert run["request_goodput"] == pytest.approx(8 / run["duration"])
+    assert run["request_goodput"] == pytest.approx(8 / run["duration"])  # SLOs every request meets: which fail is
+    # test_figures_from_known_records checks; a loaded CI runner once stalled all of them 1.1 s past a 1 s SLO
 
     served = [s for s in script.served[1:] if s.prompt in NORMAL]  # served[0] is the check before the run
     server_ttfts = sorted(s.sent[0] - s.received for s in served)
@@ -215,8 +216,8 @@ def test_figures_match_the_servers_own_timestamps(tmp_path, tokenizer_dir):
     client_ttfts = sorted(r["ttft_ms"] / 1000 for r in client)
     for theirs, ours in zip(server_ttfts, client_ttfts, strict=True):
         # Ours also counts the request's way there and the token's way back, which on a loaded 2-core runner (server
-        # and client share a process) took 0.4 s; a TTFT taken to the last token would be 0.75 s late.
-        assert theirs <= ours < theirs + 0.5
+        # and client share a process) took up to 1.1 s; a TTFT taken to the last token would be 2.5 s late.
+        assert theirs <= ours < theirs + 1.5
     gaps = [b - a for s in served for a, b in zip(s.sent, s.sent[1:], strict=False)]
     assert run["median_itl_ms"] == pytest.approx(statistics.median(gaps) * 1000, abs=15)
     tpots = [(s.sent[-1] - s.sent[0]) / 5 for s in served]
