@@ -20,7 +20,8 @@ row's lock, and the last to finish merges the spans into the output and leaves t
 
 FP8 pages (`--kv-cache-dtype fp8`, blink.engine.core.kv_dtype): K and V are stored as round(x / scale) in float8 with
 the layer's scales (`kv_scales`), and read back times the scale in the model's dtype; this step's keys, read from the
-projection, go through the same rounding, so a key attends the same whether it was computed now or read from a page.
+projection, go through the same rounding (engine/kernels/tile_math.py), so a key attends the same whether it was
+computed now or read from a page.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import triton.language as tl
 
 from blink.engine.core.scheduler import QueryRows
 from blink.engine.kernels.tickets import last_to_finish, tickets
+from blink.engine.kernels.tile_math import dot, fp8_round_bits, from_fp8, roped, to_fp8
 
 LOG2E = 1.4426950408889634
 MIN_DOT = 16  # tl.dot needs M, N and K of at least 16 on the GPU
@@ -41,47 +43,6 @@ ACCUMULATOR = 128 * 128  # fp32 accumulator elements one program holds (queries 
 KEY_TILE = 64
 MAX_SPLITS = 16  # key spans a decode row splits into at most
 MIN_SPAN = 4 * KEY_TILE  # keys a span holds at least: shorter, its merge costs more than the split saves
-
-
-@triton.jit
-def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    if UPCAST:  # Triton 3.6's interpreter multiplies bfloat16 tiles as integers; their float32 products are exact
-        a, b = a.to(tl.float32), b.to(tl.float32)
-    return tl.dot(a, b, input_precision=PRECISION)
-
-
-@triton.jit
-def _to_fp8(x, scale, DTYPE: tl.constexpr, FP8_MAX: tl.constexpr, ROUND_BITS: tl.constexpr):
-    """x / scale in float8 (DTYPE), saturated at its largest finite value. ROUND_BITS > 0 (the interpreter): rounded
-    to nearest-even in float32 first, dropping that many mantissa bits, as Triton 3.6's interpreter does not carry a
-    rounding into the exponent (1.97 -> 1.0 in E4M3); the float8 conversion of the rounded value is then exact."""
-    y = tl.clamp(x.to(tl.float32) / scale, -FP8_MAX, FP8_MAX)
-    if ROUND_BITS > 0:
-        bits = y.to(tl.int32, bitcast=True)
-        bits += (1 << (ROUND_BITS - 1)) - 1 + ((bits >> ROUND_BITS) & 1)
-        y = (bits & -(1 << ROUND_BITS)).to(tl.float32, bitcast=True)
-        y = tl.clamp(y, -FP8_MAX, FP8_MAX)
-    return y.to(DTYPE)
-
-
-@triton.jit
-def _from_fp8(x, scale, dtype: tl.constexpr):
-    return (x.to(tl.float32) * scale).to(dtype)
-
-
-@triton.jit
-def _roped(at, d, pos, mask, cos_ptr, sin_ptr, stride_cos, HALF: tl.constexpr):
-    """RoPE (rotate-half) of a tile of head vectors: `at` [rows, 1] points at each row's head, d [1, D] the
-    elements, pos [rows, 1] each row's position. Rounded as engine/kernels/rope_kv.py rounds (each product cast to
-    the dtype before the sum), so a key roped here equals the one that kernel writes to the cache."""
-    partner = tl.where(d < HALF, d + HALF, d - HALF)
-    x = tl.load(at + d, mask=mask, other=0.0)
-    dtype = x.dtype
-    y = tl.load(at + partner, mask=mask, other=0.0).to(tl.float32)
-    c = tl.load(cos_ptr + pos * stride_cos + d, mask=mask, other=0.0).to(tl.float32)
-    s = tl.load(sin_ptr + pos * stride_cos + d, mask=mask, other=0.0).to(tl.float32)
-    turned = (y * s).to(dtype).to(tl.float32)
-    return ((x.to(tl.float32) * c).to(dtype).to(tl.float32) + tl.where(d < HALF, -turned, turned)).to(dtype)
 
 
 @triton.jit
@@ -121,21 +82,21 @@ def _sweep(q, k_ptr, v_ptr, table_ptr, slot, pos, lo, end, window, scale_log2,
         v = tl.load(v_ptr + (page * stride_vp + offset * stride_vs + kv_head * stride_vh)[:, None] + d[None, :],
                     mask=old, other=0.0)
         if FP8:
-            k, v = _from_fp8(k, k_scale, q.dtype), _from_fp8(v, v_scale, q.dtype)
+            k, v = from_fp8(k, k_scale, q.dtype), from_fp8(v, v_scale, q.dtype)
         if ROPE:
             new = kv_mask & fresh[:, None]
-            k_fresh = _roped(k_new + (at * stride_nkt + kv_head * stride_nkh)[:, None], d[None, :], n[:, None], new,
+            k_fresh = roped(k_new + (at * stride_nkt + kv_head * stride_nkh)[:, None], d[None, :], n[:, None], new,
                              cos_ptr, sin_ptr, stride_cos, HALF)
             v_fresh = tl.load(v_new + (at * stride_nvt + kv_head * stride_nvh)[:, None] + d[None, :], mask=new,
                               other=0.0)
             if FP8:
-                k_fresh = _from_fp8(_to_fp8(k_fresh, k_scale, k_ptr.dtype.element_ty, FP8_MAX, ROUND_BITS), k_scale,
+                k_fresh = from_fp8(to_fp8(k_fresh, k_scale, k_ptr.dtype.element_ty, FP8_MAX, ROUND_BITS), k_scale,
                                     q.dtype)
-                v_fresh = _from_fp8(_to_fp8(v_fresh, v_scale, v_ptr.dtype.element_ty, FP8_MAX, ROUND_BITS), v_scale,
+                v_fresh = from_fp8(to_fp8(v_fresh, v_scale, v_ptr.dtype.element_ty, FP8_MAX, ROUND_BITS), v_scale,
                                     q.dtype)
             k = tl.where(new, k_fresh, k)
             v = tl.where(new, v_fresh, v)
-        s = _dot(q, tl.trans(k), DOT_PRECISION, UPCAST) * scale_log2
+        s = dot(q, tl.trans(k), DOT_PRECISION, UPCAST) * scale_log2
         visible = n[None, :] <= pos[:, None]
         if HAS_WINDOW:
             visible &= n[None, :] > pos[:, None] - window
@@ -144,7 +105,7 @@ def _sweep(q, k_ptr, v_ptr, table_ptr, slot, pos, lo, end, window, scale_log2,
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, UPCAST)
+        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_PRECISION, UPCAST)
         m_i = m_new
         n0 += BLOCK_N
     return m_i, l_i, acc
@@ -206,13 +167,13 @@ def _attend_row(q_ptr, out_ptr, k_ptr, v_ptr, table_ptr, row, kv_head, hblock, s
         own = mine[:, None] & d_ok[None, :]
         cache_row = tl.load(write_ptr + start + m, mask=mine, other=0)
         page_of, offset_of = cache_row // PAGE_SIZE, cache_row % PAGE_SIZE
-        k_own = _roped(k_new + ((start + m) * stride_nkt + kv_head * stride_nkh)[:, None], d[None, :],
+        k_own = roped(k_new + ((start + m) * stride_nkt + kv_head * stride_nkh)[:, None], d[None, :],
                        (first_pos + m)[:, None], own, cos_ptr, sin_ptr, stride_cos, HALF)
         v_own = tl.load(v_new + ((start + m) * stride_nvt + kv_head * stride_nvh)[:, None] + d[None, :], mask=own,
                         other=0.0)
         if FP8:
-            k_own = _to_fp8(k_own, k_scale, k_ptr.dtype.element_ty, FP8_MAX, ROUND_BITS)
-            v_own = _to_fp8(v_own, v_scale, v_ptr.dtype.element_ty, FP8_MAX, ROUND_BITS)
+            k_own = to_fp8(k_own, k_scale, k_ptr.dtype.element_ty, FP8_MAX, ROUND_BITS)
+            v_own = to_fp8(v_own, v_scale, v_ptr.dtype.element_ty, FP8_MAX, ROUND_BITS)
         tl.store(k_ptr + (page_of * stride_kp + offset_of * stride_ks + kv_head * stride_kh)[:, None] + d[None, :],
                  k_own, mask=own)
         tl.store(v_ptr + (page_of * stride_vp + offset_of * stride_vs + kv_head * stride_vh)[:, None] + d[None, :],
@@ -220,7 +181,7 @@ def _attend_row(q_ptr, out_ptr, k_ptr, v_ptr, table_ptr, row, kv_head, hblock, s
     if split < spans:
         q_at = q_ptr + (start + query)[:, None] * stride_qt + head[:, None] * stride_qh
         if ROPE:
-            q = _roped(q_at, d[None, :], pos[:, None], q_mask, cos_ptr, sin_ptr, stride_cos, HALF)
+            q = roped(q_at, d[None, :], pos[:, None], q_mask, cos_ptr, sin_ptr, stride_cos, HALF)
         else:
             q = tl.load(q_at + d[None, :], mask=q_mask, other=0.0)
         m_i, l_i, acc = _sweep(q, k_ptr, v_ptr, table_ptr, slot, pos, lo, end, window, scale_log2,
@@ -445,12 +406,6 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         num_warps=4 if max(d_block_m, c_block_m if chunks else 0) * block_d <= ACCUMULATOR // 2 else 8,
     )
     return out
-
-
-def fp8_round_bits(dtype: torch.dtype) -> int:
-    """The float32 mantissa bits a float8 dtype drops (23 less its own): what `_to_fp8` rounds away itself in the
-    interpreter."""
-    return 23 - {torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}[dtype]
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: QueryRows,

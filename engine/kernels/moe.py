@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from blink.engine.kernels.attention import _dot
+from blink.engine.kernels.tile_math import dot
 
 BLOCK_M = 16  # rows per block: the routing pads each expert's rows to a multiple of it
 BLOCK_N = 64
@@ -39,10 +39,10 @@ def _expert_product_kernel(x_ptr, row_ptr, expert_ptr, w_ptr, out_ptr, stride_x,
             k = k0 + tl.arange(0, BLOCK_K)
             x = tl.load(x_ptr + source[:, None].to(tl.int64) * stride_x + k[None, :], mask=k[None, :] < K, other=0.0)
             w_mask = (k[:, None] < K) & (n[None, :] < N)
-            acc += _dot(x, tl.load(w + n[None, :] * stride_wn + k[:, None], mask=w_mask, other=0.0), PRECISION,
+            acc += dot(x, tl.load(w + n[None, :] * stride_wn + k[:, None], mask=w_mask, other=0.0), PRECISION,
                         UPCAST)
             if GATED:
-                acc_up += _dot(x, tl.load(w + (N + n[None, :]) * stride_wn + k[:, None], mask=w_mask, other=0.0),
+                acc_up += dot(x, tl.load(w + (N + n[None, :]) * stride_wn + k[:, None], mask=w_mask, other=0.0),
                                PRECISION, UPCAST)
         dtype = out_ptr.dtype.element_ty
         if GATED:

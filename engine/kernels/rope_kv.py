@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from blink.engine.kernels.attention import _to_fp8, fp8_round_bits
+from blink.engine.kernels.tile_math import fp8_round_bits, to_fp8
 
 TILE = 4096  # elements of q one program ropes, at least one token's worth
 
@@ -33,8 +33,8 @@ def _rotate(src, stride_src, dst, stride_dst, cos1, cos2, sin1, sin2, token_ok, 
     y1 = ((x1 * cos1).to(dtype).to(tl.float32) - (x2 * sin1).to(dtype).to(tl.float32)).to(dtype)
     y2 = ((x2 * cos2).to(dtype).to(tl.float32) + (x1 * sin2).to(dtype).to(tl.float32)).to(dtype)
     if FP8:
-        y1 = _to_fp8(y1, scale, dst.dtype.element_ty, FP8_MAX, ROUND_BITS)
-        y2 = _to_fp8(y2, scale, dst.dtype.element_ty, FP8_MAX, ROUND_BITS)
+        y1 = to_fp8(y1, scale, dst.dtype.element_ty, FP8_MAX, ROUND_BITS)
+        y2 = to_fp8(y2, scale, dst.dtype.element_ty, FP8_MAX, ROUND_BITS)
     tl.store(dst + h * stride_dst + i, y1, mask=mask)
     tl.store(dst + h * stride_dst + HALF + i, y2, mask=mask)
 
@@ -71,7 +71,7 @@ def _rope_and_cache_kernel(
     mask = t_ok & (h < KV_HEADS) & (d < 2 * HALF)
     v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
     if FP8:
-        v = _to_fp8(v, v_scale, v_cache_ptr.dtype.element_ty, FP8_MAX, ROUND_BITS)
+        v = to_fp8(v, v_scale, v_cache_ptr.dtype.element_ty, FP8_MAX, ROUND_BITS)
     tl.store(v_cache_ptr + row * stride_vr + h * stride_vch + d, v, mask=mask)
 
 
