@@ -184,7 +184,7 @@ def _settle_runs(sample_slot, sample_valid, sample_token, token_pos, sampled_tok
         rated = spec_rate + s.to(tl.int64) * rates_stride + tl.maximum(tl.load(draft_n + s) - 1, 0)
         rate = tl.load(rated)
         tried = tl.minimum(a + 1, k)  # the drafts tried: up to the first that failed
-        tl.store(rated, DECAY * rate + (1 - DECAY) * a.to(tl.float32) / tried.to(tl.float32))
+        tl.store(rated, DECAY * rate + (1 - DECAY) * tl.div_rn(a.to(tl.float32), tried.to(tl.float32)))
     tl.atomic_add(per_pos + tl.minimum(i, POSITIONS - 1), accepted.to(tl.int64), mask=accepted)
 
     row_reason = tl.where(stopped & valid, STOP, tl.where(too_long & live, LENGTH, 0))

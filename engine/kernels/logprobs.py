@@ -62,7 +62,8 @@ def _score_row(row, V, token, top_keys, TOP: tl.constexpr, BLOCK: tl.constexpr, 
     while start < V:  # the log-sum-exp, online
         x, _, _ = scaled(row, start, V, 1.0, BLOCK)
         new_m = tl.maximum(m, tl.max(x, 0))
-        total = total * tl.exp(m - new_m) + tl.sum(tl.exp(x - new_m), 0)
+        shift = tl.where(new_m > float("-inf"), new_m, 0.0)  # blocks of only -inf so far (a grammar's mask): no NaN
+        total = total * tl.exp(m - shift) + tl.sum(tl.exp(x - shift), 0)
         m = new_m
         start += BLOCK
     lse = m + tl.log(total)

@@ -183,7 +183,7 @@ def _edit_kernel(
             if biased:
                 x += tl.sum(tl.where(t[:, None] == b_ids[None, :], b[None, :], 0.0), 1)
             c = tl.load(counts + slot * counts_stride + t, mask=t >= 0, other=0).to(tl.float32)
-            x = tl.where(x > 0, x / rep, x * rep) - freq * c - pres * (c > 0).to(tl.float32)
+            x = tl.where(x > 0, tl.div_rn(x, rep), x * rep) - freq * c - pres * (c > 0).to(tl.float32)
             tl.store(row + t, x, mask=t >= 0)
             start += SEEN
     tl.debug_barrier()
@@ -353,7 +353,8 @@ class StepKernels:
                     state.ignore_eos, state.seq_len, state.tokens, state.tokens.stride(0), state.output_counts,
                     state.output_counts.stride(0), state.stop_ids, state.logit_bias_ids, state.logit_bias, eos_ids,
                     eos_ids.numel(), saved, width, draw, passes, RANDOM=features.random, GREEDY_BELOW=GREEDY_BELOW,
-                    DRAW=DRAW, **edit_flags, num_warps=4)
+                    DRAW=DRAW, **edit_flags, num_warps=4,
+                    enable_fp_fusion=False)  # the penalties rounded as the reference's ops, x - f * c not fused
                 if features.random and features.filtering:
                     plan_filters(logits[:rows], draw, passes, ticket, self.block, self.chunk)
                 _draw_finish_kernel[(rows, chunks)](

@@ -45,7 +45,7 @@ def scaled(row, start, V, T, BLOCK: tl.constexpr):
     ids = start + tl.arange(0, BLOCK)
     real = ids < V
     x = tl.load(row + ids, mask=real, other=float("-inf"))
-    return x / T, ids, real
+    return tl.div_rn(x, T), ids, real  # IEEE's division, as the reference's: a GPU's `/` is off by up to 2 ulp
 
 
 @triton.jit

@@ -9,6 +9,7 @@ import triton
 import triton.language as tl
 
 _TICKETS: dict[tuple[str, torch.device], torch.Tensor] = {}
+_OUTGROWN: list[torch.Tensor] = []  # kept alive: a graph captured before they were outgrown still points at them
 
 
 def tickets(user: str, device: torch.device, n: int) -> torch.Tensor:
@@ -18,6 +19,8 @@ def tickets(user: str, device: torch.device, n: int) -> torch.Tensor:
     if held is None or held.numel() < n:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(f"{user}'s tickets must grow before capture: run the bucket once first")
+        if held is not None:
+            _OUTGROWN.append(held)
         held = _TICKETS[(user, device)] = torch.zeros(max(n, 1 << 14), dtype=torch.int32, device=device)
     return held
 

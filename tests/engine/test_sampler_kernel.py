@@ -214,3 +214,20 @@ def test_the_top_logprobs_survive_many_ties_at_the_last_place(scale, whole):
     torch.testing.assert_close(top_logprobs.cpu(), expected[2], atol=1e-5, rtol=1e-5)
     assert top_ids[0, :19].tolist() == list(range(V - 1, V - 20, -1)) and top_ids[0, 19].item() == 100
     assert (paid.item() > 1) == whole  # the chunks' pass, then a search and two passes more where searched whole
+
+
+def test_a_row_masked_down_to_a_few_tokens_scores_them():
+    """A grammar's mask leaves a row -inf but for a few ids past its first blocks (fewer than the top's 20, so the
+    row is scored whole): the log-sum-exp starts on blocks of nothing but -inf and must not make them NaN."""
+    from blink.engine.core.sampler import token_logprobs
+    from blink.engine.kernels.logprobs import logprobs
+
+    logits = torch.full((1, V), float("-inf"))
+    logits[0, V - 5:] = torch.tensor([1.0, 3.0, 2.0, 0.5, 2.5])
+    tokens = torch.tensor([V - 2])
+    logprob, top_ids, top_logprobs, _ = logprobs(logits.to(DEVICE), torch.zeros_like(tokens).to(DEVICE),
+                                                 tokens.to(DEVICE), block=BLOCK)
+    expected = token_logprobs(logits, tokens)
+    torch.testing.assert_close(logprob.cpu(), expected[0], atol=1e-5, rtol=1e-5)
+    assert top_ids[0, :5].tolist() == [V - 4, V - 1, V - 3, V - 5, V - 2]
+    torch.testing.assert_close(top_logprobs.cpu()[0, :5], expected[2][0, :5], atol=1e-5, rtol=1e-5)

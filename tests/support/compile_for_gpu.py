@@ -97,7 +97,8 @@ results = [
                    "saved")
           | pointers("i64", "sample_slot", "sample_token", "token_pos", "top_k", "seed", "prompt_len", "min_tokens",
                      "seq_len", "stop_ids", "bias_ids", "eos_ids")
-          | pointers("i32", "tokens", "counts", "passes", "draw") | {"ignore_eos": "*i1"}),
+          | pointers("i32", "tokens", "counts", "passes", "draw") | {"ignore_eos": "*i1"},
+          options={"enable_fp_fusion": False}),
     build(step_sampler._draw_finish_kernel, "step sampler: the draw over chunks, the token, the raw row",
           edit_flags | dict(CHUNK=4096, CHUNKS=32, DRAW=8),
           pointers("fp32", "logits", "repetition", "presence", "frequency", "bias", "saved")
