@@ -143,13 +143,18 @@ class DeviceGrammars:
         """Frees the blocks of requests that left, readies the submitted constrained slots whose block is in the
         arena, and ends those whose grammar cannot be walked; True while some still compile or wait for room."""
         slots = self.table.slots
-        states, ready = slots["state"], self.ready.numpy()
+        # The ready words before the states: the device writes ADMITTED, then TAKEN, so a TAKEN seen here was
+        # admitted before the states are read, and a SUBMITTED beside it is a new request, not that one (read the
+        # other way round, a request admitted between the two reads would look new and lose its block).
+        ready = self.ready.numpy().copy()
+        states = slots["state"].copy()
         ours = slots["epoch"] == np.uint32(self.table.header["epoch"])
         submitted = ours & (states == int(SlotState.SUBMITTED))
         for s in list(self.held):
             gone = not ours[s] or states[s] not in (int(SlotState.SUBMITTED), int(SlotState.ADMITTED))
             if gone or (submitted[s] and ready[s] == TAKEN):  # (then a new request, submitted after it ended)
                 self._let_go(s)
+                ready[s] = 0
         for s in np.flatnonzero(submitted & (slots["grammar_kind"] != 0) & (ready != READY)).tolist():
             self._ready(s, slots[s])
         for s in list(self.pending):
@@ -200,7 +205,9 @@ class DeviceGrammars:
         del self.pending[s]
 
     def _let_go(self, s: int) -> None:
-        """The slot's request left: its block leaves the arena with the last slot holding it."""
+        """The slot's request left: its block leaves the arena with the last slot holding it, and its ready word is
+        cleared (a record the device dropped unadmitted leaves it READY, which the slot's next request would land)."""
+        self.ready[s] = 0
         spec = self.held.pop(s)
         start, size, holders = self.blocks[spec]
         holders.discard(s)

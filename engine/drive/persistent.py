@@ -84,7 +84,8 @@ static __device__ void choose(const unsigned long long* handles, long long if_ch
     }
 }
 
-extern "C" __global__ void pick(
+// Bounded for the most threads it is launched with (1024), so NVRTC never leaves it too many registers to launch.
+extern "C" __global__ void __launch_bounds__(1024) pick(
         const unsigned long long* handles, long long if_chain, const long long* buckets, long long n,
         const volatile int* stop, const long long* demand, const int* fenced, const long long* epoch,
         const unsigned char* records, long long num_slots, long long record_bytes, long long state_at,

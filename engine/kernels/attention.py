@@ -83,19 +83,20 @@ def _sweep(q, k_ptr, v_ptr, table_ptr, slot, pos, lo, end, window, scale_log2,
                     mask=old, other=0.0)
         if FP8:
             k, v = from_fp8(k, k_scale, q.dtype), from_fp8(v, v_scale, q.dtype)
-        if ROPE:
-            new = kv_mask & fresh[:, None]
-            k_fresh = roped(k_new + (at * stride_nkt + kv_head * stride_nkh)[:, None], d[None, :], n[:, None], new,
-                             cos_ptr, sin_ptr, stride_cos, HALF)
-            v_fresh = tl.load(v_new + (at * stride_nvt + kv_head * stride_nvh)[:, None] + d[None, :], mask=new,
-                              other=0.0)
-            if FP8:
-                k_fresh = from_fp8(to_fp8(k_fresh, k_scale, k_ptr.dtype.element_ty, FP8_MAX, ROUND_BITS), k_scale,
-                                    q.dtype)
-                v_fresh = from_fp8(to_fp8(v_fresh, v_scale, v_ptr.dtype.element_ty, FP8_MAX, ROUND_BITS), v_scale,
-                                    q.dtype)
-            k = tl.where(new, k_fresh, k)
-            v = tl.where(new, v_fresh, v)
+        if ROPE:  # noqa: SIM102 (a constexpr's branch, pruned when compiled; the tile's test runs on the device)
+            if tl.max(fresh.to(tl.int32), 0) > 0:  # only tiles holding this step's keys (a decode's last) rope them
+                new = kv_mask & fresh[:, None]
+                k_fresh = roped(k_new + (at * stride_nkt + kv_head * stride_nkh)[:, None], d[None, :], n[:, None],
+                                new, cos_ptr, sin_ptr, stride_cos, HALF)
+                v_fresh = tl.load(v_new + (at * stride_nvt + kv_head * stride_nvh)[:, None] + d[None, :], mask=new,
+                                  other=0.0)
+                if FP8:
+                    k_fresh = from_fp8(to_fp8(k_fresh, k_scale, k_ptr.dtype.element_ty, FP8_MAX, ROUND_BITS),
+                                       k_scale, q.dtype)
+                    v_fresh = from_fp8(to_fp8(v_fresh, v_scale, v_ptr.dtype.element_ty, FP8_MAX, ROUND_BITS),
+                                       v_scale, q.dtype)
+                k = tl.where(new, k_fresh, k)
+                v = tl.where(new, v_fresh, v)
         s = dot(q, tl.trans(k), DOT_PRECISION, UPCAST) * scale_log2
         visible = n[None, :] <= pos[:, None]
         if HAS_WINDOW:

@@ -69,8 +69,11 @@ def _store_release(ptr, value, INTERPRET: tl.constexpr):
     if INTERPRET:
         tl.store(ptr, value)
     else:
-        tl.inline_asm_elementwise("st.release.sys.global.u32 [$1], $2; mov.u32 $0, 0;", "=r,l,r", [ptr, value],
-                                  dtype=tl.uint32, is_pure=False, pack=1)
+        # One thread stores (inline asm runs in every thread, unlike tl.store): a straggling warp's copy of FINISHED
+        # could otherwise land after the ingress freed the slot and wrote the next request's state.
+        tl.inline_asm_elementwise("{ .reg .pred first; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 first, t, 0; "
+                                  "@first st.release.sys.global.u32 [$1], $2; } mov.u32 $0, 0;", "=r,l,r",
+                                  [ptr, value], dtype=tl.uint32, is_pure=False, pack=1)
 
 
 @triton.jit

@@ -33,13 +33,13 @@ def _quantize_kernel(x_ptr, q_ptr, s_ptr, static_ptr, stride_x, stride_q, stride
             k = first + start + offs
             x = tl.load(x_row + k, mask=(k < K) & (start + offs < GROUP), other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
-        scale = tl.maximum(tl.max(amax, axis=0), MIN_AMAX) / E4M3_MAX
+        scale = tl.div_rn(tl.maximum(tl.max(amax, axis=0), MIN_AMAX), E4M3_MAX)  # IEEE's division, as torch's
     tl.store(s_ptr + row * stride_s + g, scale)
     for start in range(0, GROUP, BLOCK):
         k = first + start + offs
         mask = (k < K) & (start + offs < GROUP)
         x = tl.load(x_row + k, mask=mask, other=0.0).to(tl.float32)
-        q = tl.minimum(tl.maximum(x / scale, -E4M3_MAX), E4M3_MAX)
+        q = tl.minimum(tl.maximum(tl.div_rn(x, scale), -E4M3_MAX), E4M3_MAX)
         tl.store(q_row + k, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
@@ -86,7 +86,8 @@ def _block_fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, M, N, stride_x, str
 def block_linear(xq: torch.Tensor, xs: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
                  block: tuple[int, int], out_dtype: torch.dtype) -> torch.Tensor:
     """xq: E4M3 [M, K] with xs: float32 [M, ceil(K/bk)]; codes: E4M3 [N, K] with scale: float32 [ceil(N/bn),
-    ceil(K/bk)]; block: (bn, bk), bk a power of two from 16. Returns [M, N] in out_dtype."""
+    ceil(K/bk)]; block: (bn, bk), bk a power of two from 32 (engine/model/fp8.py runs smaller blocks dequantized).
+    Returns [M, N] in out_dtype."""
     m, k = xq.shape
     n = codes.shape[0]
     assert xq.stride(1) == 1 and codes.stride(1) == 1 and xs.stride(1) == 1 and scale.stride(1) == 1

@@ -25,7 +25,7 @@ def to_fp8(x, scale, DTYPE: tl.constexpr, FP8_MAX: tl.constexpr, ROUND_BITS: tl.
     """x / scale in float8 (DTYPE), saturated at its largest finite value. ROUND_BITS > 0 (the interpreter): rounded
     to nearest-even in float32 first, dropping that many mantissa bits, as Triton 3.6's interpreter does not carry a
     rounding into the exponent (1.97 -> 1.0 in E4M3); the float8 conversion of the rounded value is then exact."""
-    y = tl.clamp(x.to(tl.float32) / scale, -FP8_MAX, FP8_MAX)
+    y = tl.clamp(tl.div_rn(x.to(tl.float32), scale), -FP8_MAX, FP8_MAX)  # IEEE's division, as torch's
     if ROUND_BITS > 0:
         bits = y.to(tl.int32, bitcast=True)
         bits += (1 << (ROUND_BITS - 1)) - 1 + ((bits >> ROUND_BITS) & 1)

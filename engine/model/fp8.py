@@ -38,6 +38,7 @@ E4M3_MAX = 448.0
 MIN_AMAX = 1e-12  # an all-zero row's scale, so its codes are zeros rather than NaN
 STORED = "F8_E4M3"  # safetensors' name for the codes
 WEIGHT_STRATEGIES = ("tensor", "channel", "block")
+MIN_BLOCK_INPUTS = 32  # Triton's 8-bit tl.dot on NVIDIA takes K of 32 at least
 
 
 @dataclass(frozen=True)
@@ -217,17 +218,24 @@ def prepare(weight: torch.Tensor | Fp8Weight, quantization: str | None) -> torch
         if quantization != "fp8" or not takes(weight):
             return weight
         weight = quantize(weight)
-    runs = products_run_on(weight.codes.device) and (weight.block is not None or takes(weight))
-    if not runs:
-        _say_dequantized(weight.codes.device.type)
+    why = None
+    if not products_run_on(weight.codes.device):
+        why = "no FP8 product here"
+    elif weight.block is not None and weight.block[1] < MIN_BLOCK_INPUTS:
+        why = (f"blocks of {weight.block[1]} inputs, fewer than the {MIN_BLOCK_INPUTS} an 8-bit tensor-core product "
+               "steps over (the kernel steps a block at a time)")
+    elif weight.block is None and not takes(weight):
+        why = "a shape torch._scaled_mm does not take (outputs and inputs multiples of 16)"
+    if why is not None:
+        _say_dequantized(weight.codes.device.type, why)
         return weight.dequantize()
     return weight
 
 
 @functools.cache
-def _say_dequantized(device: str) -> None:
-    log.warning("FP8 weights on %s: no FP8 product here, so they run dequantized to the model's float dtype (FP8's "
-                "numbers, not its speed or memory)", device)
+def _say_dequantized(device: str, why: str) -> None:
+    log.warning("FP8 weights on %s: %s, so they run dequantized to the model's float dtype (FP8's numbers, not its "
+                "speed or memory)", device, why)
 
 
 def check(quantization: str | None, the_scheme: Fp8Scheme | None, tensor_parallel_size: int) -> None:

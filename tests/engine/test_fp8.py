@@ -241,6 +241,23 @@ def test_the_block_kernel_computes_the_references_numbers(n, k, block):
         assert _relative(fp8.linear(x, weight), F.linear(x, weight.dequantize())) < 5e-2
 
 
+def test_where_the_fp8_products_run_blocks_narrower_than_the_tensor_cores_run_dequantized(monkeypatch):
+    """On a device with FP8 products, a block-scaled weight stays FP8 unless its blocks step over fewer inputs than
+    an 8-bit tensor-core product takes (Triton's K of 32): that one runs as its dequantized floats, not as a kernel
+    that would not compile."""
+    monkeypatch.setattr(fp8, "products_run_on", lambda device: True)
+    w = torch.randn(64, 64) * 0.05
+    for inputs, stays in ((32, True), (16, False)):
+        block = (32, inputs)
+        scale = torch.rand(64 // block[0], 64 // inputs) * 1e-3 + 1e-4
+        codes = (w / fp8.expand_scale(scale, block, w.shape)).clamp(-fp8.E4M3_MAX, fp8.E4M3_MAX).to(fp8.E4M3)
+        weight = fp8.Fp8Weight(codes, scale, block, None, torch.float32)
+        got = fp8.prepare(weight, None)
+        assert isinstance(got, fp8.Fp8Weight) == stays
+        if not stays:
+            torch.testing.assert_close(got, weight.dequantize())
+
+
 def test_what_fp8_cannot_load_is_refused_by_name():
     base = json.loads((Path(os.environ["BLINK_MODEL"]) / "config.json").read_text())
     refused = {"awq": {"quant_method": "awq", "bits": 4}, "gptq": {"quant_method": "gptq", "bits": 4},

@@ -172,6 +172,25 @@ def test_grammars_that_cannot_be_walked_end_their_records_and_the_rest_is_served
     assert step.grammars.ended == {"failed": 2, "timeout": 0}
 
 
+def test_a_readied_record_that_leaves_unadmitted_leaves_its_slot_no_grammar(table, device):
+    """A record the gate readied but the device never admitted (ended here by the host, as the device ends a record
+    it drops) clears its slot's ready word as its block leaves: the slot's next request, unconstrained, is not landed
+    with the freed block, and draws the tokens it draws in a slot that never held a grammar."""
+    step = device()
+    alone = _serve(table, step, {1: PLAIN})[1]
+    table.publish(0, constrained(GrammarSpec(GrammarKind.REGEX, REGEX)))
+    deadline = time.monotonic() + 60
+    while step.grammars.poll() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert int(step.grammars.ready[0]) == device_grammars.READY
+    table.admit(0)
+    table.finish(0, Finish.ABORT)
+    table.free(0)
+    step.grammars.poll()
+    assert int(step.grammars.ready[0]) == 0 and step.grammars.held == {} and step.grammars.blocks == {}
+    assert _serve(table, step, {0: PLAIN})[0] == alone
+
+
 def test_a_record_waiting_at_the_gate_gives_the_graph_driver_no_step(table, device):
     """The graph mode's host thread backs off while the only record waits for its grammar's table, and steps once
     the gate readied it."""
