@@ -110,6 +110,7 @@ class Engine:
         on_cuda = self.device.type == "cuda"
         if on_cuda and config.tensor_parallel_size > 1 and config.device == "auto":  # a GPU per rank
             self.device = torch.device("cuda", config.tensor_parallel_rank)
+        if on_cuda:  # Triton launches on the current device, whatever its tensors' (--device cuda:1)
             torch.cuda.set_device(self.device)
         self.shard = _join_ranks(config, self.device, lost_rank)
         checkpoint = resolve(config.model, revision=config.revision, check=load_config)
@@ -229,7 +230,8 @@ class Engine:
 
 
 def _join_ranks(config: EngineConfig, device: torch.device, lost_rank: Callable[[], str | None] | None) -> Shard | None:
-    """With tensor parallelism, this engine's rank joins the others (gloo on the CPU, NCCL on GPUs)."""
+    """With tensor parallelism, this engine's rank joins the others: gloo on the CPU; on GPUs NCCL for device
+    tensors and gloo for host ones (the offline API's records and clock)."""
     if config.tensor_parallel_size == 1:
         return None
     import torch.distributed as dist
@@ -237,7 +239,7 @@ def _join_ranks(config: EngineConfig, device: torch.device, lost_rank: Callable[
     if not dist.is_initialized():
         if config.distributed_init_method is None:
             raise ValueError("tensor parallelism needs distributed_init_method (tcp://HOST:PORT), where ranks meet")
-        meet(partial(dist.init_process_group, "nccl" if device.type == "cuda" else "gloo",
+        meet(partial(dist.init_process_group, "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo",
                      init_method=config.distributed_init_method, rank=config.tensor_parallel_rank,
                      world_size=config.tensor_parallel_size), lost_rank)
     return Shard(config.tensor_parallel_rank, config.tensor_parallel_size)

@@ -311,6 +311,8 @@ class HostDriver:
         self.stop()
 
     def _run(self) -> None:
+        if self.engine.device.type == "cuda":  # a new thread's current device is 0, where Triton would launch
+            torch.cuda.set_device(self.engine.device)
         nap = 0.0
         try:
             while not self._stop.is_set():

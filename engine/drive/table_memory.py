@@ -50,12 +50,9 @@ def device_alias(pinned: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cpu":
         return pinned
     assert pinned.is_contiguous()
-    pointer = _device_pointer(pinned.data_ptr())
-    if pinned.dtype == torch.bfloat16:  # numpy, whose type strings the interface speaks, has no bfloat16: bytes
-        raw = torch.as_tensor(_CudaArray(pointer, (pinned.nbytes,), "|u1"), device=device)
-        return raw.view(pinned.dtype).view(pinned.shape)
-    typestr = torch.empty(0, dtype=pinned.dtype).numpy().dtype.str
-    return torch.as_tensor(_CudaArray(pointer, tuple(pinned.shape), typestr), device=device)
+    # As bytes, viewed back: numpy, whose type strings the interface speaks, has no bfloat16 or float8 (FP8 pages).
+    raw = torch.as_tensor(_CudaArray(_device_pointer(pinned.data_ptr()), (pinned.nbytes,), "|u1"), device=device)
+    return raw.view(pinned.dtype).view(pinned.shape)
 
 
 class _CudaArray:
