@@ -84,19 +84,29 @@ def _device_us(event, name: str) -> float:
 
 @contextmanager
 def _stages(core_step: Step):
-    """Each stage's functions wrapped in a named range while the block runs; the sampler is the step's own (the
-    kernel set's: torch's or the fused one), so it is wrapped on the step."""
+    """Each stage's functions wrapped in a named range while the block runs, where the device step finds them: the
+    module functions it looks up at each call, and the step's own (its admitter, planner, committer and sampler).
+    The device step tells the references' admission and plan by identity (to take their kernels), so a wrapped
+    reference is wrapped under both names and the step runs as it does unprofiled."""
     from blink.engine.core import step as step_module
     from blink.engine.drive import device_step
+    from blink.engine.kernels import admission
     from blink.engine.model.model import Transformer
 
-    targets = [(device_step, "take_requests", "exchange"), (device_step, "emit", "exchange"),
-               (device_step, "report_demand", "exchange"), (device_step, "admit", "admit"),
-               (device_step, "plan", "plan"), (Transformer, "forward", "forward"), (Transformer, "logits", "logits"),
-               (step_module, "score_prompt", "sample"), (step_module, "commit", "commit")]
-    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in targets]
-    for (owner, name, stage), (_, _, original) in zip(targets, saved, strict=True):
-        setattr(owner, name, _ranged(original, f"blink.{stage}"))
+    stages = [(device_step, "take_requests", "exchange"), (device_step, "emit", "exchange"),
+              (device_step, "report_demand", "exchange"), (admission, "admit", "admit"),
+              (core_step, "admitter", "admit"), (core_step, "planner", "plan"), (Transformer, "forward", "forward"),
+              (Transformer, "logits", "logits"), (step_module, "score_prompt", "sample"),
+              (core_step, "committer", "commit")]
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in stages]
+    saved += [(device_step, name, getattr(device_step, name)) for name in ("admit", "plan")]
+    references = {"admitter": core_step.admitter is device_step.admit, "planner": core_step.planner is device_step.plan}
+    for owner, name, stage in stages:
+        setattr(owner, name, _ranged(getattr(owner, name), f"blink.{stage}"))
+    if references["admitter"]:
+        device_step.admit = core_step.admitter
+    if references["planner"]:
+        device_step.plan = core_step.planner
     sampler = core_step.sampler
     kernels = sampler.step and types.SimpleNamespace(rows_read=sampler.step.rows_read,  # the step's own, if any
                                                      sample=_ranged(sampler.step.sample, "blink.sample"))
@@ -106,7 +116,7 @@ def _stages(core_step: Step):
         yield
     finally:
         core_step.sampler = sampler
-        for owner, name, original in saved:
+        for owner, name, original in reversed(saved):
             setattr(owner, name, original)
 
 

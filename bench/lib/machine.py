@@ -38,6 +38,8 @@ def gpus() -> list[dict[str, object]]:
         return [{"name": pynvml.nvmlDeviceGetName(h), "driver": driver,
                  "memory_total_bytes": pynvml.nvmlDeviceGetMemoryInfo(h).total}
                 for h in map(pynvml.nvmlDeviceGetHandleByIndex, range(pynvml.nvmlDeviceGetCount()))]
+    except Exception as e:  # a query NVML refuses (NotSupported, NoPermission): said, never the run's end
+        return [{"error": f"{type(e).__name__}: {e}"}]
     finally:
         pynvml.nvmlShutdown()
 
