@@ -10,11 +10,12 @@ from blink.bench.gpu.drive import drive_modes, engine_options, failure, free_mem
 SHAPE = "llama3-1b"
 
 
-def parity(out: dict, dry_run: bool) -> None:
+def parity(out: dict, dry_run: bool, save) -> None:
     """Greedy tokens of every drive mode against the host's: one short prompt (exact); a mixed batch (the first
     divergence per request: random bf16 weights give near-flat logits, so another bucket's rounding may flip a token
     without a bug); prompts whose prefix an earlier request left in the cache (a hit under capture); and a pool too
-    small for its batch, so requests rotate out to host memory and back under capture."""
+    small for its batch, so requests rotate out to host memory and back under capture. save(out): what was found
+    so far, after each mode (about four engines a mode)."""
     directory = model_dir(SHAPE, dry_run)
     short = {0: list(range(100, 108))}
     mixed = {i: list(range(200 + 37 * i, 200 + 37 * i + n)) for i, n in enumerate((3, 17, 64, 130, 5, 250, 31, 9))}
@@ -27,6 +28,7 @@ def parity(out: dict, dry_run: bool) -> None:
              "rotated": ([crowded], 24, pressure)}
     tokens: dict[str, dict] = {}
     stats: dict[str, dict] = {}
+    out["tokens"], out["stats"] = tokens, stats
     for mode in drive_modes(dry_run):
         tokens[mode], stats[mode] = {}, {}
         for case, (rounds, n, options) in cases.items():
@@ -41,7 +43,7 @@ def parity(out: dict, dry_run: bool) -> None:
             if case == "rotated":  # pages went out to host memory and came back
                 stats[mode]["pages_out"] = sum(s.pages_out for s in done)
                 stats[mode]["pages_in"] = sum(s.pages_in for s in done)
-    out["tokens"], out["stats"] = tokens, stats
+        save(out)
     host = tokens.get("host", {})
     out["against_host"] = {}
     for mode, got in tokens.items():

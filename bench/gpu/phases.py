@@ -327,7 +327,8 @@ def _env_result() -> dict:
 
 PHASES = {"env": env, "model-llama3-1b": lambda o, d: model(o, d, SHAPES[0]),
           "model-llama3-8b": lambda o, d: model(o, d, SHAPES[1]),
-          "model-llama3-8b-fp8": lambda o, d: fp8_model(o, d, SHAPES[1]), "parity": parity, "persistent": persistent,
+          "model-llama3-8b-fp8": lambda o, d: fp8_model(o, d, SHAPES[1]), "parity": lambda o, d: parity(o, d, _save),
+          "persistent": persistent,
           "model-llama3-8b-kv-fp8": lambda o, d: fp8_kv(o, d, SHAPES[1]),
           "model-llama3-1b-compiled": lambda o, d: compiled(o, d, SHAPES[0]),
           "model-qwen3-30b-a3b-24l": lambda o, d: model(o, d, SHAPES[2]),
