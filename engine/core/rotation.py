@@ -30,6 +30,10 @@ class PageMoves:
     in_dst: torch.Tensor  # their pool pages
 
 
+def _bytes(cache: torch.Tensor) -> torch.Tensor:
+    return cache.view(torch.uint8) if cache.is_floating_point() and cache.element_size() == 1 else cache
+
+
 class HostMirror:
     def __init__(self, pool: PagePool, num_pages: int, draft: tuple[torch.Tensor, torch.Tensor] | None = None):
         """draft: a draft model's K and V caches, whose pages move with the pool's."""
@@ -41,7 +45,8 @@ class HostMirror:
         self.pages_moved = torch.zeros(2, dtype=torch.int64, device=device)  # out, in: totals since the start
         self.hold_below = max(1, round((num_pages - 1) * (1 - NEARLY_FULL)))
         self.on_cuda = device.type == "cuda"
-        self.caches = [(pool.k, pool.v), *([draft] if draft is not None else [])]
+        # FP8 pages move as their bytes: a move copies, and CUDA's gathers and scatters take bytes of any build.
+        self.caches = [(_bytes(k), _bytes(v)) for k, v in [(pool.k, pool.v), *([draft] if draft is not None else [])]]
         # For each cache, one contiguous block per page (its K and V over all layers): one copy per page moved.
         self.data = [torch.empty((num_pages, 2, *k.shape[:1], *k.shape[2:]), dtype=k.dtype, pin_memory=self.on_cuda)
                      for k, _ in self.caches]
