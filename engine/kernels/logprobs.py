@@ -5,8 +5,8 @@ A row that asked is scored over many programs (`score_part`, CHUNK logits each):
 with their ids, its maximum and its sum of exp; the last of the row's programs to finish (a ticket) takes the
 log-sum-exp from the sums, searches the top's threshold among the candidates and writes those above it, then the
 lowest ids of those at it, to the row's cells, which the caller sorts. Where the candidates cannot settle the top
-(fewer than TOP of them above the highest key a chunk left out: a flat row), that program scores the row whole
-(`_score_row`: a pass for the log-sum-exp, a search, a pass for the top).
+(fewer than TOP of them above the highest key a chunk left out: a flat row), that program finds the top over the
+whole row (`_row_top`: a search, then a pass writing it); the log-sum-exp is the sums' either way.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import triton.language as tl
 from blink.engine.kernels.thresholds import (
     BLOCK,
     CHUNK,
+    LOWEST,
     NONE,
     PIVOTS,
     candidate_sizes,
@@ -33,8 +34,6 @@ from blink.engine.kernels.thresholds import (
 )
 from blink.engine.kernels.tickets import last_to_finish, tickets
 from blink.shared.request_schema import MAX_LOGPROBS
-
-LOWEST = tl.constexpr(-(1 << 63))  # below every packed key: an empty cell of a row's top
 
 
 @triton.jit
@@ -52,22 +51,10 @@ def _write_top(key, ids, real, floor, top_keys, above, tied, V, TOP: tl.constexp
 
 
 @triton.jit
-def _score_row(row, V, token, top_keys, TOP: tl.constexpr, BLOCK: tl.constexpr, PIVOTS: tl.constexpr):
-    """One row scored whole in one program: its log-sum-exp and its token's logprob, and its top's candidates in
-    `top_keys` (the keys above the top's threshold, fewer than TOP, then the lowest ids of those at it). Returns
-    (logprob, lse, passes)."""
-    m = tl.full([], float("-inf"), tl.float32)
-    total = tl.full([], 0.0, tl.float32)
-    start = tl.full([], 0, tl.int32)
-    while start < V:  # the log-sum-exp, online
-        x, _, _ = scaled(row, start, V, 1.0, BLOCK)
-        new_m = tl.maximum(m, tl.max(x, 0))
-        shift = tl.where(new_m > float("-inf"), new_m, 0.0)  # blocks of only -inf so far (a grammar's mask): no NaN
-        total = total * tl.exp(m - shift) + tl.sum(tl.exp(x - shift), 0)
-        m = new_m
-        start += BLOCK
-    lse = m + tl.log(total)
-    floor, searched = search(row, V, 1.0, m, float("-inf"), tl.full([], NONE, tl.int32), TOP,
+def _row_top(row, V, top, top_keys, TOP: tl.constexpr, BLOCK: tl.constexpr, PIVOTS: tl.constexpr):
+    """A row's top found over the whole row in one program (its maximum `top`): the keys above its threshold, fewer
+    than TOP, then the lowest ids of those at it, in `top_keys`. Returns the passes it took."""
+    floor, searched = search(row, V, 1.0, top, float("-inf"), tl.full([], NONE, tl.int32), TOP,
                              tl.full([], NONE - 1, tl.int64), False, False, BLOCK, PIVOTS)
     above = tl.full([], 0, tl.int32)
     tied = tl.full([], 0, tl.int32)
@@ -76,7 +63,7 @@ def _score_row(row, V, token, top_keys, TOP: tl.constexpr, BLOCK: tl.constexpr, 
         x, ids, real = scaled(row, start, V, 1.0, BLOCK)
         above, tied = _write_top(to_key(x), ids, real, floor, top_keys, above, tied, V, TOP)
         start += BLOCK
-    return tl.load(row + token) - lse, lse, 2 + searched
+    return 1 + searched
 
 
 @triton.jit
@@ -95,10 +82,11 @@ def score_part(row, V, c, chunks, token, cand, ids, stats, ticket, top_keys, TOP
         tl.store(top_keys + tl.arange(0, CELLS), tl.full([CELLS], LOWEST, tl.int64))
         tl.debug_barrier()
         m, z, top, low = chunk_stats(stats, chunks, CHUNKS)
+        lse = top + tl.log(mass(m, z, top))
+        logprob = tl.load(row + token) - lse
         N = chunks * M
         over, _total = weigh(cand, N, top, float("-inf"), tl.full([], NONE, tl.int32), low, False, BLOCK)
         if over >= TOP:  # the top lies above every key left out: among the candidates
-            lse = top + tl.log(mass(m, z, top))
             floor, _searched = search(cand, N, 1.0, top, float("-inf"), tl.full([], NONE, tl.int32), TOP, low, False,
                                       True, BLOCK, PIVOTS)
             above = tl.full([], 0, tl.int32)
@@ -111,11 +99,9 @@ def score_part(row, V, c, chunks, token, cand, ids, stats, ticket, top_keys, TOP
                 at = tl.load(ids + i, mask=inside, other=0, cache_modifier=".cg")
                 above, tied = _write_top(key, at, inside, floor, top_keys, above, tied, V, TOP)
                 start += BLOCK
-            logprob = tl.load(row + token) - lse
             passes = tl.full([], 1, tl.int32)
         else:
-            logprob, lse, scored = _score_row(row, V, token, top_keys, TOP, BLOCK, PIVOTS)
-            passes = 1 + scored
+            passes = 1 + _row_top(row, V, top, top_keys, TOP, BLOCK, PIVOTS)
     return last, logprob, lse, passes
 
 
@@ -154,7 +140,7 @@ def logprobs(logits: torch.Tensor, asked: torch.Tensor, tokens: torch.Tensor, bl
     lse = torch.zeros(R, dtype=torch.float32, device=logits.device)
     sizes = score_sizes(V, chunk)
     top = sizes["TOP"]
-    keys = torch.full((R, sizes["CELLS"]), -(1 << 63), dtype=torch.int64, device=logits.device)
+    keys = torch.full((R, sizes["CELLS"]), LOWEST.value, dtype=torch.int64, device=logits.device)
     if R:
         _logprobs_kernel[(R, triton.cdiv(V, chunk))](
             logits, logits.stride(0), V, asked, tokens, logprob, lse, keys, passes,

@@ -35,6 +35,7 @@ from blink.engine.kernels.logprobs import logprobs
 from blink.engine.kernels.thresholds import (
     BLOCK,
     CHUNK,
+    LOWEST,
     PIVOTS,
     candidate_sizes,
     candidates,
@@ -52,7 +53,6 @@ from blink.engine.kernels.thresholds import (
 from blink.engine.kernels.tickets import last_to_finish, tickets
 
 DRAW = 8  # int32 words a row's planned draw takes in `draw` (_plan_words)
-_LOWEST = tl.constexpr(-(1 << 63))  # below every packed key
 _MUL2 = tl.constexpr(0x846CA68B - (1 << 32))  # lowbias32's second multiplier as an int32 (products wrap as it wants)
 _GOLDEN = tl.constexpr(0x9E3779B9 - (1 << 32))  # what noise_key mixes into the seed's high word, as an int32
 
@@ -180,7 +180,7 @@ def _draw_chunk(row, V, c, at, CHUNK: tl.constexpr):
         u = (_shr(bits, 9).to(tl.float32) + 0.5) * (1.0 / (1 << 23))
         keep = kept(s, top, lmp, tl.load(at + 3)) & (to_key(s) >= tl.load(at + 4)) & (s > float("-inf"))
         s = tl.where(keep, s - tl.log(-tl.log(u)), float("-inf"))
-    packed = tl.where(real, (to_key(s).to(tl.int64) << 32) | (V - 1 - ids).to(tl.int64), _LOWEST)
+    packed = tl.where(real, (to_key(s).to(tl.int64) << 32) | (V - 1 - ids).to(tl.int64), LOWEST)
     return tl.max(packed, 0)
 
 

@@ -30,7 +30,6 @@ import triton.language as tl
 from blink.engine.core.sampler import GREEDY_BELOW, SampleOutput, Sampler, SamplerFeatures
 from blink.engine.kernels.logprobs import score_part, score_sizes
 from blink.engine.kernels.sampler import (
-    _LOWEST,
     DRAW,
     _draw_chunk,
     _noise_key,
@@ -39,7 +38,7 @@ from blink.engine.kernels.sampler import (
     plan_filters,
     token_logprobs,
 )
-from blink.engine.kernels.thresholds import BLOCK, CHUNK, PIVOTS, candidates, from_key, row_scratch
+from blink.engine.kernels.thresholds import BLOCK, CHUNK, LOWEST, PIVOTS, candidates, from_key, row_scratch
 from blink.engine.kernels.tickets import last_to_finish, tickets
 from blink.shared.request_schema import MAX_LOGIT_BIAS, MAX_STOP_IDS
 
@@ -216,7 +215,7 @@ def _draw_finish_kernel(
             r, sample_slot, sample_token, token_pos, prompt_len, seq_len, repetition, presence, frequency,
             min_tokens, ignore_eos, stop_ids, bias_ids, bias, eos_ids, E, PENALTIES, BIAS, HOLD, NB, NS, NE)
         each = tl.arange(0, CHUNKS)
-        token = V - 1 - (tl.max(tl.load(best + r * chunks + each, mask=each < chunks, other=_LOWEST,
+        token = V - 1 - (tl.max(tl.load(best + r * chunks + each, mask=each < chunks, other=LOWEST,
                                         cache_modifier=".cg"), 0) & 0xFFFFFFFF)
         tl.store(out_token + r, token.to(tl.int64))
         save = saved + r.to(tl.int64) * saved_stride

@@ -23,6 +23,7 @@ CANDIDATES = 64  # keys each chunk of a row hands in at most: 2,048 for a 128K v
 BINS = 512  # the histogram a chunk picks its candidates by: distances below its maximum, in steps of BIN_WIDTH
 BIN_WIDTH = tl.constexpr(1 / 32)  # logits over T: 16 below the maximum in all, past a real model's top 64 of a chunk
 NONE = tl.constexpr(-(1 << 31))  # below every value's key: an empty candidate cell (its value is a NaN)
+LOWEST = tl.constexpr(-(1 << 63))  # below every packed (key, id): an empty cell of a row's top, a chunk's best
 STATS = tl.constexpr(3)  # words a chunk hands in beside its keys: its maximum, its sum of exp, the key it left out
 
 
@@ -55,6 +56,13 @@ def kept(s, top, log_min_p, key_floor):
 
 
 @triton.jit
+def weight(s, real, top, log_min_p, key_floor, MASS: tl.constexpr):
+    """What each of a block's values weighs where the filters keep it (MASS: its exp below `top`, else 1), else 0."""
+    keep = kept(s, top, log_min_p, key_floor) & real
+    return tl.where(keep, tl.exp(s - top), 0.0) if MASS else keep.to(tl.float32)
+
+
+@triton.jit
 def block_of(src, start, V, T, KEYS: tl.constexpr, BLOCK: tl.constexpr):
     """A block of what a search reads, and which of it is real: a row's logits over T, or (KEYS) a plan's
     candidate keys as the values they are (an empty cell's key is NaN's, which no filter keeps)."""
@@ -83,11 +91,10 @@ def search(src, V, T, top, log_min_p, k_floor, limit, lo, MASS: tl.constexpr, KE
         start = tl.full([], 0, tl.int32)
         while start < V:  # not range(): Triton 3.6's interpreter cannot range over an argument
             s, real = block_of(src, start, V, T, KEYS, BLOCK)
-            keep = kept(s, top, log_min_p, k_floor) & real
-            weight = tl.where(keep, tl.exp(s - top), 0.0) if MASS else keep.to(tl.float32)
+            w = weight(s, real, top, log_min_p, k_floor, MASS)
             higher = to_key(s).to(tl.int64)[:, None] > pivots[None, :]
-            above += tl.sum(tl.where(higher, weight[:, None], 0.0), 0)
-            total += tl.sum(weight, 0)
+            above += tl.sum(tl.where(higher, w[:, None], 0.0), 0)
+            total += tl.sum(w, 0)
             start += BLOCK
         bound = limit if KEYS else (limit * total if MASS else limit)
         below = above < bound  # less than the limit above a pivot: its key is kept
@@ -105,8 +112,7 @@ def weigh(cand, N, top, lmp, k_floor, low, MASS: tl.constexpr, BLOCK: tl.constex
     start = tl.full([], 0, tl.int32)
     while start < N:
         v, real = block_of(cand, start, N, 1.0, True, BLOCK)
-        keep = kept(v, top, lmp, k_floor) & real
-        w = tl.where(keep, tl.exp(v - top), 0.0) if MASS else keep.to(tl.float32)
+        w = weight(v, real, top, lmp, k_floor, MASS)
         over += tl.sum(tl.where(to_key(v) > low, w, 0.0), 0)
         total += tl.sum(w, 0)
         start += BLOCK

@@ -213,7 +213,7 @@ def test_the_top_logprobs_survive_many_ties_at_the_last_place(scale, whole):
     expected = token_logprobs(logits, tokens)
     torch.testing.assert_close(top_logprobs.cpu(), expected[2], atol=1e-5, rtol=1e-5)
     assert top_ids[0, :19].tolist() == list(range(V - 1, V - 20, -1)) and top_ids[0, 19].item() == 100
-    assert (paid.item() > 1) == whole  # the chunks' pass, then a search and two passes more where searched whole
+    assert (paid.item() > 1) == whole  # the chunks' pass, then a search and a pass more where searched whole
 
 
 def test_a_row_masked_down_to_a_few_tokens_scores_them():
