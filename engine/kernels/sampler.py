@@ -36,6 +36,7 @@ from blink.engine.kernels.thresholds import (
     BLOCK,
     CHUNK,
     LOWEST,
+    NONE,
     PIVOTS,
     candidate_sizes,
     candidates,
@@ -115,7 +116,7 @@ def _plan_filters(row, V, at, cand, stats, chunks, BLOCK: tl.constexpr, PIVOTS: 
     T, lmp, k, p, _ = _filters(at)
     m, z, top, low = chunk_stats(stats, chunks, CHUNKS)
     N = chunks * M
-    nothing = tl.full([], -(1 << 31), tl.int32)  # the floor that keeps everything
+    nothing = tl.full([], NONE, tl.int32)  # the floor that keeps everything
     whole = ~(from_key(low) - top >= lmp)  # min-p drops `low`, so every kept token is a candidate
     passes = tl.full([], 0, tl.int32)
     k_floor = nothing
